@@ -1,0 +1,111 @@
+"""The conventions that engines disagree on, each decided once, here.
+
+Every other module calls these functions instead of re-deriving an offset. If an engine
+changes its mind (SGLang's aux-layer shift has moved between versions), this file is the
+one place to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fledge.util import FledgeError
+
+
+# --------------------------------------------------------------------------- aux layers
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """fledge's canonical aux ids for a target with `num_layers` decoder layers.
+
+    Canonical = vLLM / speculators convention: id L is HF `hidden_states[L]`, the residual
+    stream *entering* decoder layer L (after L layers; 0 is the embeddings). Low, middle,
+    high: (2, N//2, N-3), the same physical layers SGLang/SpecForge write as [1, N//2-1, N-4].
+    """
+    return validate_aux_layer_ids((2, num_layers // 2, num_layers - 3), num_layers)
+
+
+def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, int, int]:
+    """Canonical ids must be three strictly increasing residual streams in [1, N-1].
+
+    `hidden_states[N]` is excluded: HF returns it after the final norm, so it is not a
+    residual stream; id 0 (the bare embedding) is excluded because the drafter already
+    reads the embedding and no engine captures it.
+    """
+    ids = tuple(int(i) for i in ids)
+    if num_layers < 4:
+        raise FledgeError(f"target has {num_layers} layers; EAGLE-3 needs at least 4 for three aux layers")
+    if len(ids) != 3:
+        raise FledgeError(f"aux layer ids {list(ids)}: EAGLE-3 uses exactly three")
+    if list(ids) != sorted(set(ids)):
+        raise FledgeError(f"aux layer ids {list(ids)} must be strictly increasing")
+    if ids[0] < 1 or ids[-1] > num_layers - 1:
+        raise FledgeError(f"aux layer ids {list(ids)} out of range [1, {num_layers - 1}] for a {num_layers}-layer target")
+    return ids
+
+
+def aux_ids_from_sglang(ids: Sequence[int], num_layers: int) -> tuple[int, int, int]:
+    """SGLang/SpecForge/ModelOpt ids name the *output* of layer k, i.e. hidden_states[k+1]."""
+    return validate_aux_layer_ids([int(i) + 1 for i in ids], num_layers)
+
+
+def aux_ids_to_sglang(ids: Sequence[int], num_layers: int) -> tuple[int, int, int]:
+    """Inverse of `aux_ids_from_sglang`: canonical id L is the output of layer L-1."""
+    ids = validate_aux_layer_ids(ids, num_layers)
+    return tuple(i - 1 for i in ids)  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- draft vocab
+def d2t_from_target_ids(target_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """Offsets such that target = i + d2t[i] (SpecForge/SGLang/vLLM: int64 offsets).
+
+    `target_ids` are the draft vocab's target ids, which must be strictly ascending (the
+    draft vocab is the top-N set *sorted*, so draft id order follows target id order).
+    """
+    t = torch.as_tensor(target_ids, dtype=torch.int64).flatten()
+    if t.numel() == 0:
+        raise FledgeError("draft vocabulary is empty")
+    if t.min() < 0 or t.max() >= target_vocab:
+        raise FledgeError(f"draft vocab maps to target ids outside [0, {target_vocab})")
+    if t.numel() > 1 and not bool((t[1:] > t[:-1]).all()):
+        raise FledgeError("draft vocab target ids must be strictly ascending (one-to-one, sorted)")
+    return t - torch.arange(t.numel(), dtype=torch.int64)
+
+
+def target_ids_from_d2t(d2t: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """Draft id i → target id i + d2t[i]; refuses maps that are out of range or not one-to-one."""
+    d2t = torch.as_tensor(d2t).to(torch.int64).flatten()
+    t = d2t + torch.arange(d2t.numel(), dtype=torch.int64)
+    if t.numel() and (t.min() < 0 or t.max() >= target_vocab):
+        raise FledgeError(f"d2t maps draft ids to target ids outside [0, {target_vocab})")
+    if torch.unique(t).numel() != t.numel():
+        raise FledgeError("d2t maps two draft ids to one target id")
+    return t
+
+
+def t2d_from_target_ids(target_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """Bool mask over the target vocab: True where the token is in the draft vocab."""
+    mask = torch.zeros(target_vocab, dtype=torch.bool)
+    mask[torch.as_tensor(target_ids, dtype=torch.int64)] = True
+    return mask
+
+
+# --------------------------------------------------------------------------- acceptance
+def accept_length(accepted_draft_tokens: int, verify_steps: int) -> float:
+    """SGLang's accept length: (accepted draft tokens + one bonus token) per verify step.
+
+    1.0 means speculation produced nothing beyond plain decoding. SpecForge's simulated
+    accept length omits the bonus: add 1 to compare with this.
+    """
+    if verify_steps <= 0:
+        return float("nan")
+    return (accepted_draft_tokens + verify_steps) / verify_steps
+
+
+def accept_rate(accepted_draft_tokens: int, verify_steps: int, num_draft_tokens: int) -> float:
+    """SGLang's accept rate: accepted / (verify steps × (num_draft_tokens − 1)).
+
+    num_draft_tokens counts the tree's root (the last verified token), hence the − 1.
+    """
+    slots = verify_steps * (num_draft_tokens - 1)
+    return accepted_draft_tokens / slots if slots > 0 else float("nan")

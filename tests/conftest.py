@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random targets of every family fledge must handle.
+
+Sizes are chosen so a forward pass takes milliseconds on the CPU, while keeping what
+matters: GQA (heads != kv heads), >= 6 layers (three distinct aux layers), odd vocab.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+torch.set_num_threads(2)
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "deepseek_v3"]
+ENGINE_FAMILIES = ["llama", "qwen2", "qwen3"]  # families with a compact engine implementation
+
+
+def tiny_config(family: str, **overrides):
+    common = dict(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=16, **common)
+    elif family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(head_dim=16, sliding_window=8, **common)
+    elif family == "deepseek_v3":
+        # MLA + MoE as in Kimi-K2: first layer dense, the rest routed experts.
+        cfg = transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+            topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16)
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def make_tiny(family: str, seed: int = 0, **overrides):
+    """A tiny random HF causal LM in fp32, eval mode, eager attention."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **overrides)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(params=FAMILIES)
+def tiny_any(request):
+    return make_tiny(request.param)
+
+
+@pytest.fixture(params=ENGINE_FAMILIES)
+def tiny_engine_family(request):
+    return make_tiny(request.param)
