@@ -15,6 +15,12 @@ from fledge.util import FledgeError
 
 # Modules that register subcommands, in pipeline order.
 STEP_MODULES = [
+    "fledge.target",
+    "fledge.data",
+    "fledge.regen",
+    "fledge.vocab",
+    "fledge.checkpoint",
+    "fledge.doctor",
 ]
 
 

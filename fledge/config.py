@@ -58,13 +58,11 @@ class DraftConfig:
         n = tcfg.num_hidden_layers
         h = tcfg.hidden_size
         heads = tcfg.num_attention_heads
-        rope_theta = getattr(tcfg, "rope_theta", None)
-        rope_scaling = getattr(tcfg, "rope_scaling", None)
-        rp = getattr(tcfg, "rope_parameters", None)  # transformers 5 keeps rope here
-        if isinstance(rp, dict):
-            rope_theta = rp.get("rope_theta", rope_theta)
-            if rp.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+        # transformers 5 keeps rope in `rope_parameters` (older: rope_theta + rope_scaling).
+        rp = dict(getattr(tcfg, "rope_parameters", None) or getattr(tcfg, "rope_scaling", None) or {})
+        rope_theta = rp.pop("rope_theta", None) or getattr(tcfg, "rope_theta", None) or 10000.0
+        rope_type = rp.get("rope_type", rp.get("type", "default"))
+        rope_scaling = rp if rope_type != "default" else None
         return cls(
             hidden_size=h,
             intermediate_size=intermediate_size or getattr(tcfg, "intermediate_size", 4 * h),
@@ -78,7 +76,7 @@ class DraftConfig:
             aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n),
             max_position_embeddings=tcfg.max_position_embeddings,
             rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta or 10000.0),
+            rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
         )
 

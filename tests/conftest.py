@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random targets of every family fledge must handle.
 
 Sizes are chosen so a forward pass takes milliseconds on the CPU, while keeping what
-matters: GQA (heads != kv heads), >= 6 layers (three distinct aux layers), odd vocab.
+matters: GQA (heads != kv heads), 8 layers (default aux ids (2, 4, 5) are distinct), odd vocab.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ENGINE_FAMILIES = ["llama", "qwen2", "qwen3"]  # families with a compact engine 
 
 
 def tiny_config(family: str, **overrides):
-    common = dict(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+    common = dict(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, tie_word_embeddings=False)
     if family == "llama":

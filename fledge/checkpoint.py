@@ -1,0 +1,509 @@
+"""`fledge export / import / init-draft`: drafter checkpoints that SGLang and vLLM load as-is.
+
+Two layouts are written and read:
+  eagle3       `LlamaForCausalLMEagle3` (SGLang, vLLM, SpecForge, EAGLE): config.json with the
+               llama fields of the one-layer draft; weights named as `Eagle3Draft.state_dict()`.
+  speculators  vLLM's `speculators` format: `speculators_model_type: eagle3`, the draft layer in
+               `transformer_layer_config`, the target named in `speculators_config.verifier` (so
+               `vllm serve <dir>` alone knows what to verify with); the layer is `layers.0.*`.
+SpecForge / AQ-MedAI drafters are eagle3 layouts that may lack `eagle_config`, `t2d`,
+`target_hidden_size` or `head_dim`; they import too.
+
+Everything is checked before it is trusted (`validate_checkpoint`): vLLM raises on unknown
+keys while SGLang ignores them, and vLLM fills a missing `d2t` with zeros and a missing
+`hidden_norm` with ones without a word — so fledge refuses all three.
+
+fledge keeps what no engine field holds (the target's layer count, which the aux ids are checked
+against; the verifier's name; the trained speculative depth) in a `fledge` block of config.json
+that engines ignore.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fledge.config import DraftConfig
+from fledge.conventions import aux_ids_from_sglang, t2d_from_target_ids, target_ids_from_d2t, validate_aux_layer_ids
+from fledge.draft import Eagle3Draft
+from fledge.util import FledgeError, atomic_dir
+
+LAYOUTS = ("eagle3", "speculators")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_SPECULATIVE_TOKENS = 3
+# Tensors vLLM fills in without a word when a checkpoint lacks them.
+SILENT_DEFAULTS = {"d2t": " (vLLM would silently use all-zero offsets)",
+                   "midlayer.hidden_norm.weight": " (vLLM would silently use ones)"}
+
+
+# --------------------------------------------------------------------------- conventions
+def checkpoint_keys(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """The served checkpoint's tensors for `cfg`: name → (shape, required).
+
+    The names and shapes are `Eagle3Draft(cfg).state_dict()` (built on the meta device, so this
+    costs nothing), i.e. draft.py is the single source. Everything is required except
+    `embed_tokens.weight` (engines share the target's embeddings) and `t2d` (engines rebuild
+    nothing from it and skip it; fledge rebuilds it from `d2t`). `d2t` and
+    `midlayer.hidden_norm.weight` are required because vLLM would silently load zeros / ones.
+    The speculators layout names the layer `layers.0.` instead of `midlayer.` (`layout_name`).
+    """
+    with torch.device("meta"):
+        sd = Eagle3Draft(cfg).state_dict()
+    optional = {"embed_tokens.weight", "t2d"}
+    return {k: (tuple(v.shape), k not in optional) for k, v in sd.items()}
+
+
+def layout_name(key: str, layout: str) -> str:
+    """Our (eagle3) tensor name → its name in `layout`. vLLM accepts both spellings for both."""
+    return "layers.0." + key[len("midlayer."):] if layout == "speculators" and key.startswith("midlayer.") else key
+
+
+def canonical_name(key: str) -> str:
+    return "midlayer." + key[len("layers.0."):] if key.startswith("layers.0.") else key
+
+
+def serving_aux_ids(ids, num_layers: int) -> list[int]:
+    """The aux ids written in the eagle3 layout's `eagle_config` (what SGLang reads) for
+    canonical `ids`. Today: canonical as-is (vLLM convention) — SGLang's reading is being
+    checked; if it reads "output of layer k", change this and `aux_ids_from_serving` together.
+    The top-level `eagle_aux_hidden_state_layer_ids` is always canonical: only vLLM reads it."""
+    return list(validate_aux_layer_ids(ids, num_layers))
+
+
+def aux_ids_from_serving(ids, num_layers: int) -> tuple[int, int, int]:
+    """Inverse of `serving_aux_ids`: canonical ids from an `eagle_config` list."""
+    return validate_aux_layer_ids(ids, num_layers)
+
+
+def _specforge_default_aux(num_layers: int) -> tuple[int, int, int]:
+    # SpecForge writes no ids and captures its default, "outputs of layers [1, N//2-1, N-4]".
+    return aux_ids_from_sglang([1, num_layers // 2 - 1, num_layers - 4], num_layers)
+
+
+# --------------------------------------------------------------------------- config.json
+def _llama_fields(cfg: DraftConfig, dtype: torch.dtype) -> dict:
+    return {
+        "model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "num_hidden_layers": 1, "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str | None = None) -> dict:
+    """The config.json for `cfg` in `layout`. `norm_before_residual: false` is written because
+    vLLM's speculators reader defaults it to true, which is not this drafter's layer."""
+    ver = dict(cfg.extra.get("verifier") or {})
+    if verifier and verifier != ver.get("name_or_path"):
+        ver = {"name_or_path": verifier, "architectures": []}
+    k = int(cfg.extra.get("speculative_tokens", DEFAULT_SPECULATIVE_TOKENS))
+    ids, n = list(cfg.aux_layer_ids), cfg.target_num_layers
+    common = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+              "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids}
+    if layout == "eagle3":
+        return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **common,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": serving_aux_ids(ids, n),
+                                 "use_aux_hidden_state": True},
+                "fledge": {"target_num_hidden_layers": n, "verifier": ver or None, "speculative_tokens": k}}
+    if not ver.get("name_or_path"):
+        raise FledgeError("the speculators layout names the target model vLLM serves: pass --verifier NAME")
+    layer = _llama_fields(cfg, dtype)
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": ver["name_or_path"], "architectures": ver.get("architectures", [])}},
+        "transformer_layer_config": layer, **common, "norm_before_fc": False,
+        "torch_dtype": layer["torch_dtype"], "fledge": {"target_num_hidden_layers": n},
+    }
+
+
+def detect_layout(cj: dict) -> str | None:
+    if cj.get("speculators_model_type") is not None:
+        return "speculators"
+    if "LlamaForCausalLMEagle3" in (cj.get("architectures") or []):
+        return "eagle3"
+    return None
+
+
+def _rope(layer: dict) -> tuple[float, dict | None]:
+    # transformers 5 writes `rope_parameters`; engines and older files use rope_theta + rope_scaling.
+    rp = dict(layer.get("rope_scaling") or layer.get("rope_parameters") or {})
+    theta = rp.pop("rope_theta", None) or layer.get("rope_theta") or 10000.0
+    return float(theta), (rp if rp.get("rope_type", rp.get("type", "default")) != "default" else None)
+
+
+def _target_layers(cj: dict, target_layers: int | None) -> int:
+    recorded = (cj.get("fledge") or {}).get("target_num_hidden_layers")
+    if target_layers is not None and recorded is not None and int(recorded) != int(target_layers):
+        raise FledgeError(f"config.json records a {recorded}-layer target, but {target_layers} layers were given")
+    n = target_layers if target_layers is not None else recorded
+    if n is None:
+        raise FledgeError("the target's layer count is unknown (needed to place its aux layers): "
+                          "pass --target-layers N or a target config")
+    return int(n)
+
+
+def _aux_ids(cj: dict, layout: str, n: int) -> tuple[int, int, int]:
+    top = cj.get("eagle_aux_hidden_state_layer_ids")
+    nested = (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if layout == "speculators" or nested is None:
+        return validate_aux_layer_ids(top, n) if top else _specforge_default_aux(n)
+    from_nested = aux_ids_from_serving(nested, n)
+    if top and tuple(validate_aux_layer_ids(top, n)) != from_nested:
+        raise FledgeError(f"aux ids disagree: top-level {list(top)} (vLLM reads) vs eagle_config {list(nested)} "
+                          "(SGLang reads)")
+    return from_nested
+
+
+def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftConfig:
+    """DraftConfig from either layout's config.json (FledgeError on what fledge cannot serve)."""
+    layout = detect_layout(cj)
+    if layout is None:
+        raise FledgeError("config.json is neither LlamaForCausalLMEagle3 nor a speculators eagle3 config")
+    if layout == "speculators":
+        if cj.get("speculators_model_type") != "eagle3":
+            raise FledgeError(f"speculators_model_type {cj.get('speculators_model_type')!r}: only eagle3 is supported")
+        layer = dict(cj.get("transformer_layer_config") or {})
+        sc = cj.get("speculators_config") or {}
+        methods = sc.get("proposal_methods") or [{}]
+        extra = {"verifier": sc.get("verifier") or None, "speculative_tokens": methods[0].get("speculative_tokens")}
+        norm_before_residual = cj.get("norm_before_residual", True)  # vLLM's default for this layout
+    else:
+        layer, fb = cj, cj.get("fledge") or {}
+        extra = {"verifier": fb.get("verifier"), "speculative_tokens": fb.get("speculative_tokens")}
+        norm_before_residual = cj.get("norm_before_residual", False)
+    if norm_before_residual or cj.get("norm_before_fc"):
+        raise FledgeError("norm_before_residual / norm_before_fc drafters are not supported by fledge's Eagle3Draft")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise FledgeError(f"num_hidden_layers {layer.get('num_hidden_layers')}: an EAGLE-3 drafter has one layer")
+    n = _target_layers(cj, target_layers)
+    h, heads = layer["hidden_size"], layer["num_attention_heads"]
+    theta, scaling = _rope(layer)
+    return DraftConfig(
+        hidden_size=h, intermediate_size=layer["intermediate_size"], num_attention_heads=heads,
+        num_key_value_heads=layer.get("num_key_value_heads") or heads, head_dim=layer.get("head_dim") or h // heads,
+        vocab_size=layer["vocab_size"], draft_vocab_size=cj.get("draft_vocab_size") or layer["vocab_size"],
+        target_hidden_size=cj.get("target_hidden_size") or h, target_num_layers=n,
+        aux_layer_ids=_aux_ids(cj, layout, n), max_position_embeddings=layer["max_position_embeddings"],
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        hidden_act=layer.get("hidden_act", "silu"),
+        torch_dtype=cj.get("torch_dtype") or layer.get("torch_dtype") or cj.get("dtype") or "bfloat16",
+        extra={k: v for k, v in extra.items() if v is not None},
+    )
+
+
+# --------------------------------------------------------------------------- reading
+def weight_files(path: Path) -> list[Path]:
+    """The weight files an engine would read: the index's shards, else every *.safetensors in the
+    directory (vLLM loads them all), else pytorch_model.bin (original EAGLE releases)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise FledgeError(f"{index}: not a safetensors index ({e})") from None
+        return [path / f for f in sorted(set(wm.values()))]
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model.bin"))
+    if not files:
+        raise FledgeError(f"{path}: no model.safetensors (or shards, or pytorch_model.bin)")
+    return files
+
+
+def _read_file(f: Path) -> dict[str, torch.Tensor]:
+    if not f.exists():
+        raise FledgeError(f"{f}: listed in the index but missing")
+    try:
+        if f.suffix == ".bin":
+            return torch.load(f, map_location="cpu", weights_only=True)
+        return load_file(f)
+    except Exception as e:  # safetensors/torch raise assorted types for corrupt or truncated files
+        raise FledgeError(f"{f}: not a readable weights file ({str(e).splitlines()[0]})") from None
+
+
+def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors of a checkpoint dir under our names, and the file each came from."""
+    tensors, origin = {}, {}
+    for f in weight_files(path):
+        for k, v in _read_file(f).items():
+            name = canonical_name(k)
+            if name in tensors:
+                raise FledgeError(f"{f}: {k} appears twice ({origin[name].name} too)")
+            tensors[name], origin[name] = v, f
+    return tensors, origin
+
+
+def tensor_problems(tensors: dict, origin: dict, cfg: DraftConfig, where: Path) -> list[str]:
+    """What an engine would load wrongly (or refuse) in `tensors` for `cfg`."""
+    problems, spec = [], checkpoint_keys(cfg)
+    for k, (shape, required) in spec.items():
+        if required and k not in tensors:
+            why = SILENT_DEFAULTS.get(k, "")
+            problems.append(f"{where}: missing tensor {k}{why}")
+    for k, t in tensors.items():
+        f = origin[k]
+        if k not in spec:
+            problems.append(f"{f}: unexpected tensor {k} (vLLM refuses unknown keys)")
+        elif tuple(t.shape) != spec[k][0]:
+            problems.append(f"{f}: {k} has shape {list(t.shape)} but config.json implies {list(spec[k][0])}")
+        elif k == "d2t" and (t.dtype.is_floating_point or t.dtype == torch.bool):
+            problems.append(f"{f}: d2t has dtype {t.dtype}; it holds integer offsets")
+        elif k == "t2d" and t.dtype != torch.bool:
+            problems.append(f"{f}: t2d has dtype {t.dtype}; it is a bool mask")
+        elif t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            problems.append(f"{f}: {k} contains NaN or inf")
+    if not problems and "d2t" in tensors:
+        problems += _vocab_problems(tensors, origin, cfg)
+    return problems
+
+
+def _vocab_problems(tensors: dict, origin: dict, cfg: DraftConfig) -> list[str]:
+    try:
+        ids = target_ids_from_d2t(tensors["d2t"], cfg.vocab_size)
+    except FledgeError as e:
+        return [f"{origin['d2t']}: {e}"]
+    if "t2d" in tensors and not torch.equal(tensors["t2d"], t2d_from_target_ids(ids, cfg.vocab_size)):
+        return [f"{origin['t2d']}: t2d does not mark the target ids d2t maps to"]
+    return []
+
+
+@dataclass
+class _Read:
+    cfg: DraftConfig
+    layout: str
+    tensors: dict
+    problems: list
+
+
+def _inspect(path, target_layers: int | None = None) -> _Read | list[str]:
+    """Read and check a checkpoint dir: a `_Read`, or the problems that stop it from loading."""
+    path = Path(path)
+    cfile = path / "config.json"
+    if not cfile.is_file():
+        return [f"{cfile}: missing"]
+    try:
+        cj = json.loads(cfile.read_text())
+        cfg = draft_config_from_json(cj, target_layers)
+    except json.JSONDecodeError as e:
+        return [f"{cfile}: not valid JSON ({e.msg})"]
+    except (FledgeError, KeyError, TypeError, ValueError) as e:
+        return [f"{cfile}: {e if isinstance(e, FledgeError) else f'missing or bad field {e}'}"]
+    try:
+        tensors, origin = read_tensors(path)
+    except FledgeError as e:
+        return [str(e)]
+    files = sorted(set(origin.values()))
+    index = path / "model.safetensors.index.json"
+    where = index if index.exists() else files[0] if len(files) == 1 else path  # names missing tensors
+    return _Read(cfg, detect_layout(cj), tensors, tensor_problems(tensors, origin, cfg, where))
+
+
+def validate_checkpoint(path, target_layers: int | None = None) -> list[str]:
+    """Problems found in a drafter checkpoint dir (either layout), each one line naming the file;
+    [] if SGLang and vLLM would both load it as fledge means it."""
+    r = _inspect(path, target_layers)
+    return r if isinstance(r, list) else r.problems
+
+
+def _embeddings(embed_from) -> torch.Tensor:
+    model = embed_from if hasattr(embed_from, "get_input_embeddings") else embed_from.model
+    return model.get_input_embeddings().weight
+
+
+def _load(path, target_layers=None, embed_from=None) -> tuple[Eagle3Draft, _Read]:
+    if target_layers is None and embed_from is not None:
+        m = embed_from if hasattr(embed_from, "config") else embed_from.model
+        target_layers = (getattr(m.config, "text_config", None) or m.config).num_hidden_layers
+    r = _inspect(path, target_layers)
+    problems = r if isinstance(r, list) else r.problems
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise FledgeError(problems[0] + more)
+    draft = Eagle3Draft(r.cfg)
+    sd = {k: v for k, v in r.tensors.items() if k != "t2d"}
+    draft.load_state_dict(sd, strict=False)
+    draft.set_vocab(target_ids_from_d2t(r.tensors["d2t"], r.cfg.vocab_size))  # also rebuilds t2d
+    if "embed_tokens.weight" not in r.tensors:
+        with torch.no_grad():
+            if embed_from is None:
+                # NaN, not random: a drafter run without the target's embeddings must fail loudly.
+                draft.embed_tokens.weight.fill_(float("nan"))
+            else:
+                emb = _embeddings(embed_from)
+                if tuple(emb.shape) != tuple(draft.embed_tokens.weight.shape):
+                    raise FledgeError(f"target embeddings {list(emb.shape)} do not fit the drafter "
+                                      f"{list(draft.embed_tokens.weight.shape)}")
+                draft.embed_tokens.weight.copy_(emb.float())
+    return draft, r
+
+
+def load_checkpoint(path, target_layers: int | None = None, embed_from=None) -> Eagle3Draft:
+    """An Eagle3Draft from any supported layout (fp32 weights). A checkpoint without
+    `embed_tokens` gets `embed_from`'s (an HF model or a fledge Target; it also supplies the
+    target's layer count), else NaN embeddings that make any forward visibly wrong.
+    Raises FledgeError naming the first problem `validate_checkpoint` finds."""
+    return _load(path, target_layers, embed_from)[0]
+
+
+# --------------------------------------------------------------------------- writing
+def _shards(tensors: dict[str, torch.Tensor], shard_size_mb: float | None) -> list[dict]:
+    if not shard_size_mb:
+        return [tensors]
+    limit, shards, size = shard_size_mb * 2**20, [{}], 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k], size = t, size + nbytes
+    return shards
+
+
+def _write_weights(out: Path, tensors: dict, shard_size_mb) -> None:
+    shards = _shards(tensors, shard_size_mb)
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def export_checkpoint(draft: Eagle3Draft, out_dir, layout="eagle3", dtype=torch.bfloat16, shard_size_mb=None,
+                      with_embed=False, verifier: str | None = None, overwrite=False) -> Path:
+    """Write `draft` as a servable checkpoint dir, atomically, and re-check it before it appears.
+    Float tensors are cast to `dtype`; d2t stays int64 and t2d bool. `embed_tokens` is left out
+    unless `with_embed` (engines share the target's). `verifier` names the target (required for
+    the speculators layout unless the drafter already records one)."""
+    if layout not in LAYOUTS:
+        raise FledgeError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    cfg = draft.cfg
+    cj = config_json(cfg, layout, dtype, verifier)
+    sd = draft.state_dict()
+    if with_embed and bool(torch.isnan(sd["embed_tokens.weight"]).all()):
+        raise FledgeError("the drafter has no embeddings (loaded without them): give the target or drop --with-embed")
+    tensors = {}
+    for k, t in sd.items():
+        if k == "embed_tokens.weight" and not with_embed:
+            continue
+        t = t.detach().cpu()
+        t = t.to(dtype) if t.is_floating_point() else t.to(torch.int64) if k == "d2t" else t
+        tensors[layout_name(k, layout)] = t.contiguous()
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cj, indent=2) + "\n")
+        _write_weights(tmp, tensors, shard_size_mb)
+        problems = validate_checkpoint(tmp)
+        if problems:
+            raise FledgeError(f"export to {out_dir} failed its own check: {problems[0].replace(str(tmp), str(out_dir))}")
+    return out_dir
+
+
+# --------------------------------------------------------------------------- CLI
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise FledgeError(f"--dtype {name}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _target_layers_arg(args) -> int | None:
+    if getattr(args, "target_config", None):
+        p = Path(args.target_config)
+        p = p / "config.json" if p.is_dir() else p
+        try:
+            tc = json.loads(p.read_text())
+            return int((tc.get("text_config") or tc)["num_hidden_layers"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise FledgeError(f"{p}: cannot read num_hidden_layers ({e})") from None
+    return args.target_layers
+
+
+def _summary(out: Path, layout: str, draft: Eagle3Draft) -> None:
+    files = sorted(f for f in out.iterdir() if f.is_file())
+    print(f"{'file':<44} {'MiB':>9}")
+    for f in files:
+        print(f"{f.name:<44} {f.stat().st_size / 2**20:>9.2f}")
+    c = draft.cfg
+    print(f"wrote {out} ({layout}): target {c.target_num_layers} layers, aux ids {list(c.aux_layer_ids)} "
+          f"(canonical), draft vocab {c.draft_vocab_size}/{c.vocab_size}")
+
+
+def run_export(args) -> int:
+    draft, _ = _load(args.src, _target_layers_arg(args))
+    out = export_checkpoint(draft, args.out, layout=args.layout, dtype=_dtype(args.dtype),
+                            shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
+                            verifier=args.verifier, overwrite=args.overwrite)
+    _summary(out, args.layout, draft)
+    return 0
+
+
+def run_import(args) -> int:
+    """Into fledge's own (eagle3) layout, keeping the source's dtype and embeddings."""
+    draft, r = _load(args.src, _target_layers_arg(args))
+    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=_dtype(r.cfg.torch_dtype),
+                            with_embed="embed_tokens.weight" in r.tensors, overwrite=args.overwrite)
+    print(f"read {args.src} ({r.layout} layout)")
+    _summary(out, "eagle3", draft)
+    return 0
+
+
+def run_init_draft(args) -> int:
+    from fledge.target import load_target  # the target loader pulls in model code; only this command needs it
+
+    target = load_target(args.target)
+    cfg = DraftConfig.from_target(target.model.config, draft_vocab_size=args.draft_vocab)
+    archs = list(getattr(target.model.config, "architectures", None) or [])
+    cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
+    draft = Eagle3Draft.from_target(cfg, target.model)
+    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=_dtype(args.dtype), overwrite=args.overwrite)
+    _summary(out, "eagle3", draft)
+    return 0
+
+
+def _add_target_layers(p) -> None:
+    p.add_argument("--target-layers", type=int, help="target decoder layer count (if config.json lacks it)")
+    p.add_argument("--target-config", help="target config.json (or its dir) to read the layer count from")
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("export", help="write a drafter as an SGLang/vLLM (eagle3) or speculators checkpoint")
+    p.add_argument("src", help="drafter checkpoint dir (any layout fledge reads)")
+    p.add_argument("out", help="output dir (written atomically)")
+    p.add_argument("--layout", choices=LAYOUTS, default="eagle3")
+    p.add_argument("--shard-size-mb", type=float, help="split weights into shards of at most this size")
+    p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {', '.join(DTYPES)} (default bfloat16)")
+    p.add_argument("--with-embed", action="store_true", help="keep embed_tokens (default: engines share the target's)")
+    p.add_argument("--verifier", help="target model name/path recorded for `vllm serve <dir>` (speculators)")
+    p.add_argument("--overwrite", action="store_true")
+    _add_target_layers(p)
+    p.set_defaults(func=run_export)
+
+    p = sub.add_parser("import", help="read an eagle3 / speculators / SpecForge drafter into fledge's layout")
+    p.add_argument("src")
+    p.add_argument("out")
+    p.add_argument("--overwrite", action="store_true")
+    _add_target_layers(p)
+    p.set_defaults(func=run_import)
+
+    p = sub.add_parser("init-draft", help="a fresh drafter for a target (target embeddings, eagle3 layout)")
+    p.add_argument("out")
+    p.add_argument("--target", required=True, help="target HF dir, GGUF or built-in name")
+    p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: the target's full vocab)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=run_init_draft)
+

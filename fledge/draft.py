@@ -1,0 +1,150 @@
+"""The EAGLE-3 drafter: one Llama decoder layer over [embedding ; fused target states].
+
+Parameter names are exactly the served checkpoint's (`LlamaForCausalLMEagle3` in SGLang and
+vLLM), so `state_dict()` is the export and no key mapping exists anywhere.
+
+One draft step, for a token x_t at position t:
+    h      = fc(cat[aux_low, aux_mid, aux_high])    (first step; later steps reuse the draft's own h)
+    a      = cat[input_layernorm(embed(x_t)), hidden_norm(h)]          2H wide
+    h'     = h + o_proj(attention(q/k/v_proj(a)))
+    out    = h' + mlp(post_attention_layernorm(h'))   → fed to the next step as its h
+    logits = lm_head(norm(out))                        over the draft vocab
+Attention is split into `project` and `attend` so that training (keys concatenated across
+unrolled steps) and the engine (keys in a static cache) share every weight-touching line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from fledge.config import DraftConfig
+from fledge.conventions import d2t_from_target_ids, t2d_from_target_ids
+
+
+def rope_config(cfg: DraftConfig) -> transformers.LlamaConfig:
+    """An HF LlamaConfig carrying only what rotary embeddings read, so the draft's RoPE
+    (including llama3/yarn scaling) is HF's own code, not a re-derivation."""
+    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    if "type" in rope and "rope_type" not in (cfg.rope_scaling or {}):
+        rope["rope_type"] = rope.pop("type")
+    return transformers.LlamaConfig(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * h, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen (EAGLE-3 recipe)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(rope_config(cfg))  # inv_freq is a non-persistent buffer
+        # Until a vocabulary is built, the draft vocab is the first N target ids.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", t2d_from_target_ids(torch.arange(cfg.draft_vocab_size), cfg.vocab_size))
+
+    @classmethod
+    def from_target(cls, cfg: DraftConfig, target_model, target_ids: torch.Tensor | None = None) -> "Eagle3Draft":
+        """A fresh drafter with the target's input embeddings copied in and frozen."""
+        draft = cls(cfg)
+        emb = target_model.get_input_embeddings().weight
+        if tuple(emb.shape) != tuple(draft.embed_tokens.weight.shape):
+            from fledge.util import FledgeError
+            raise FledgeError(f"target embedding {tuple(emb.shape)} does not fit draft {tuple(draft.embed_tokens.weight.shape)}")
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(emb.float())
+        if target_ids is not None:
+            draft.set_vocab(target_ids)
+        return draft
+
+    def set_vocab(self, target_ids: torch.Tensor) -> None:
+        """Install the draft vocabulary given as ascending target ids (conventions.py owns the encoding)."""
+        self.d2t.copy_(d2t_from_target_ids(target_ids, self.cfg.vocab_size))
+        self.t2d.copy_(t2d_from_target_ids(target_ids, self.cfg.vocab_size))
+
+    def target_ids(self) -> torch.Tensor:
+        """Target token id of every draft id: i + d2t[i]."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    # ---------------------------------------------------------------- one draft step, in two halves
+    def project(self, input_ids, hidden, positions):
+        """Queries/keys/values for new tokens. `hidden` is [B,T,3H] target aux states (fused
+        here by fc) or [B,T,H] the draft's own previous output. Returns (q, k, v, residual)
+        with q [B,heads,T,hd], k/v [B,kv_heads,T,hd] already rotated, residual [B,T,H]."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fc(hidden)
+        layer = self.midlayer
+        a = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype)),
+                       layer.hidden_norm(hidden)], dim=-1)
+        attn = layer.self_attn
+        b, t, _ = a.shape
+        q = attn.q_proj(a).view(b, t, attn.n_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(a).view(b, t, attn.n_kv, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(a).view(b, t, attn.n_kv, attn.head_dim).transpose(1, 2)
+        cos, sin = self.rotary(v, positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v, hidden
+
+    def attend(self, q, keys, values, mask, residual):
+        """Finish the step: attention of q over `keys`/`values` ([B,kv_heads,S,hd]) under the
+        bool `mask` ([B,1,T,S], True = may attend), then the MLP. Returns the pre-norm output
+        [B,T,H] that the next step reads as its hidden state."""
+        attn = self.midlayer.self_attn
+        rep = attn.n_heads // attn.n_kv
+        o = F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
+                                           attn_mask=mask)
+        b, _, t, _ = o.shape
+        h = residual + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+
+    def logits(self, out):
+        """Draft-vocab logits from a step's output (map to target ids with `target_ids()`)."""
+        return self.lm_head(self.norm(out))
+
+    def forward(self, input_ids, hidden, positions, mask, past_kv=None):
+        """One step over T tokens with keys = past keys + these. Returns (out, (k, v)) where
+        (k, v) are this step's keys/values only, for the caller to keep."""
+        q, k, v, residual = self.project(input_ids, hidden, positions)
+        keys, values = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], 2), torch.cat([past_kv[1], v], 2))
+        return self.attend(q, keys, values, mask, residual), (k, v)

@@ -1,0 +1,217 @@
+"""Drafters behind one interface: `start`, `observe`, `propose`.
+
+`start(batch, max_len)` is called once per request, before the prefill.
+
+`observe` is told every token that entered the target cache (the prompt after prefill, the
+accepted path after each verify step) with the target's aux hidden states for them, and the
+token that comes next (the next tree root). `propose` returns a tree of exactly
+`spec.num_draft_tokens` nodes, so the verify step always has one shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fledge.draft import Eagle3Draft
+from fledge.engine.tree import Tree, chain, select_tree
+from fledge.util import FledgeError
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """SGLang's knobs: `num_steps` draft forwards per round, `topk` children per expanded node,
+    `num_draft_tokens` tree nodes verified per round, the root included."""
+
+    num_steps: int = 7
+    topk: int = 1
+    num_draft_tokens: int = 8
+
+    def __post_init__(self):
+        if self.num_steps < 1 or self.topk < 1:
+            raise FledgeError(f"--num-steps {self.num_steps} and --topk {self.topk} must be >= 1")
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise FledgeError(f"--num-draft-tokens {self.num_draft_tokens}: a chain (topk 1) of {self.num_steps} "
+                              f"steps verifies exactly num_steps + 1 = {self.num_steps + 1}")
+        if not 2 <= self.num_draft_tokens <= self.max_nodes:
+            raise FledgeError(f"--num-draft-tokens {self.num_draft_tokens}: a tree of {self.num_steps} steps, topk "
+                              f"{self.topk} holds 2..{self.max_nodes} nodes (root + topk + (steps-1)*topk^2)")
+
+    @property
+    def max_nodes(self) -> int:
+        return 1 + self.topk + (self.num_steps - 1) * self.topk ** 2
+
+    @property
+    def path_len(self) -> int:
+        """Most nodes an accepted path can hold (root included)."""
+        return min(self.num_steps + 1, self.num_draft_tokens)
+
+
+@dataclass
+class DraftInput:
+    root: torch.Tensor  # [B] the next tree root (last sampled token, not yet in the target cache)
+    cache_len: torch.Tensor  # [B] tokens in the target cache = the root's position
+    context: list[list[int]]  # host copy of every token so far, root included
+
+
+def target_dims(target) -> tuple[int, int, int]:
+    """(hidden size, vocab size, layers) of an engine target (compact or HFTarget)."""
+    if hasattr(target, "args"):
+        return target.args.dim, target.args.vocab_size, target.args.n_layers
+    c = target.config
+    return c.hidden_size, c.vocab_size, c.num_hidden_layers
+
+
+def _pad_chain(tokens: list[int], n: int, fill: int) -> list[int]:
+    return (tokens + [tokens[-1] if tokens else fill] * n)[:n]
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation (from a prior AR run): the ceiling of the
+    engine — every draft is accepted under greedy decoding, so accept length = num_steps + 1."""
+
+    aux_ids = None
+
+    def __init__(self, spec: SpecConfig, sequences: list[list[int]]):
+        if spec.topk != 1:
+            raise FledgeError("--oracle drafts a chain: use --topk 1")
+        self.spec, self.sequences = spec, sequences
+
+    def start(self, batch: int, max_len: int) -> None:
+        pass
+
+    def observe(self, tokens, aux, n, next_token, start):
+        pass
+
+    def propose(self, inp: DraftInput) -> Tree:
+        rows = [_pad_chain(seq[len(ctx):len(ctx) + self.spec.num_steps], self.spec.num_steps, ctx[-1])
+                for seq, ctx in zip(self.sequences, inp.context)]
+        return chain(inp.root, torch.tensor(rows, device=inp.root.device))
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
+    (n = max_n down to 1) and propose what followed it."""
+
+    aux_ids = None
+
+    def __init__(self, spec: SpecConfig, max_n: int):
+        if spec.topk != 1:
+            raise FledgeError("--ngram drafts a chain: use --topk 1")
+        if max_n < 1:
+            raise FledgeError(f"--ngram {max_n}: must be >= 1")
+        self.spec, self.max_n = spec, max_n
+
+    def start(self, batch: int, max_len: int) -> None:
+        pass
+
+    def observe(self, tokens, aux, n, next_token, start):
+        pass
+
+    def lookup(self, ctx: list[int]) -> list[int]:
+        for n in range(min(self.max_n, len(ctx) - 1), 0, -1):
+            tail = ctx[-n:]
+            for i in range(len(ctx) - n - 1, -1, -1):
+                if ctx[i:i + n] == tail:
+                    return ctx[i + n:i + n + self.spec.num_steps]
+        return []
+
+    def propose(self, inp: DraftInput) -> Tree:
+        rows = [_pad_chain(self.lookup(ctx), self.spec.num_steps, ctx[-1]) for ctx in inp.context]
+        return chain(inp.root, torch.tensor(rows, device=inp.root.device))
+
+
+class Eagle3Drafter:
+    """EAGLE-3 drafting with its own static KV cache.
+
+    Draft row p pairs the target's aux state at position p with token p+1 (the SGLang /
+    SpecForge alignment), at rope position p. Rows [0, cache_len) always hold the verified
+    context with the target's aux states; tree rows live in a scratch region after max_len
+    and are overwritten every round.
+    """
+
+    def __init__(self, draft: Eagle3Draft, spec: SpecConfig, target):
+        hidden, vocab, layers = target_dims(target)
+        cfg = draft.cfg
+        if cfg.target_hidden_size != hidden:
+            raise FledgeError(f"drafter target_hidden_size {cfg.target_hidden_size} != target hidden size {hidden}")
+        if cfg.vocab_size != vocab:
+            raise FledgeError(f"drafter vocab_size {cfg.vocab_size} != target vocab size {vocab}")
+        if cfg.target_num_layers != layers:
+            raise FledgeError(f"drafter was built for a {cfg.target_num_layers}-layer target; this one has {layers}")
+        self.draft, self.spec = draft, spec
+        self.aux_ids = tuple(cfg.aux_layer_ids)
+        self.to_target = draft.target_ids()
+
+    def start(self, batch: int, max_len: int) -> None:
+        """Fresh static cache for a new request: max_len context rows + the tree scratch."""
+        cfg, w = self.draft.cfg, self.draft.fc.weight
+        self.max_len = max_len
+        scratch = (self.spec.num_steps - 1) * self.spec.topk
+        shape = (batch, cfg.num_key_value_heads, max_len + scratch, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.v = torch.zeros_like(self.k)
+        self.last = torch.zeros(batch, cfg.hidden_size, dtype=w.dtype, device=w.device)
+
+    def _step(self, ids, hidden, positions, slots, mask):
+        q, k, v, residual = self.draft.project(ids, hidden, positions)
+        idx = slots[:, None, :, None].expand_as(k)
+        self.k.scatter_(2, idx, k)
+        self.v.scatter_(2, idx, v)
+        return self.draft.attend(q, self.k, self.v, mask, residual)
+
+    def observe(self, tokens, aux, n, next_token, start):
+        """Re-feed verified tokens: rows start..start+n-1 get the target's fresh aux states
+        (replacing whatever the draft guessed), paired with the following token. Rows past
+        n-1 are padding: written beyond the verified context, never attended."""
+        B, T = tokens.shape
+        ids = torch.cat([tokens[:, 1:], next_token[:, None]], dim=1)
+        ids = ids.scatter(1, (n - 1)[:, None], next_token[:, None])
+        pos = start[:, None] + torch.arange(T, device=ids.device)
+        cols = torch.arange(self.k.shape[2], device=ids.device)
+        mask = (cols <= pos[:, :, None])[:, None]
+        out = self._step(ids, aux.to(self.k.dtype), pos, pos, mask)
+        self.last.copy_(out.gather(1, (n - 1)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0])
+
+    def _top(self, out):
+        """Top-k (log-prob, target id) of the draft's next-token distribution."""
+        logp, idx = F.log_softmax(self.draft.logits(out).float(), dim=-1).topk(self.spec.topk, dim=-1)
+        return logp, self.to_target[idx]
+
+    def propose(self, inp: DraftInput) -> Tree:
+        """EAGLE-2 dynamic tree: grow the topk best beams (by cumulative log-prob) one depth
+        per draft forward, record every child as a candidate, keep the best N-1."""
+        K, dev = self.spec.topk, self.k.device
+        B = inp.root.shape[0]
+        score, tok = self._top(self.last)  # [B, K] depth-1 candidates, children of the root
+        cands, scores = [tok], [score]
+        parents = [torch.full((B, K), -1, device=dev)]
+        depths = [torch.ones(B, K, dtype=torch.long, device=dev)]
+        hidden = self.last[:, None].expand(B, K, -1)
+        beam_cand = torch.arange(K, device=dev).expand(B, K)
+        prefix = torch.arange(self.max_len, device=dev) < inp.cache_len[:, None]  # [B, max_len]
+        seen = torch.zeros(B, K, self.k.shape[2] - self.max_len, dtype=torch.bool, device=dev)
+        n_cand = K
+        for i in range(1, self.spec.num_steps):
+            slots = self.max_len + (i - 1) * K + torch.arange(K, device=dev).expand(B, K)
+            seen = seen.scatter(2, (slots - self.max_len)[..., None], True)
+            mask = torch.cat([prefix[:, None].expand(B, K, -1), seen], dim=2)[:, None]
+            pos = (inp.cache_len + i - 1)[:, None].expand(B, K)
+            out = self._step(tok, hidden, pos, slots, mask)  # [B, K, H]
+            logp, child = self._top(out)  # [B, K, K]
+            child_score = (score[..., None] + logp).flatten(1)  # [B, K*K]
+            cands.append(child.flatten(1))
+            scores.append(child_score)
+            parents.append(beam_cand[..., None].expand(B, K, K).flatten(1))
+            depths.append(torch.full((B, K * K), i + 1, device=dev))
+            score, pick = child_score.topk(K, dim=1)
+            beam = pick // K  # which beam each new beam grew from
+            tok = child.flatten(1).gather(1, pick)
+            hidden = out.gather(1, beam[..., None].expand(B, K, out.shape[-1]))
+            seen = seen.gather(1, beam[..., None].expand_as(seen))
+            beam_cand = n_cand + pick
+            n_cand += K * K
+        return select_tree(inp.root, torch.cat(cands, 1), torch.cat(scores, 1), torch.cat(parents, 1),
+                           torch.cat(depths, 1), self.spec.num_draft_tokens)

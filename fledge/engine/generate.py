@@ -1,0 +1,239 @@
+"""Autoregressive generation on the engine: batched prefill, then one token per step.
+
+Batches are RIGHT-padded: row b's prompt sits in cache slots [0, len_b) exactly as it would
+alone, and its next token always goes to slot `lengths[b]` with rope position `lengths[b]`.
+Rows therefore never need to move in lockstep — the property speculative decoding needs when
+rows accept different numbers of tokens — and a batched row computes what it computes alone.
+Pad tokens in the prefill write slots >= len_b; each is overwritten by that row's next real
+token before any mask lets a query see it.
+
+On CUDA the decode step is one CUDA graph over static buffers (tokens, lengths); the mask and
+positions are derived from `lengths` inside the graph, so a step allocates nothing on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fledge.util import FledgeError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise FledgeError(f"temperature {self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise FledgeError(f"top_p {self.top_p}: must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise FledgeError(f"max_new_tokens {self.max_new_tokens}: must be >= 1")
+
+
+def logits_to_probs(logits, params: SamplingParams):
+    """The sampling distribution [..., V] (fp32): softmax(logits / T), restricted to the nucleus
+    — the smallest set of most likely tokens whose mass reaches top_p — and renormalised.
+    Speculative decoding's accept/reject uses this same distribution."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        p, order = probs.sort(dim=-1, descending=True)
+        # A token stays if the mass strictly before it is < top_p (so the top token always stays).
+        p = p.masked_fill(p.cumsum(-1) - p >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_token(logits, params: SamplingParams, generator) -> torch.Tensor:
+    """logits [..., V] → token ids [...] (long). Greedy when temperature == 0."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = logits_to_probs(logits, params)
+    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    return flat.view(probs.shape[:-1])
+
+
+# --------------------------------------------------------------------------- masks
+def make_causal_mask(starts, T: int, max_len: int):
+    """[B, 1, T, max_len] bool: query t of row b sits in slot starts[b] + t and may attend
+    every slot up to and including its own (prefill: starts = 0; decode: T = 1)."""
+    q_slot = starts[:, None] + torch.arange(T, device=starts.device)
+    return (torch.arange(max_len, device=starts.device) <= q_slot[:, :, None])[:, None]
+
+
+def prefix_mask(lengths, max_len: int):
+    """[B, 1, 1, max_len] bool: the committed slots [0, lengths[b]) of each row (the part of a
+    tree mask every draft token shares)."""
+    return (torch.arange(max_len, device=lengths.device) < lengths[:, None])[:, None, None]
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+def capture_cuda_graph(fn):
+    """Capture `fn()` — which must read only static buffers — and return a replay that
+    returns fn's (static) output. fn runs a few times on a side stream first, as capture
+    requires; it must therefore be idempotent (a decode step rewrites the same cache slot)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
+def _now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+# --------------------------------------------------------------------------- generation
+@torch.no_grad()
+def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids, cache_len=None,
+                use_cuda_graph=True, compile=False, check_every: int = 16):
+    """Generate for a batch of prompts. Returns (per-row new tokens, each ending at its first eos
+    (included, as HF does) or at max_new_tokens; stats dict).
+
+    `check_every`: finished rows are checked every this many steps (a host sync), so up to
+    that many extra steps may run after the last row ends; their tokens are discarded.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise FledgeError("generate_ar: every prompt needs at least one token")
+    device = next(model.parameters()).device
+    B, lens = len(prompts), [len(p) for p in prompts]
+    need = max(lens) + params.max_new_tokens
+    cache_len = cache_len or -(-need // 64) * 64  # multiples of 64 keep SDPA's mask aligned
+    if cache_len < need:
+        raise FledgeError(f"cache_len {cache_len} < longest prompt + max_new_tokens = {need}")
+    cache = model.new_cache(B, cache_len)
+    gen = torch.Generator(device=device).manual_seed(params.seed)
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+
+    t0 = _now(device)
+    ids = torch.zeros(B, max(lens), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p)
+    ids, lengths = ids.to(device), torch.tensor(lens, device=device)
+    pos = torch.arange(max(lens), device=device).expand(B, -1)
+    logits, _ = model(ids, pos, pos, make_causal_mask(torch.zeros_like(lengths), max(lens), cache_len),
+                      cache, logits_idx=(lengths - 1)[:, None])
+    tok = sample_token(logits[:, 0], params, gen)
+    t1 = _now(device)
+
+    tokens = tok[:, None].clone()  # static input buffers of the decode step: tokens, lengths
+
+    def step():
+        here = lengths[:, None]
+        out, _ = model(tokens, here, here, make_causal_mask(lengths, 1, cache_len), cache)
+        return out[:, -1]
+
+    if compile:
+        step = torch.compile(step, fullgraph=True, dynamic=False)
+    if use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok:
+        step = capture_cuda_graph(step)
+    t2 = _now(device)
+
+    out, done, steps = [tok], torch.isin(tok, eos), 0
+    while steps < params.max_new_tokens - 1:
+        if steps % check_every == 0 and bool(done.all()):
+            break
+        tok = sample_token(step(), params, gen)
+        out.append(tok)
+        done |= torch.isin(tok, eos)
+        tokens.copy_(tok[:, None])
+        lengths.add_(1)
+        steps += 1
+    t3 = _now(device)
+
+    rows = [_cut(r, eos_ids) for r in torch.stack(out, dim=1).tolist()]
+    n_new = sum(len(r) for r in rows)
+    stats = {
+        "batch": B, "prompt_tokens": sum(lens), "generated_tokens": n_new, "decode_steps": steps,
+        "prefill_ms": 1e3 * (t1 - t0), "capture_ms": 1e3 * (t2 - t1), "decode_ms": 1e3 * (t3 - t2),
+        "tok_s": n_new / max(t3 - t2 + t1 - t0, 1e-9),
+        "decode_tok_s": B * steps / max(t3 - t2, 1e-9),  # all rows' decode steps, incl. finished rows
+    }
+    return rows, stats
+
+
+def _cut(row: list[int], eos_ids) -> list[int]:
+    for i, t in enumerate(row):
+        if t in eos_ids:
+            return row[:i + 1]
+    return row
+
+
+# --------------------------------------------------------------------------- GPU self-test
+def _hf_generate(hf, ids, new_tokens: int, **kw):
+    """HF greedy generation of exactly `new_tokens` tokens; returns (tokens [B, new], seconds)."""
+    t0 = _now(hf.device)
+    out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                      disable_compile=True, **kw)
+    return out[:, ids.shape[1]:], _now(hf.device) - t0
+
+
+def selftest(hf, prompt: list[int], dtype, device, batches=(1,), new_tokens=128, compile=False):
+    """Engine (CUDA graph, eager) vs HF generate (static cache, dynamic cache), greedy, the same
+    prompt repeated B times; prints tok/s per row and how many leading tokens agree with HF."""
+    from fledge.engine.model import build_engine_target
+
+    hf = hf.to(device=device, dtype=dtype).eval()
+    engine = build_engine_target(hf, dtype, device)
+    params, warm = SamplingParams(max_new_tokens=new_tokens), SamplingParams(max_new_tokens=8)
+    print(f"{'run':<22}{'batch':>6}{'tok/s':>11}{'ms/step':>9}{'capture ms':>11}{'agree':>7}")
+    for B in batches:
+        prompts, ids = [prompt] * B, torch.tensor([prompt] * B, device=device)
+        _hf_generate(hf, ids, 8, cache_implementation="static")  # warm-up
+        ref, secs = _hf_generate(hf, ids, new_tokens, cache_implementation="static")
+        print(f"{'hf static cache':<22}{B:>6}{B * new_tokens / secs:>11.0f}{1e3 * secs / new_tokens:>9.2f}{'':>11}{'':>7}")
+        _, secs = _hf_generate(hf, ids, new_tokens)
+        print(f"{'hf dynamic cache':<22}{B:>6}{B * new_tokens / secs:>11.0f}{1e3 * secs / new_tokens:>9.2f}{'':>11}{'':>7}")
+        for graph in (True, False):
+            generate_ar(engine, prompts, warm, [], use_cuda_graph=graph, compile=compile)
+            rows, st = generate_ar(engine, prompts, params, [], use_cuda_graph=graph, compile=compile)
+            secs = (st["prefill_ms"] + st["decode_ms"]) / 1e3
+            agree = next((i for i, (a, b) in enumerate(zip(rows[0], ref[0].tolist())) if a != b), new_tokens)
+            label = "engine " + ("cuda graph" if graph and device.type == "cuda" else "eager") + (" compiled" if compile else "")
+            print(f"{label:<22}{B:>6}{st['generated_tokens'] / secs:>11.0f}{st['decode_ms'] / max(st['decode_steps'], 1):>9.2f}"
+                  f"{st['capture_ms']:>11.0f}{agree:>7}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="engine self-test: AR tok/s and agreement with HF generate")
+    p.add_argument("--selftest", action="store_true", required=True)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--batches", default="1,64,256", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    a = p.parse_args(argv)
+    from fledge.target import load_target
+
+    target = load_target(a.target)
+    text = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Explain how a CUDA graph speeds up decoding."}], tokenize=False,
+        add_generation_prompt=True)
+    selftest(target.model, target.tokenizer(text)["input_ids"], getattr(torch, a.dtype), torch.device(a.device),
+             [int(b) for b in a.batches.split(",")], a.new_tokens, a.compile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Speculative decoding: draft a tree, verify it in one target forward, keep the longest
+accepted path and a bonus token.
+
+Per round the host learns one small tensor (accepted count, path tokens, bonus) with a
+single `.tolist()`; everything else stays on the device. Exactness: with greedy sampling the
+output is token-for-token the engine's AR output; with temperature/top-p every token is
+distributed as AR's (generate.logits_to_probs), via tree.verify_sample.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fledge.engine.drafters import DraftInput, SpecConfig
+from fledge.engine.generate import logits_to_probs, make_causal_mask, sample_token
+from fledge.engine.model import HFCache, KVCache
+from fledge.engine.stats import Clock, SpecStats
+from fledge.engine.tree import Tree, path_to, tree_mask, verify_greedy, verify_sample
+from fledge.util import FledgeError
+
+
+def cache_size(prompt_len: int, max_new_tokens: int, spec: SpecConfig, cache_len: int | None = None) -> int:
+    """Slots needed: prompt + new tokens + one tree written past the end (rounded to 64, as AR)."""
+    need = prompt_len + max_new_tokens + spec.num_draft_tokens
+    size = cache_len or -(-need // 64) * 64
+    if size < need:
+        raise FledgeError(f"cache of {size} slots < prompt {prompt_len} + max_new_tokens {max_new_tokens} "
+                          f"+ num_draft_tokens {spec.num_draft_tokens} = {need}")
+    return size
+
+
+def verify_forward(target, cache, tree: Tree, cache_len: torch.Tensor, aux_ids):
+    """The target over all tree nodes at once: node i sits at slot cache_len + i, rope position
+    cache_len + depth, and sees the prefix plus its ancestors."""
+    N = tree.size
+    slots = cache_len[:, None] + torch.arange(N, device=cache_len.device)
+    mask = tree_mask(tree, cache_len, _slots(cache))
+    return target(tree.tokens, cache_len[:, None] + tree.depth, slots, mask, cache, aux_ids=aux_ids)
+
+
+def _slots(cache) -> int:
+    return cache.k.shape[3] if isinstance(cache, KVCache) else cache.ids.shape[1]
+
+
+def compact(cache, cache_len: torch.Tensor, path: torch.Tensor) -> None:
+    """Move the accepted path's entries (tree slots cache_len + path) to the contiguous slots
+    cache_len + 0..len-1. Padding entries land past the new length, where nothing looks."""
+    B, D = path.shape
+    src = cache_len[:, None] + path
+    dst = cache_len[:, None] + torch.arange(D, device=path.device)
+    if isinstance(cache, KVCache):
+        for t in (cache.k, cache.v):
+            nl, _, nkv, _, hd = t.shape
+            shape = (nl, B, nkv, D, hd)
+            t.scatter_(3, dst[None, :, None, :, None].expand(shape), t.gather(3, src[None, :, None, :, None].expand(shape)))
+        return
+    # HFTarget recomputes every slot from (token, position, mask row): move the first two,
+    # and give each moved slot the causal row it would have had if decoded one at a time.
+    for t in (cache.ids, cache.positions):
+        t.scatter_(1, dst, t.gather(1, src))
+    cols = torch.arange(cache.mask.shape[2], device=path.device)
+    cache.mask.scatter_(1, dst[..., None].expand(B, D, cols.numel()), cols <= dst[..., None])
+
+
+@torch.no_grad()
+def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len: int | None = None):
+    """One prompt (batch 1). Returns (new tokens, ending at the first eos (included) or at
+    max_new_tokens — the same cut as generate_ar; SpecStats)."""
+    if not prompt:
+        raise FledgeError("generate_spec: the prompt is empty")
+    spec: SpecConfig = drafter.spec
+    device = next(target.parameters()).device
+    size = cache_size(len(prompt), params.max_new_tokens, spec, cache_len)
+    cache = target.new_cache(1, size)
+    drafter.start(1, size)
+    gen = torch.Generator(device=device).manual_seed(params.seed)
+    clock, stats = Clock(device), SpecStats(spec.num_steps, spec.num_draft_tokens, prompt_tokens=len(prompt))
+    eos = set(eos_ids)
+
+    t0 = clock.now()
+    ids = torch.tensor([prompt], device=device)
+    L = len(prompt)
+    cache_len_t = torch.tensor([L], device=device)
+    pos = torch.arange(L, device=device)[None]
+    logits, aux = target(ids, pos, pos, make_causal_mask(torch.zeros_like(cache_len_t), L, size), cache,
+                         aux_ids=drafter.aux_ids, logits_idx=(cache_len_t - 1)[:, None])
+    root = sample_token(logits[:, 0], params, gen)
+    drafter.observe(ids, aux, cache_len_t, root, torch.zeros_like(cache_len_t))
+    out = [root.item()]
+    t_prefill = clock.now()
+    marks, done = [], out[0] in eos
+    while len(out) < params.max_new_tokens and not done:
+        t_a = clock.now()
+        tree = drafter.propose(DraftInput(root, cache_len_t, [prompt + out]))
+        t_b = clock.now()
+        logits, aux = verify_forward(target, cache, tree, cache_len_t, drafter.aux_ids)
+        if params.temperature == 0:
+            best, bonus = verify_greedy(logits, tree)
+        else:
+            best, bonus = verify_sample(logits_to_probs(logits, params), tree, gen)
+        t_c = clock.now()
+        path = path_to(best, tree, spec.path_len)
+        compact(cache, cache_len_t, path)
+        n = tree.depth.gather(1, best[:, None])[:, 0] + 1  # path nodes now in the cache
+        path_tokens = tree.tokens.gather(1, path)
+        t_d = clock.now()
+        if aux is not None:
+            aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
+        drafter.observe(path_tokens, aux, n, bonus, cache_len_t)
+        t_e = clock.now()
+        host = torch.cat([n, path_tokens[0], bonus]).tolist()  # the round's one host sync
+        accepted = host[0] - 1
+        new = host[2:2 + accepted] + [host[-1]]
+        out += new
+        done = any(t in eos for t in new)
+        stats.accepted.append(accepted)
+        cache_len_t = cache_len_t + n
+        root = bonus
+        marks.append((t_a, t_b, t_c, t_d, t_e, clock.now()))
+    t_end = clock.now()
+
+    out = _cut(out[:params.max_new_tokens], eos)
+    stats.generated_tokens = len(out)
+    stats.prefill_ms = clock.ms(t0, t_prefill)
+    stats.wall_ms = clock.ms(t0, t_end)
+    for a, b, c, d, e, f in marks:
+        stats.draft_ms.append(clock.ms(a, b) + clock.ms(d, e))
+        stats.verify_ms.append(clock.ms(b, c))
+        stats.other_ms.append(clock.ms(c, d) + clock.ms(e, f))
+    return out, stats
+
+
+def _cut(row: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[:i + 1]
+    return row

@@ -1,0 +1,246 @@
+"""What the drafter trains on: tokenized samples, the target's features for them (computed
+online or read from shards written once by `fledge features`), and the target's next-token
+distribution over the draft vocab.
+
+Features of position t are the target's state after reading x_0..x_t:
+    aux[t]    cat of hidden_states[i] for the canonical aux ids (conventions.py), 3H wide
+    hidden[t] the final-norm state; the target's logits for x_{t+1} are its lm_head(hidden[t])
+
+Shards store `hidden`, not logits. Logits over a 32K draft vocab cost 64 KB a token in bf16;
+`hidden` costs 2H bytes (1.1 KB for H=576) and the target's head recomputes the logits
+exactly, through the same `TargetHead.view` the online path uses — so online and offline
+training see identical numbers when the shards hold fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save as st_save
+from tqdm import tqdm
+
+from fledge.conventions import default_aux_layer_ids, validate_aux_layer_ids
+from fledge.target import capture, load_target
+from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, read_jsonl
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# --------------------------------------------------------------------------- samples
+@dataclass
+class Sample:
+    id: str
+    index: int               # position among the kept samples of its file (= its feature row)
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # bool [T]: x_i is a token the drafter learns to predict
+
+    def step_counts(self, steps: int) -> torch.Tensor:
+        """Trained positions per TTT step: step j at row t predicts x_{t+2+j} (see train.py)."""
+        return torch.stack([self.loss_mask[2 + j:].sum() for j in range(steps)])
+
+
+def load_samples(path, max_len: int, vocab_size: int) -> list[Sample]:
+    """Read a tokenized training set, truncated to max_len; drop samples with nothing to train
+    (the first trained prediction is x_2, so masks on x_0/x_1 alone do not count)."""
+    samples = []
+    for lineno, rec in read_jsonl(path):
+        ids, mask = rec.get("input_ids"), rec.get("loss_mask")
+        if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+            raise FledgeError(f"{path}:{lineno}: needs 'input_ids' and 'loss_mask' lists of equal length")
+        ids, mask = torch.tensor(ids[:max_len], dtype=torch.int64), torch.tensor(mask[:max_len], dtype=torch.bool)
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise FledgeError(f"{path}:{lineno}: token id outside the target vocab [0, {vocab_size})")
+        if mask[2:].any():
+            samples.append(Sample(str(rec.get("id", lineno)), len(samples), ids, mask))
+    if not samples:
+        raise FledgeError(f"{path}: no sample has a loss-masked token after position 1 (max_len {max_len})")
+    return samples
+
+
+def file_digest(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def pad_batch(samples: list[Sample], multiple: int = 1):
+    """Right-pad to the longest sample, rounded up to `multiple` so lengths fall in a few
+    buckets (fewer shapes for kernels to tune for). Returns ids, loss_mask, attention_mask."""
+    t = max(len(s.input_ids) for s in samples)
+    t = -(-t // multiple) * multiple
+    ids = torch.zeros(len(samples), t, dtype=torch.int64)
+    mask = torch.zeros(len(samples), t, dtype=torch.bool)
+    attn = torch.zeros(len(samples), t, dtype=torch.int64)
+    for r, s in enumerate(samples):
+        n = len(s.input_ids)
+        ids[r, :n], mask[r, :n], attn[r, :n] = s.input_ids, s.loss_mask, 1
+    return ids, mask, attn
+
+
+# --------------------------------------------------------------------------- the target's side
+def aux_layer_ids_for(model, aux_layer_ids=None) -> tuple[int, int, int]:
+    n = model.config.get_text_config().num_hidden_layers
+    return validate_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids else default_aux_layer_ids(n)
+
+
+def online_features(model, aux_ids, ids, attn):
+    """(aux [B,T,3H], hidden [B,T,H]) from one no-grad target forward."""
+    with torch.no_grad():
+        cap = capture(model, ids, aux_ids, attention_mask=attn)
+    return cap.aux, cap.hidden
+
+
+@dataclass
+class TargetHead:
+    """The target's output head, and where its tokens sit in the draft vocab."""
+    weight: torch.Tensor        # [V, H] fp32
+    bias: torch.Tensor | None
+    softcap: float | None       # Gemma-style final logit soft-capping
+    draft_ids: torch.Tensor     # [Vd] target id of each draft id
+    to_draft: torch.Tensor      # [V] draft id of each target id, -1 outside the draft vocab
+
+    @classmethod
+    def from_model(cls, model, draft_ids: torch.Tensor, device) -> "TargetHead":
+        head = model.get_output_embeddings()
+        v = head.weight.shape[0]
+        to_draft = torch.full((v,), -1, dtype=torch.int64)
+        to_draft[draft_ids] = torch.arange(draft_ids.numel())
+        bias = None if getattr(head, "bias", None) is None else head.bias.detach().float().to(device)
+        return cls(head.weight.detach().float().to(device), bias,
+                   getattr(model.config.get_text_config(), "final_logit_softcapping", None),
+                   draft_ids.to(device), to_draft.to(device))
+
+    @torch.no_grad()
+    def view(self, hidden: torch.Tensor):
+        """(probs [..,Vd] the target's softmax restricted to the draft vocab and renormalised,
+        top [..] the draft id of the target's argmax over its FULL vocab, -1 if outside)."""
+        logits = F.linear(hidden.float(), self.weight, self.bias)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        top = self.to_draft[logits.argmax(-1)]
+        return logits[..., self.draft_ids].softmax(-1), top
+
+
+# --------------------------------------------------------------------------- shards on disk
+def _shard_path(root: Path, i: int) -> Path:
+    return root / f"shard_{i:05d}.safetensors"
+
+
+def write_features(model, aux_ids, samples: list[Sample], out, meta: dict, dtype: str = "bf16",
+                   shard_size: int = 256, batch_size: int = 8, device="cpu") -> dict:
+    """Write aux+hidden for every sample, `shard_size` samples a shard. Resumable: a shard
+    that exists is complete (each is written atomically), so a rerun computes only the rest.
+    `meta` identifies the data and target; a directory holding other features is refused."""
+    out = Path(out)
+    meta = {**meta, "aux_layer_ids": list(aux_ids), "dtype": dtype, "shard_size": shard_size,
+            "num_samples": len(samples), "hidden_size": model.config.get_text_config().hidden_size}
+    if (out / "meta.json").exists():
+        old = json.loads((out / "meta.json").read_text())
+        if old != meta:
+            diff = sorted(k for k in meta if old.get(k) != meta[k])
+            raise FledgeError(f"{out}: holds features of another run ({', '.join(diff)} differ); use a new --out")
+    else:
+        atomic_write_json(out / "meta.json", meta)
+    todo = [i for i in range(math.ceil(len(samples) / shard_size)) if not _shard_path(out, i).exists()]
+    for i in tqdm(todo, desc="features", unit="shard"):
+        chunk = samples[i * shard_size:(i + 1) * shard_size]
+        aux, hidden = [], []
+        for b in range(0, len(chunk), batch_size):
+            part = chunk[b:b + batch_size]
+            ids, _, attn = pad_batch(part)
+            a, h = online_features(model, aux_ids, ids.to(device), attn.to(device))
+            for r, s in enumerate(part):
+                aux.append(a[r, :len(s.input_ids)].to("cpu", DTYPES[dtype]))
+                hidden.append(h[r, :len(s.input_ids)].to("cpu", DTYPES[dtype]))
+        lengths = torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64)
+        atomic_write_bytes(_shard_path(out, i), st_save({"aux": torch.cat(aux), "hidden": torch.cat(hidden),
+                                                         "lengths": lengths}))
+    return meta
+
+
+class FeatureStore:
+    """Random access to the features of sample i, read lazily from its shard."""
+
+    def __init__(self, root, expect: dict, hidden_size: int):
+        self.root = Path(root)
+        if not (self.root / "meta.json").exists():
+            raise FledgeError(f"{self.root}: no meta.json (not a `fledge features` directory)")
+        self.meta = json.loads((self.root / "meta.json").read_text())
+        for k, v in expect.items():
+            if self.meta.get(k) != v:
+                raise FledgeError(f"{self.root}: features were made with {k}={self.meta.get(k)!r}, this run has {v!r}")
+        n_shards = math.ceil(self.meta["num_samples"] / self.meta["shard_size"])
+        missing = [i for i in range(n_shards) if not _shard_path(self.root, i).exists()]
+        if missing:
+            raise FledgeError(f"{self.root}: {len(missing)} of {n_shards} shards missing; rerun `fledge features` to finish")
+        self._open: dict[int, tuple] = {}
+        aux, hidden, _ = self._shard(0)
+        if hidden.get_shape()[-1] != hidden_size or aux.get_shape()[-1] != 3 * hidden_size:
+            raise FledgeError(f"{self.root}: feature widths aux {aux.get_shape()[-1]}, hidden {hidden.get_shape()[-1]}; "
+                              f"the target needs 3xH={3 * hidden_size} and H={hidden_size}")
+
+    def _shard(self, i):
+        if i not in self._open:
+            f = safe_open(str(_shard_path(self.root, i)), "pt")
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), f.get_tensor("lengths").cumsum(0)])
+            self._open[i] = (f.get_slice("aux"), f.get_slice("hidden"), offsets, f)
+        return self._open[i][:3]
+
+    def get(self, i: int):
+        aux, hidden, off = self._shard(i // self.meta["shard_size"])
+        r = i % self.meta["shard_size"]
+        a, b = int(off[r]), int(off[r + 1])
+        return aux[a:b], hidden[a:b]
+
+    def batch(self, indices, t: int, device):
+        """Padded (aux [B,t,3H], hidden [B,t,H]) in fp32 on `device`."""
+        out_a = torch.zeros(len(indices), t, 3 * self.meta["hidden_size"])
+        out_h = torch.zeros(len(indices), t, self.meta["hidden_size"])
+        for r, i in enumerate(indices):
+            a, h = self.get(i)
+            out_a[r, :len(a)], out_h[r, :len(h)] = a.float(), h.float()
+        return out_a.to(device), out_h.to(device)
+
+
+def features_meta(target_name: str, data_path, max_len: int) -> dict:
+    """What makes two feature directories interchangeable: the target, the data, the cut."""
+    return {"target": target_name, "data_sha": file_digest(data_path), "max_len": max_len}
+
+
+def run_features(args) -> int:
+    target = load_target(args.target)
+    device = torch.device(args.device)
+    model = target.model.to(device).eval()
+    vocab = model.config.get_text_config().vocab_size
+    samples = load_samples(args.data, args.max_len, vocab)
+    aux_ids = aux_layer_ids_for(model, args.aux_layers)
+    meta = write_features(model, aux_ids, samples, args.out, features_meta(target.name, args.data, args.max_len),
+                          args.dtype, args.shard_size, args.batch_size, device)
+    tokens = sum(len(s.input_ids) for s in samples)
+    per_token = 4 * meta["hidden_size"] * DTYPES[args.dtype].itemsize
+    print(f"{len(samples)} samples, {tokens} tokens, {per_token} bytes/token ({per_token * tokens / 2**30:.2f} GiB) in {args.out}")
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("features", help="write target features (aux + final hidden) for offline training")
+    p.add_argument("--target", required=True, help="target model (path or built-in name)")
+    p.add_argument("--data", required=True, help="tokenized training set JSONL")
+    p.add_argument("--out", required=True, help="feature directory (resumed if it exists)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="storage dtype (fp32 for exact parity)")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--aux-layers", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="canonical aux layer ids, e.g. 2,15,27 (default: conventions)")
+    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.set_defaults(func=run_features)

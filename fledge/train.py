@@ -1,0 +1,527 @@
+"""`fledge train`: EAGLE-3 training-time test (TTT), single process or torchrun (DDP / FSDP2).
+
+Alignment (x = token ids, aux_t = the target's 3 aux states after reading x_0..x_t):
+  step 0, row t: the draft reads aux_t and embed(x_{t+1}) at position t and predicts x_{t+2};
+          its target is the target's distribution at position t+1 (the one that produced x_{t+2}).
+  step j, row t: it reads its own step j-1 output at row t and embed(x_{t+1+j}) at position t+j,
+          predicts x_{t+2+j} against the target's distribution at position t+1+j.
+  Row t is trained at step j iff loss_mask[t+2+j] (the predicted token is an assistant token).
+Keys at step j are [step-0 keys | step-1 keys | ... | step-j keys]: causal over step 0 (the
+context the target verified) and only the same row in later steps (the row's own earlier
+drafts). That is exactly what a draft sees at inference with a KV cache after context row t
+(tests/test_train.py checks the two against each other).
+
+Losses are sums over trained rows divided by the global count of trained rows of the whole
+optimizer step (known from the data alone), so any split across ranks and micro-batches gives
+the same gradient: two ranks with batch b equal one rank with batch 2b.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from fledge.checkpoint import export_checkpoint, load_checkpoint
+from fledge.config import DraftConfig
+from fledge.conventions import accept_length
+from fledge.draft import Eagle3Draft
+from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, features_meta, load_samples,
+                             online_features, pad_batch)
+from fledge.util import FledgeError, atomic_dir, atomic_write_bytes, atomic_write_text, read_jsonl
+from fledge.vocab import load_vocab_ids
+
+# Fields that change nothing about the numbers, so a resume may differ in them.
+RESUME_FREE = {"out", "log_every", "eval_every", "save_every", "compile", "device"}
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out: str
+    target: str = "smollm2-135m"
+    vocab: str | None = None          # d2t/t2d file (`fledge vocab`); None: draft vocab = target vocab
+    init: str | None = None           # warm start from an exported drafter directory
+    features: str | None = None       # offline feature directory; None: run the target online
+    eval_data: str | None = None      # held-out set; None: `eval_samples` split off the training set
+    eval_samples: int = 64
+    aux_layers: tuple[int, ...] | None = None
+    max_len: int = 2048
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    batch_size: int = 8               # sequences per rank per micro-batch
+    grad_accum: int = 1
+    epochs: int = 1
+    max_steps: int | None = None      # optimizer steps; None: `epochs` passes
+    lr: float = 1e-4
+    warmup: float = 0.03              # share of steps with linear warm-up
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    seed: int = 0
+    parallel: str = "ddp"             # ddp | fsdp (FSDP2 fully_shard), when run under torchrun
+    bf16: bool = True                 # bf16 autocast (CUDA only)
+    compile: bool = False
+    pad_multiple: int = 64
+    log_every: int = 10
+    eval_every: int = 200
+    save_every: int = 200
+    device: str | None = None
+
+    def __post_init__(self):
+        if self.aux_layers is not None:
+            self.aux_layers = tuple(self.aux_layers)
+        checks = [(self.ttt_steps >= 1, "ttt_steps must be >= 1"), (0 < self.step_decay <= 1, "step_decay must be in (0, 1]"),
+                  (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
+                  (self.max_len >= 3, "max_len must be >= 3"), (self.lr > 0, "lr must be > 0"),
+                  (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
+                  (self.parallel in ("ddp", "fsdp"), f"parallel {self.parallel!r}: ddp or fsdp"),
+                  (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
+                  (min(self.log_every, self.eval_every, self.save_every, self.epochs) >= 1, "intervals/epochs must be >= 1"),
+                  (not (self.init and self.vocab), "--init brings its own vocab; drop --vocab")]
+        for ok, msg in checks:
+            if not ok:
+                raise FledgeError(f"train config: {msg}")
+        for name in ("data", "vocab", "init", "features", "eval_data"):
+            if getattr(self, name) and not Path(getattr(self, name)).exists():
+                raise FledgeError(f"--{name.replace('_', '-')} {getattr(self, name)}: does not exist")
+
+
+# --------------------------------------------------------------------------- the TTT forward
+def shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, t + n] at column t, zero past the end."""
+    return torch.cat([x[:, n:], x.new_zeros(x.shape[0], min(n, x.shape[1]), *x.shape[2:])], 1)
+
+
+def ttt_mask(t: int, step: int, device) -> torch.Tensor:
+    """[1,1,t,(step+1)t] bool: causal over step-0 keys, own row (the diagonal) in later steps."""
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, 1)[None, None]
+
+
+def unroll(draft: Eagle3Draft, ids, aux, steps: int) -> list[torch.Tensor]:
+    """Per-step draft outputs [B,T,H] (pre-norm) of the training-time test; see module doc."""
+    b, t = ids.shape
+    hidden, keys, values, outs = aux, [], [], []
+    for j in range(steps):
+        pos = (torch.arange(t, device=ids.device) + j).expand(b, t)
+        q, k, v, residual = draft.project(shift(ids, 1 + j), hidden, pos)
+        keys.append(k)
+        values.append(v)
+        hidden = draft.attend(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(t, j, ids.device), residual)
+        outs.append(hidden)
+    return outs
+
+
+class TTT(nn.Module):
+    """The draft plus its unrolled loss, as one module so DDP/FSDP2 hooks see one forward."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float):
+        super().__init__()
+        self.draft, self.steps, self.decay = draft, steps, decay
+
+    def forward(self, ids, aux, probs, top, loss_mask, norm):
+        """Returns (loss, stats [3, steps] = summed soft CE, top-1 hits, trained rows).
+        `norm[j]` divides step j's summed CE (global trained rows / world size)."""
+        loss, stats = 0.0, []
+        for j, out in enumerate(unroll(self.draft, ids, aux, self.steps)):
+            b, t = shift(loss_mask, 2 + j).nonzero(as_tuple=True)
+            logp = self.draft.logits(out[b, t]).float().log_softmax(-1)
+            ce = -(probs[b, t + 1 + j] * logp).sum()
+            hits = (logp.argmax(-1) == top[b, t + 1 + j]).sum()  # top is -1 outside the draft vocab: a miss
+            loss = loss + self.decay ** j * ce / norm[j]
+            stats.append(torch.stack([ce.detach(), hits.float(), torch.tensor(float(b.numel()), device=ce.device)]))
+        return loss, torch.stack(stats, 1)
+
+
+def summarize(stats: torch.Tensor) -> dict:
+    """Per-step loss/accuracy and the simulated accept length (SpecForge's, bonus excluded; and
+    SGLang's, bonus included, via conventions.accept_length)."""
+    ce, hits, n = stats.double().clamp_min(0).unbind(0)
+    acc = (hits / n.clamp_min(1)).tolist()
+    accepted = sum(math.prod(acc[:j + 1]) for j in range(len(acc)))  # P(first j+1 drafts all right)
+    return {"loss": (ce / n.clamp_min(1)).tolist(), "acc": acc, "accept_len_no_bonus": accepted,
+            "accept_len": accept_length(accepted, 1)}
+
+
+# --------------------------------------------------------------------------- data order
+def epoch_batches(lengths: list[int], global_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """Shuffled global batches of similar lengths (sorted within windows of 32 batches, so a
+    micro-batch pads little), a pure function of (seed, epoch): resuming needs only the step."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    win = 32 * global_batch
+    order = [i for w in range(0, len(perm), win) for i in sorted(perm[w:w + win], key=lambda i: lengths[i])]
+    batches = [order[i:i + global_batch] for i in range(0, len(order) - global_batch + 1, global_batch)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def split_eval(samples: list[Sample], cfg: TrainConfig, vocab: int) -> tuple[list[Sample], list[Sample]]:
+    if cfg.eval_data:
+        return samples, load_samples(cfg.eval_data, cfg.max_len, vocab)
+    n = min(cfg.eval_samples, len(samples) // 10)
+    perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    return [samples[i] for i in sorted(perm[n:])], [samples[i] for i in sorted(perm[:n])]
+
+
+# --------------------------------------------------------------------------- the run
+@dataclass
+class Run:
+    """Everything a step needs, built once by `setup`."""
+    cfg: TrainConfig
+    model: nn.Module       # TTT, wrapped for DDP (or sharded in place by FSDP2)
+    ttt: TTT               # the unwrapped module (state dicts)
+    target: nn.Module
+    target_name: str
+    head: TargetHead
+    aux_ids: tuple
+    store: FeatureStore | None
+    train: list[Sample]
+    evals: list[Sample]
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    total_steps: int
+    per_epoch: int         # optimizer steps per pass over the training set
+    rank: int
+    world: int
+    device: torch.device
+    plan: dict = dataclasses.field(default_factory=dict)  # epoch -> its global batches
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.world * self.cfg.grad_accum
+
+
+def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
+    model = target.model
+    tcfg = model.config.get_text_config()
+    if cfg.init:
+        draft = load_checkpoint(cfg.init, embed_from=model)
+        if (draft.cfg.hidden_size, draft.cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+            raise FledgeError(f"--init {cfg.init}: drafter for H={draft.cfg.hidden_size}, vocab {draft.cfg.vocab_size}; "
+                              f"target has H={tcfg.hidden_size}, vocab {tcfg.vocab_size}")
+        return draft
+    if cfg.vocab:
+        ids, vocab = load_vocab_ids(cfg.vocab)
+        if vocab != tcfg.vocab_size:
+            raise FledgeError(f"--vocab {cfg.vocab}: made for a {vocab}-token vocab; the target has {tcfg.vocab_size}")
+    else:
+        ids = torch.arange(tcfg.vocab_size)
+    dcfg = DraftConfig.from_target(tcfg, draft_vocab_size=ids.numel(), aux_layer_ids=cfg.aux_layers)
+    return Eagle3Draft.from_target(dcfg, model, ids)
+
+
+def setup(cfg: TrainConfig, target) -> Run:
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    device = torch.device(cfg.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    model = target.model.to(device).eval()
+    if device.type == "cuda" and cfg.bf16:
+        model = model.to(torch.bfloat16)  # the served target runs bf16: train on the features it produces
+    tcfg = model.config.get_text_config()
+    samples = load_samples(cfg.data, cfg.max_len, tcfg.vocab_size)
+    store = None
+    if cfg.features:
+        store = FeatureStore(cfg.features, {**features_meta(target.name, cfg.data, cfg.max_len),
+                                            "num_samples": len(samples)}, tcfg.hidden_size)
+    train, evals = split_eval(samples, cfg, tcfg.vocab_size)
+    if cfg.features and cfg.eval_data:
+        raise FledgeError("--eval-data with --features: held-out features are not on disk; use --eval-samples")
+    draft = build_draft(cfg, target)
+    aux_ids = aux_layer_ids_for(model, draft.cfg.aux_layer_ids)
+    if store and tuple(store.meta["aux_layer_ids"]) != aux_ids:
+        raise FledgeError(f"--features {cfg.features}: aux layers {store.meta['aux_layer_ids']}, drafter reads {list(aux_ids)}")
+    ttt = TTT(draft, cfg.ttt_steps, cfg.step_decay).to(device)
+    wrapped = parallelize(ttt, cfg.parallel, world, device)
+    per_epoch = len(train) // (cfg.batch_size * world * cfg.grad_accum)
+    if per_epoch == 0:
+        raise FledgeError(f"{cfg.data}: {len(train)} training samples, fewer than one global batch "
+                          f"({cfg.batch_size} x {world} ranks x {cfg.grad_accum} accumulation)")
+    total = cfg.max_steps or per_epoch * cfg.epochs
+    opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=cfg.lr,
+                            betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    warm = max(1, int(cfg.warmup * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, total - warm))))))
+    if cfg.compile:
+        wrapped = torch.compile(wrapped, dynamic=True)
+    return Run(cfg, wrapped, ttt, model, target.name, TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
+               store, train, evals, opt, sched, total, per_epoch, rank, world, device)
+
+
+def parallelize(ttt: TTT, how: str, world: int, device) -> nn.Module:
+    if world == 1:
+        return ttt
+    if how == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(ttt.draft.midlayer)
+        fully_shard(ttt)
+        return ttt
+    return nn.parallel.DistributedDataParallel(ttt, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def batch_tensors(run: Run, samples: list[Sample], from_store: bool):
+    """(ids, loss_mask, aux, probs, top) for one micro-batch, on the run's device."""
+    ids, mask, attn = (x.to(run.device) for x in pad_batch(samples, run.cfg.pad_multiple))
+    if run.store is not None and from_store:
+        aux, hidden = run.store.batch([s.index for s in samples], ids.shape[1], run.device)
+    else:
+        aux, hidden = online_features(run.target, run.aux_ids, ids, attn)
+    probs, top = run.head.view(hidden)
+    return ids, mask, aux, probs, top
+
+
+def autocast(run: Run):
+    return torch.autocast("cuda", torch.bfloat16, enabled=run.device.type == "cuda" and run.cfg.bf16)
+
+
+def train_step(run: Run, step: int) -> tuple[torch.Tensor, int]:
+    """One optimizer step over global batch `step`; returns the all-reduced stats [3, k] and
+    the target tokens of the global batch."""
+    cfg = run.cfg
+    epoch, i = divmod(step, run.per_epoch)
+    if epoch not in run.plan:
+        run.plan = {epoch: epoch_batches([len(s.input_ids) for s in run.train], run.global_batch, cfg.seed, epoch)}
+    batch = run.plan[epoch][i]
+    norm = sum(run.train[i].step_counts(cfg.ttt_steps) for i in batch).clamp_min(1).to(run.device) / run.world
+    stats = torch.zeros(3, cfg.ttt_steps, device=run.device)
+    for m in range(cfg.grad_accum):
+        idx = batch[(m * run.world + run.rank) * cfg.batch_size:][:cfg.batch_size]
+        ids, mask, aux, probs, top = batch_tensors(run, [run.train[i] for i in idx], True)
+        with grad_sync(run.model, m == cfg.grad_accum - 1), autocast(run):
+            loss, s = run.model(ids, aux, probs, top, mask, norm)
+        loss.backward()
+        stats += s
+    torch.nn.utils.clip_grad_norm_([p for p in run.ttt.parameters() if p.requires_grad], cfg.clip)
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    return all_reduce(stats), sum(len(run.train[i].input_ids) for i in batch)
+
+
+def grad_sync(model, sync: bool):
+    """Skip the gradient all-reduce on all but the last accumulation micro-batch."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not sync:
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    """Held-out stats; each rank takes every world-th sample. Online features (the held-out
+    set is not in the feature shards unless it was split off the training set)."""
+    mine = sorted(run.evals[run.rank::run.world], key=lambda s: len(s.input_ids))
+    stats = torch.zeros(3, run.cfg.ttt_steps, device=run.device)
+    ones = torch.ones(run.cfg.ttt_steps, device=run.device)
+    for b in range(0, len(mine), run.cfg.batch_size):
+        ids, mask, aux, probs, top = batch_tensors(run, mine[b:b + run.cfg.batch_size], False)
+        with autocast(run):
+            stats += run.ttt(ids, aux, probs, top, mask, ones)[1]
+    return summarize(all_reduce(stats))
+
+
+# --------------------------------------------------------------------------- checkpoints
+def resume_key(run: Run) -> dict:
+    """What must match for a checkpoint to continue this run exactly."""
+    keep = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k not in RESUME_FREE}
+    return json.loads(json.dumps({**keep, "aux_layers": list(run.aux_ids), "world": run.world,
+                                  "data_sha": features_meta("", run.cfg.data, run.cfg.max_len)["data_sha"]}))
+
+
+def full_state(run: Run):
+    """Full (unsharded) model and optimizer state dicts on the CPU; a collective under FSDP2."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    return get_state_dict(run.ttt, run.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(run: Run, step: int, key: dict) -> None:
+    model_sd, optim_sd = full_state(run)
+    if run.rank == 0:
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None}
+        with atomic_dir(Path(run.cfg.out) / "checkpoint", overwrite=True) as tmp:
+            torch.save({"model": model_sd, "optim": optim_sd, "sched": run.sched.state_dict(), "step": step,
+                        "rng": rng}, tmp / "state.pt")
+            (tmp / "meta.json").write_text(json.dumps({"step": step, "key": key}, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_checkpoint_state(run: Run, key: dict) -> int:
+    """Restore weights, optimizer, schedule and RNG from `<out>/checkpoint`; return its step
+    (0 if there is none). The data position is the step itself (see epoch_batches)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    ck = Path(run.cfg.out) / "checkpoint"
+    if not (ck / "meta.json").exists():
+        return 0
+    old = json.loads((ck / "meta.json").read_text())["key"]
+    if old != key:
+        diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
+        raise FledgeError(f"{ck}: checkpoint of another config ({', '.join(diff)} differ); use a new --out")
+    state = torch.load(ck / "state.pt", map_location="cpu", weights_only=False)
+    set_state_dict(run.ttt, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+    run.sched.load_state_dict(state["sched"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    if state["rng"]["cuda"] is not None and run.device.type == "cuda":
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["step"]
+
+
+def export(run: Run) -> Path:
+    """Write the served checkpoint (rank 0) from the full state: works sharded or not."""
+    model_sd, _ = full_state(run)
+    out = Path(run.cfg.out) / "draft"
+    if run.rank == 0:
+        draft = Eagle3Draft(run.ttt.draft.cfg)
+        draft.load_state_dict({k.removeprefix("draft."): v for k, v in model_sd.items()})
+        export_checkpoint(draft, out, layout="eagle3", verifier=run.target_name, overwrite=True)
+    return out
+
+
+# --------------------------------------------------------------------------- logging
+def write_curves(path: Path, history: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for kind, style in (("train", "-"), ("eval", "o-")):
+        rows = [r for r in history if r["kind"] == kind]
+        if rows:
+            steps = [r["step"] for r in rows]
+            axes[0].plot(steps, [r["objective"] for r in rows], style, label=kind)
+            axes[1].plot(steps, [r["acc"][0] for r in rows], style, label=f"{kind} step 0")
+            axes[2].plot(steps, [r["accept_len"] for r in rows], style, label=f"{kind} (with bonus)")
+    for ax, title in zip(axes, ("weighted soft CE", "top-1 accuracy, step 0", "simulated accept length")):
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def record(kind: str, step: int, stats: dict, decay: float, **extra) -> dict:
+    objective = sum(decay ** j * v for j, v in enumerate(stats["loss"]))
+    return {"kind": kind, "step": step, "objective": objective, **stats, **extra}
+
+
+def print_table(rec: dict) -> None:
+    print(f"{'step':>5} {'soft CE':>8} {'acc':>6}")
+    for j, (l, a) in enumerate(zip(rec["loss"], rec["acc"])):
+        print(f"{j:>5} {l:8.4f} {a:6.3f}")
+    print(f"simulated accept length: {rec['accept_len']:.3f} with the bonus token (SGLang), "
+          f"{rec['accept_len_no_bonus']:.3f} without (SpecForge)")
+
+
+# --------------------------------------------------------------------------- the loop
+def train(cfg: TrainConfig, target) -> dict:
+    """Train (resuming from `<out>/checkpoint` if present); returns the last eval record."""
+    run = setup(cfg, target)
+    out = Path(cfg.out)
+    key = resume_key(run)
+    start = load_checkpoint_state(run, key)  # refuses a foreign checkpoint before anything is written
+    metrics = out / "metrics.jsonl"
+    history = [r for _, r in read_jsonl(metrics, on_bad=lambda *a: None)] if start and metrics.exists() else []
+    history = [r for r in history if r["step"] <= start]  # later lines belong to the killed attempt
+    if run.rank == 0:
+        atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in history))
+    bar = tqdm(total=run.total_steps, initial=start, unit="step", disable=run.rank != 0)
+    last = {}
+    t0, tokens, window = time.perf_counter(), 0, torch.zeros(3, cfg.ttt_steps)
+    with open(metrics, "a") if run.rank == 0 else contextlib.nullcontext() as f:
+        for step in range(start, run.total_steps):
+            stats, ntok = train_step(run, step)
+            tokens, window = tokens + ntok, window + stats.cpu()
+            done = step + 1
+            new = []
+            if done % cfg.log_every == 0 or done == run.total_steps:
+                dt = time.perf_counter() - t0
+                new.append(record("train", done, summarize(window), cfg.step_decay, lr=run.sched.get_last_lr()[0],
+                                  target_tok_s=tokens / dt))
+                bar.set_postfix(loss=f"{new[-1]['objective']:.3f}", acc0=f"{new[-1]['acc'][0]:.2f}",
+                                tok_s=f"{tokens / dt:.0f}")
+                t0, tokens, window = time.perf_counter(), 0, torch.zeros_like(window)
+            if done % cfg.eval_every == 0 or done == run.total_steps:
+                last = record("eval", done, evaluate(run), cfg.step_decay) if run.evals else last
+                new += [last] if last else []
+            if run.rank == 0:
+                for r in new:
+                    f.write(json.dumps(r) + "\n")
+                f.flush()
+                history += new
+                if any(r["kind"] == "eval" for r in new):
+                    write_curves(out / "curves.png", history)
+            if done % cfg.save_every == 0 or done == run.total_steps:
+                save_checkpoint(run, done, key)
+            bar.update(1)
+    bar.close()
+    path = export(run)
+    if dist.is_initialized():
+        dist.barrier()
+    return {"draft": str(path), "eval": last, "steps": run.total_steps}
+
+
+def run_train(args) -> int:
+    from fledge.target import load_target
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    result = train(cfg, load_target(cfg.target))
+    if int(os.environ.get("RANK", 0)) == 0:
+        if result["eval"]:
+            print_table(result["eval"])
+        atomic_write_text(Path(cfg.out) / "result.json", json.dumps(result, indent=1) + "\n")
+        print(f"drafter: {result['draft']}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("train", help="train an EAGLE-3 drafter (TTT); run under torchrun for several GPUs")
+    p.add_argument("--data", required=True, help="tokenized training set JSONL")
+    p.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
+    p.add_argument("--target", help="target model (path or built-in name; default smollm2-135m)")
+    p.add_argument("--vocab", help="d2t/t2d file from `fledge vocab`")
+    p.add_argument("--init", help="warm start from an exported drafter directory")
+    p.add_argument("--features", help="offline feature directory from `fledge features` (default: online)")
+    p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
+    p.add_argument("--eval-samples", type=int)
+    p.add_argument("--aux-layers", type=lambda s: tuple(int(x) for x in s.split(",")), help="canonical ids, e.g. 2,15,27")
+    for name, typ in (("max-len", int), ("ttt-steps", int), ("step-decay", float), ("batch-size", int),
+                      ("grad-accum", int), ("epochs", int), ("max-steps", int), ("lr", float), ("warmup", float),
+                      ("weight-decay", float), ("clip", float), ("seed", int), ("pad-multiple", int),
+                      ("log-every", int), ("eval-every", int), ("save-every", int)):
+        p.add_argument(f"--{name}", type=typ, help=f"default {getattr(TrainConfig, name.replace('-', '_'))}")
+    p.add_argument("--parallel", choices=["ddp", "fsdp"])
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the draft step")
+    p.add_argument("--device")
+    p.set_defaults(func=run_train)

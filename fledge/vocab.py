@@ -1,0 +1,219 @@
+"""`fledge vocab`: the draft vocabulary (d2t/t2d) from loss-masked token frequencies, its
+coverage on held-out data, and how two drafters' vocabularies differ.
+
+The draft vocab is the N target tokens the drafter is trained to predict most often (tokens at
+loss_mask 1), ties broken by the lower target id, ids unseen in training filling any shortfall
+in ascending order: the same data always gives the same vocab. Coverage — the share of
+held-out trained tokens inside the vocab — bounds per-token acceptance: a token outside the
+draft vocab can never be drafted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as st_save
+from tqdm import tqdm
+
+from fledge.conventions import d2t_from_target_ids, t2d_from_target_ids, target_ids_from_d2t
+from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, read_jsonl
+
+
+def _masked_tokens(record: dict, path) -> torch.Tensor:
+    ids, mask = record.get("input_ids"), record.get("loss_mask")
+    if ids is None or mask is None or len(ids) != len(mask):
+        raise FledgeError(f"{path}: record {record.get('id')!r} is not a tokenized sample (input_ids/loss_mask)")
+    ids, mask = torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
+    return ids[mask]
+
+
+def count_masked_tokens(dataset_path, target_vocab: int) -> torch.Tensor:
+    """Counts [target_vocab] of the tokens at loss_mask 1 in a tokenized training set."""
+    counts = torch.zeros(target_vocab, dtype=torch.int64)
+    for _, rec in tqdm(read_jsonl(dataset_path), desc=f"count {Path(dataset_path).name}", unit="sample"):
+        toks = _masked_tokens(rec, dataset_path)
+        if toks.numel() and (toks.min() < 0 or toks.max() >= target_vocab):
+            raise FledgeError(f"{dataset_path}: record {rec.get('id')!r} has token ids outside [0, {target_vocab})")
+        counts += torch.bincount(toks, minlength=target_vocab)
+    return counts
+
+
+def _as_counts(token_counts_or_dataset, target_vocab: int) -> torch.Tensor:
+    x = token_counts_or_dataset
+    if isinstance(x, (str, Path)):
+        return count_masked_tokens(x, target_vocab)
+    if isinstance(x, Mapping):
+        counts = torch.zeros(target_vocab, dtype=torch.int64)
+        for tok, n in x.items():
+            if not 0 <= int(tok) < target_vocab:
+                raise FledgeError(f"token id {tok} outside [0, {target_vocab})")
+            counts[int(tok)] = int(n)
+        return counts
+    counts = torch.as_tensor(x, dtype=torch.int64).flatten()
+    if counts.numel() != target_vocab:
+        raise FledgeError(f"token counts have {counts.numel()} entries, target vocab is {target_vocab}")
+    return counts
+
+
+def top_target_ids(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """The draft vocab's target ids, ascending: top-N by count, ties to the lower id."""
+    if not 0 < draft_vocab_size <= counts.numel():
+        raise FledgeError(f"draft vocab size {draft_vocab_size} must be in [1, {counts.numel()}]")
+    order = torch.sort(counts, descending=True, stable=True).indices  # stable: ties keep id order
+    return torch.sort(order[:draft_vocab_size]).values
+
+
+def build_vocab(token_counts_or_dataset, target_vocab: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from a tokenized dataset path, a {token: count} mapping or a dense count
+    vector over the target vocab."""
+    ids = top_target_ids(_as_counts(token_counts_or_dataset, target_vocab), draft_vocab_size)
+    return d2t_from_target_ids(ids, target_vocab), t2d_from_target_ids(ids, target_vocab)
+
+
+def coverage(target_ids, dataset_path) -> float:
+    """Share of the loss-masked tokens in a tokenized set that the draft vocab contains."""
+    ids = torch.as_tensor(target_ids, dtype=torch.int64)
+    inside = torch.zeros(int(ids.max()) + 1, dtype=torch.bool)
+    inside[ids] = True
+    hit = total = 0
+    for _, rec in read_jsonl(dataset_path):
+        toks = _masked_tokens(rec, dataset_path)
+        total += toks.numel()
+        toks = toks[(toks >= 0) & (toks < inside.numel())]
+        hit += int(inside[toks].sum())
+    if total == 0:
+        raise FledgeError(f"{dataset_path}: no loss-masked tokens to measure coverage on")
+    return hit / total
+
+
+def diff_vocab(a_target_ids, b_target_ids) -> dict:
+    """How two draft vocabs differ: d2t entries that differ position by position (what the
+    K2 vs K2.5 comparison counted) and the overlap of the target-id sets."""
+    a = torch.as_tensor(a_target_ids, dtype=torch.int64).flatten()
+    b = torch.as_tensor(b_target_ids, dtype=torch.int64).flatten()
+    n = min(a.numel(), b.numel())
+    differ = int((a[:n] != b[:n]).sum()) + abs(a.numel() - b.numel())
+    sa, sb = set(a.tolist()), set(b.tolist())
+    both = len(sa & sb)
+    return {"size_a": a.numel(), "size_b": b.numel(), "entries_differ": differ, "overlap": both,
+            "only_a": len(sa - sb), "only_b": len(sb - sa),
+            "overlap_share_a": both / max(len(sa), 1), "jaccard": both / max(len(sa | sb), 1)}
+
+
+# --------------------------------------------------------------------------- files
+def save_vocab(path, target_ids: torch.Tensor, target_vocab: int, stats: dict) -> None:
+    """safetensors {d2t, t2d} plus `<path>.json` with the stats."""
+    tensors = {"d2t": d2t_from_target_ids(target_ids, target_vocab),
+               "t2d": t2d_from_target_ids(target_ids, target_vocab)}
+    atomic_write_bytes(path, st_save(tensors))
+    atomic_write_json(Path(path).with_suffix(".json"), stats)
+
+
+def _weights_file(ckpt_dir: Path) -> Path:
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.exists():
+        shard = json.loads(index.read_text()).get("weight_map", {}).get("d2t")
+        if shard is None:
+            raise FledgeError(f"{index}: no d2t tensor in the checkpoint")
+        return ckpt_dir / shard
+    return ckpt_dir / "model.safetensors"
+
+
+def load_vocab_ids(path) -> tuple[torch.Tensor, int]:
+    """(target ids, target vocab) from a vocab file or a drafter checkpoint directory."""
+    path = Path(path)
+    file = _weights_file(path) if path.is_dir() else path
+    if not file.is_file():
+        raise FledgeError(f"{path}: no vocab file or model.safetensors")
+    with safe_open(str(file), framework="pt") as f:
+        keys = set(f.keys())
+        if "d2t" not in keys:
+            raise FledgeError(f"{file}: no d2t tensor")
+        d2t = f.get_tensor("d2t")
+        t2d = f.get_tensor("t2d") if "t2d" in keys else None
+    if t2d is not None:
+        target_vocab = t2d.numel()
+    elif path.is_dir() and (path / "config.json").exists():
+        target_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    else:
+        raise FledgeError(f"{file}: no t2d and no config.json to tell the target vocab size")
+    return target_ids_from_d2t(d2t, target_vocab), target_vocab
+
+
+def _target_vocab(args) -> int:
+    if args.target_vocab:
+        return args.target_vocab
+    if not args.target:
+        raise FledgeError("give --target-vocab N or --target DIR (an HF dir with config.json)")
+    path = Path(args.target)
+    if not path.is_dir():
+        try:
+            from fledge.target import resolve_target
+        except ImportError:
+            raise FledgeError(f"--target {args.target}: not a directory") from None
+        path = Path(resolve_target(args.target))
+    cfg = json.loads((path / "config.json").read_text())
+    return int((cfg.get("text_config") or cfg)["vocab_size"])
+
+
+# --------------------------------------------------------------------------- CLI
+def _print_rows(rows) -> None:
+    from fledge.data import print_table
+
+    print_table([[k, v if not isinstance(v, float) else f"{v:.4f}"] for k, v in rows])
+
+
+def run_build(args) -> int:
+    target_vocab = _target_vocab(args)
+    counts = count_masked_tokens(args.dataset, target_vocab)
+    ids = top_target_ids(counts, args.size)
+    total = int(counts.sum())
+    stats = {"dataset": str(args.dataset), "target_vocab": target_vocab, "draft_vocab_size": args.size,
+             "masked_tokens": total, "distinct_tokens": int((counts > 0).sum()),
+             "unseen_in_vocab": int((counts[ids] == 0).sum()), "min_count_in_vocab": int(counts[ids].min()),
+             "train_coverage": int(counts[ids].sum()) / max(total, 1)}
+    if args.heldout:
+        stats["heldout_coverage"] = coverage(ids, args.heldout)
+    save_vocab(args.out, ids, target_vocab, stats)
+    _print_rows(stats.items())
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")
+    return 0
+
+
+def run_coverage(args) -> int:
+    ids, _ = load_vocab_ids(args.vocab)
+    _print_rows([("vocab", args.vocab), ("dataset", args.dataset), ("coverage", coverage(ids, args.dataset))])
+    return 0
+
+
+def run_diff(args) -> int:
+    (a, va), (b, vb) = load_vocab_ids(args.a), load_vocab_ids(args.b)
+    if va != vb:
+        print(f"note: target vocab sizes differ ({va} vs {vb}): the targets differ")
+    _print_rows(diff_vocab(a, b).items())
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("vocab", help="draft vocabulary (d2t/t2d): build, coverage, diff")
+    vs = p.add_subparsers(dest="vocab_command", required=True)
+    b = vs.add_parser("build", help="top-N loss-masked target tokens of a tokenized training set")
+    b.add_argument("dataset", help="tokenized training set JSONL (input_ids, loss_mask)")
+    b.add_argument("--size", type=int, required=True, help="draft vocab size N")
+    b.add_argument("--target-vocab", type=int, help="target vocab size")
+    b.add_argument("--target", help="target HF dir or name (reads vocab_size from config.json)")
+    b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on")
+    b.add_argument("-o", "--out", required=True, help="output .safetensors ({d2t, t2d}); stats go to .json")
+    b.set_defaults(func=run_build)
+    c = vs.add_parser("coverage", help="share of a tokenized set's trained tokens inside a draft vocab")
+    c.add_argument("vocab", help="vocab .safetensors or drafter checkpoint dir")
+    c.add_argument("dataset")
+    c.set_defaults(func=run_coverage)
+    d = vs.add_parser("diff", help="compare two draft vocabs (vocab files or drafter checkpoint dirs)")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.set_defaults(func=run_diff)

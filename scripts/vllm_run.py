@@ -1,0 +1,96 @@
+"""Greedy generation in real vLLM (CPU), with or without an EAGLE-3 drafter; writes one JSON.
+
+Runs INSIDE the venv built by scripts/setup_vllm.sh, started with the LD_PRELOAD from its
+vllm.env; it does not import fledge (that venv has vLLM's own torch, not fledge's).
+
+    $VENV/bin/python scripts/vllm_run.py --target DIR [--drafter DIR] --prompts P.json --out R.json
+
+P.json is a JSON list of prompt strings. R.json holds the generated token ids per prompt,
+vLLM's spec-decode counters, the aux layer ids vLLM logged it captures, and timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import time
+
+# The engine core must run in this process: only then do its log records (the aux-layer
+# line) reach the handler below and its counters reach llm.get_metrics().
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+AUX_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")
+
+
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def spec_counters(metrics) -> dict:
+    """vLLM's spec-decode counters by short name (the Vector is per draft position)."""
+    out = {}
+    for m in metrics:
+        if m.name.startswith("vllm:spec_decode_"):
+            out[m.name.removeprefix("vllm:spec_decode_")] = getattr(m, "values", None) or getattr(m, "value", None)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="target model: plain HF safetensors directory")
+    ap.add_argument("--drafter", help="EAGLE-3 drafter checkpoint directory (omit for no speculation)")
+    ap.add_argument("--prompts", required=True, help="JSON list of prompt strings")
+    ap.add_argument("--out", required=True, help="where to write the result JSON")
+    ap.add_argument("--num-spec-tokens", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="float32", help="float32 keeps greedy ties stable across batch shapes")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    log = Collect()
+    logging.getLogger("vllm").addHandler(log)
+    spec = None
+    if args.drafter:
+        spec = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.num_spec_tokens}
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+
+    t0 = time.perf_counter()
+    llm = LLM(model=args.target, speculative_config=spec, dtype=args.dtype, enforce_eager=True,
+              max_model_len=args.max_model_len, disable_log_stats=False, seed=0)
+    t1 = time.perf_counter()
+    # ignore_eos: every prompt yields exactly max_tokens, so both runs compare the same length.
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))
+    t2 = time.perf_counter()
+
+    aux = [m.group(1) for line in log.lines if (m := AUX_LOG.search(line))]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    result = {
+        "target": args.target,
+        "drafter": args.drafter,
+        "num_spec_tokens": args.num_spec_tokens if args.drafter else 0,
+        "outputs": tokens,
+        "aux_layer_ids": [int(i) for i in aux[-1].split(",") if i.strip()] if aux else None,
+        "spec_decode": spec_counters(llm.get_metrics()),
+        "start_s": round(t1 - t0, 2),
+        "generate_s": round(t2 - t1, 3),
+        "tok_per_s": round(sum(map(len, tokens)) / (t2 - t1), 2),
+    }
+    tmp = f"{args.out}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()

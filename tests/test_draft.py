@@ -1,0 +1,105 @@
+"""Eagle3Draft against a brute-force, head-by-head re-implementation of the same step."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from fledge.config import DraftConfig
+from fledge.draft import Eagle3Draft
+
+
+def _draft(seed=0, family="llama", draft_vocab=100):
+    target = make_tiny(family, seed=seed)
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab)
+    torch.manual_seed(seed + 1)
+    ids = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
+    d = Eagle3Draft.from_target(cfg, target, ids)
+    for p in d.parameters():  # norms start at ones; randomise so a swapped norm would show
+        if p.requires_grad:
+            p.data.normal_(0, 0.2 if p.ndim > 1 else 1.0)
+    return target, d
+
+
+def _rms(x, w, eps):
+    return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    ang = pos[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos + rot * sin
+
+
+def _brute(d, ids, aux, pos):
+    """Causal one-layer step for a single sequence, written from the formulas."""
+    cfg, L = d.cfg, d.midlayer
+    eps = cfg.rms_norm_eps
+    h = aux @ d.fc.weight.T
+    a = torch.cat([_rms(d.embed_tokens.weight[ids], L.input_layernorm.weight, eps),
+                   _rms(h, L.hidden_norm.weight, eps)], -1)
+    T, hd = ids.shape[0], cfg.head_dim
+    q = (a @ L.self_attn.q_proj.weight.T).view(T, -1, hd)
+    k = (a @ L.self_attn.k_proj.weight.T).view(T, -1, hd)
+    v = (a @ L.self_attn.v_proj.weight.T).view(T, -1, hd)
+    outs = []
+    for head in range(cfg.num_attention_heads):
+        kv = head // (cfg.num_attention_heads // cfg.num_key_value_heads)
+        qh, kh = _rope(q[:, head], pos, cfg.rope_theta), _rope(k[:, kv], pos, cfg.rope_theta)
+        s = qh @ kh.T / math.sqrt(hd)
+        s = s.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+        outs.append(s.softmax(-1) @ v[:, kv])
+    h = h + torch.cat(outs, -1) @ L.self_attn.o_proj.weight.T
+    m = _rms(h, L.post_attention_layernorm.weight, eps)
+    m = (torch.nn.functional.silu(m @ L.mlp.gate_proj.weight.T) * (m @ L.mlp.up_proj.weight.T)) @ L.mlp.down_proj.weight.T
+    out = h + m
+    return out, _rms(out, d.norm.weight, eps) @ d.lm_head.weight.T
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_step_matches_brute_force(seed):
+    _, d = _draft(seed)
+    T, H = 7, d.cfg.hidden_size
+    ids = torch.randint(0, d.cfg.vocab_size, (1, T))
+    aux = torch.randn(1, T, 3 * H)
+    pos = torch.arange(3, 3 + T)[None]  # an offset start catches position mix-ups
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        out, _ = d(ids, aux, pos, mask)
+        ref_out, ref_logits = _brute(d, ids[0], aux[0], pos[0])
+    torch.testing.assert_close(out[0], ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(d.logits(out)[0], ref_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_incremental_keys_equal_full_sequence():
+    _, d = _draft(3)
+    T, H = 6, d.cfg.hidden_size
+    ids = torch.randint(0, d.cfg.vocab_size, (2, T))
+    aux = torch.randn(2, T, 3 * H)
+    pos = torch.arange(T).expand(2, T)
+    full_mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(2, 1, T, T)
+    with torch.no_grad():
+        full, _ = d(ids, aux, pos, full_mask)
+        first, kv = d(ids[:, :4], aux[:, :4], pos[:, :4], full_mask[:, :, :4, :4])
+        rest, _ = d(ids[:, 4:], aux[:, 4:], pos[:, 4:], full_mask[:, :, 4:, :], past_kv=kv)
+    torch.testing.assert_close(torch.cat([first, rest], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_served_parameter_names_and_frozen_embedding():
+    target, d = _draft(0)
+    keys = set(d.state_dict())
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"}
+    expected |= {f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
+    expected |= {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"}
+    expected |= {f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert keys == expected
+    H = d.cfg.hidden_size
+    assert d.midlayer.self_attn.q_proj.weight.shape[1] == 2 * H and d.fc.weight.shape == (H, 3 * H)
+    assert not d.embed_tokens.weight.requires_grad
+    assert torch.equal(d.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert d.lm_head.weight.shape[0] == 100 and d.t2d.sum() == 100
+    assert torch.equal(d.target_ids(), d.t2d.nonzero().flatten())

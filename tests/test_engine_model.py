@@ -1,0 +1,166 @@
+"""The engine against HF: logits and aux through the static cache, greedy generation token for
+token, batching with padding, and sampling against brute force."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from conftest import ENGINE_FAMILIES, FAMILIES, make_tiny
+from fledge.engine import (HFTarget, SamplingParams, Transformer, build_engine_target, generate_ar,
+                           logits_to_probs, make_causal_mask, sample_token)
+from fledge.util import FledgeError
+
+AUX = (2, 3, 5)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # On this shared 2-core box the CPU SDPA kernel with a mask spends milliseconds per call
+    # synchronising threads; one thread keeps these tests fast (results are unaffected).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def hf_reference(hf, seq):
+    with torch.no_grad():
+        out = hf(torch.tensor([seq]), output_hidden_states=True)
+    return out.logits[0], torch.cat([out.hidden_states[i][0] for i in AUX], dim=-1)
+
+
+def run_rows(model, seqs, prompt_lens, chunks, max_len=64):
+    """Right-padded batched prefill of each row's prompt, then the rest of each row fed in
+    `chunks`-token steps through the cache. Returns per-row (logits, aux) for every token."""
+    B, P = len(seqs), max(prompt_lens)
+    cache = model.new_cache(B, max_len)
+    ids = torch.zeros(B, P, dtype=torch.long)
+    for b, (s, n) in enumerate(zip(seqs, prompt_lens)):
+        ids[b, :n] = torch.tensor(s[:n])
+    pos = torch.arange(P).expand(B, -1)
+    with torch.no_grad():
+        logits, aux = model(ids, pos, pos, make_causal_mask(torch.zeros(B, dtype=torch.long), P, max_len), cache, AUX)
+    got = [([logits[b, :n]], [aux[b, :n]]) for b, n in enumerate(prompt_lens)]
+    lengths = torch.tensor(prompt_lens)
+    for step in range(len(chunks)):
+        T = chunks[step]
+        ids = torch.stack([torch.tensor(s[n:n + T]) for s, n in zip(seqs, lengths.tolist())])
+        pos = lengths[:, None] + torch.arange(T)
+        with torch.no_grad():
+            logits, aux = model(ids, pos, pos, make_causal_mask(lengths, T, max_len), cache, AUX)
+        for b in range(B):
+            got[b][0].append(logits[b])
+            got[b][1].append(aux[b])
+        lengths += T
+    return [(torch.cat(lg), torch.cat(ax)) for lg, ax in got]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_aux_match_hf_through_cache_and_padding(family):
+    hf = make_tiny(family, seed=3)
+    model = build_engine_target(hf, torch.float32, "cpu")
+    assert isinstance(model, Transformer if family in ENGINE_FAMILIES else HFTarget)
+    prompt_lens, chunks = [11, 4, 7], [1, 1, 3, 1]  # > gemma3's sliding window of 8
+    seqs = [torch.randint(0, 301, (n + sum(chunks),)).tolist() for n in prompt_lens]
+    for seq, (logits, aux) in zip(seqs, run_rows(model, seqs, prompt_lens, chunks)):
+        ref_logits, ref_aux = hf_reference(hf, seq)
+        assert (logits - ref_logits).abs().max() < 1e-4
+        assert (aux - ref_aux).abs().max() < 1e-4
+
+
+def test_tied_embeddings_and_rope_scaling():
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf = make_tiny("llama", seed=5, tie_word_embeddings=True, rope_parameters=rope)
+    hf.tie_weights()
+    model = build_engine_target(hf, torch.float32, "cpu")
+    assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
+    seq = torch.randint(0, 301, (100,)).tolist()  # past original_max_position_embeddings
+    (logits, aux), = run_rows(model, [seq], [90], [1] * 10, max_len=128)
+    ref_logits, ref_aux = hf_reference(hf, seq)
+    assert (logits - ref_logits).abs().max() < 1e-4
+
+
+def test_unknown_family_is_a_fledge_error():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)
+    with pytest.raises(FledgeError, match="gpt2"):
+        build_engine_target(transformers.GPT2LMHeadModel(cfg), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES + ["gemma3"])
+def test_greedy_matches_hf_generate_and_batching_matches_solo(family):
+    hf = make_tiny(family, seed=1)
+    model = build_engine_target(hf, torch.float32, "cpu")
+    prompts = [torch.randint(0, 301, (n,)).tolist() for n in (9, 3, 14)]
+    eos = [int(torch.randint(0, 301, ()))]
+    params = SamplingParams(max_new_tokens=24)
+    batched, stats = generate_ar(model, prompts, params, eos)
+    assert stats["generated_tokens"] == sum(len(r) for r in batched)
+    for p, row in zip(prompts, batched):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=eos[0],
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert row == ref
+        assert generate_ar(model, [p], params, eos)[0][0] == row
+
+
+def test_generation_stops_at_eos_per_row():
+    model = build_engine_target(make_tiny("llama", seed=2), torch.float32, "cpu")
+    prompts = [torch.randint(0, 301, (n,)).tolist() for n in (5, 8)]
+    free, _ = generate_ar(model, prompts, SamplingParams(max_new_tokens=12), eos_ids=[])
+    eos = free[0][4]  # row 0's fifth token becomes eos: row 0 must stop there
+    rows, _ = generate_ar(model, prompts, SamplingParams(max_new_tokens=12), eos_ids=[eos])
+    for got, full in zip(rows, free):
+        assert got == (full[:full.index(eos) + 1] if eos in full else full)
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    model = build_engine_target(make_tiny("qwen2", seed=4), torch.float32, "cpu")
+    prompts = [torch.randint(0, 301, (6,)).tolist(), torch.randint(0, 301, (2,)).tolist()]
+
+    def run(seed):
+        return generate_ar(model, prompts, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=seed), [])[0]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_top_p_keeps_exactly_the_nucleus():
+    torch.manual_seed(0)
+    logits = torch.randn(50, 12) * 2
+    params = SamplingParams(temperature=0.7, top_p=0.8)
+    probs = logits_to_probs(logits, params)
+    full = torch.softmax(logits / 0.7, dim=-1)
+    for row, p in zip(full.tolist(), probs):
+        order = sorted(range(12), key=lambda i: -row[i])
+        nucleus, mass = set(), 0.0
+        for i in order:  # smallest set of most likely tokens with mass >= top_p
+            nucleus.add(i)
+            mass += row[i]
+            if mass >= 0.8:
+                break
+        expect = torch.tensor([row[i] / mass if i in nucleus else 0.0 for i in range(12)])
+        assert torch.allclose(p, expect, atol=1e-6)
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_token(logits, params, gen) for _ in range(200)])
+    assert probs.gather(1, draws.T).gt(0).all()  # never a token outside the nucleus
+    assert torch.equal(sample_token(logits, SamplingParams(), gen), logits.argmax(-1))
+
+
+@pytest.mark.slow
+def test_smollm2_real_weights_match_hf():
+    from fledge.target import load_target
+
+    target = load_target("smollm2-135m")
+    hf, tok = target.model, target.tokenizer
+    model = build_engine_target(hf, torch.float32, "cpu")
+    text = tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue? Answer briefly."}],
+                                   tokenize=False, add_generation_prompt=True)
+    prompt = tok(text)["input_ids"]
+    (logits, _), = run_rows(model, [prompt + [tok.eos_token_id]], [len(prompt)], [1], max_len=128)
+    ref, _ = hf_reference(hf, prompt + [tok.eos_token_id])
+    assert (logits - ref).abs().max() < 1e-4
+    rows, _ = generate_ar(model, [prompt], SamplingParams(max_new_tokens=32), eos_ids=[])
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert rows[0] == ref[0, len(prompt):].tolist()
