@@ -43,17 +43,21 @@ SILENT_DEFAULTS = {"d2t": " (vLLM would silently use all-zero offsets)",
 
 # --------------------------------------------------------------------------- conventions
 def checkpoint_keys(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """The served checkpoint's tensors for `cfg`: name → (shape, required).
+    """The served checkpoint's tensors for `cfg`: name → (shape, required). Nothing else may be in it.
 
     The names and shapes are `Eagle3Draft(cfg).state_dict()` (built on the meta device, so this
     costs nothing), i.e. draft.py is the single source. Everything is required except
-    `embed_tokens.weight` (engines share the target's embeddings) and `t2d` (engines rebuild
-    nothing from it and skip it; fledge rebuilds it from `d2t`). `d2t` and
-    `midlayer.hidden_norm.weight` are required because vLLM would silently load zeros / ones.
+    `embed_tokens.weight` (engines share the target's embeddings) and `t2d` (engines skip it;
+    fledge rebuilds it from `d2t`). `d2t` and `midlayer.hidden_norm.weight` are required because
+    vLLM would silently load zeros / ones — except that a full-vocabulary drafter
+    (draft_vocab_size == vocab_size) must NOT carry `d2t`: vLLM then registers no parameter for
+    it and raises on the key (the map is the identity anyway).
     The speculators layout names the layer `layers.0.` instead of `midlayer.` (`layout_name`).
     """
     with torch.device("meta"):
         sd = Eagle3Draft(cfg).state_dict()
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        del sd["d2t"]
     optional = {"embed_tokens.weight", "t2d"}
     return {k: (tuple(v.shape), k not in optional) for k, v in sd.items()}
 
@@ -182,8 +186,12 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
         layer, fb = cj, cj.get("fledge") or {}
         extra = {"verifier": fb.get("verifier"), "speculative_tokens": fb.get("speculative_tokens")}
         norm_before_residual = cj.get("norm_before_residual", False)
-    if norm_before_residual or cj.get("norm_before_fc"):
-        raise FledgeError("norm_before_residual / norm_before_fc drafters are not supported by fledge's Eagle3Draft")
+    flags = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if cj.get(f)]
+    if norm_before_residual or flags:
+        on = ", ".join((["norm_before_residual"] if norm_before_residual else []) + flags)
+        raise FledgeError(f"{on}: variant drafter layers fledge's Eagle3Draft does not implement")
+    if layer.get("model_type", "llama") != "llama":
+        raise FledgeError(f"model_type {layer.get('model_type')!r}: fledge's drafter is a Llama layer")
     if layer.get("num_hidden_layers", 1) != 1:
         raise FledgeError(f"num_hidden_layers {layer.get('num_hidden_layers')}: an EAGLE-3 drafter has one layer")
     n = _target_layers(cj, target_layers)
@@ -251,7 +259,9 @@ def tensor_problems(tensors: dict, origin: dict, cfg: DraftConfig, where: Path) 
             problems.append(f"{where}: missing tensor {k}{why}")
     for k, t in tensors.items():
         f = origin[k]
-        if k not in spec:
+        if k == "d2t" and k not in spec:
+            problems.append(f"{f}: d2t in a full-vocabulary drafter (vLLM has no parameter for it and refuses it)")
+        elif k not in spec:
             problems.append(f"{f}: unexpected tensor {k} (vLLM refuses unknown keys)")
         elif tuple(t.shape) != spec[k][0]:
             problems.append(f"{f}: {k} has shape {list(t.shape)} but config.json implies {list(spec[k][0])}")
@@ -261,14 +271,21 @@ def tensor_problems(tensors: dict, origin: dict, cfg: DraftConfig, where: Path) 
             problems.append(f"{f}: t2d has dtype {t.dtype}; it is a bool mask")
         elif t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
             problems.append(f"{f}: {k} contains NaN or inf")
-    if not problems and "d2t" in tensors:
+    if not problems:
         problems += _vocab_problems(tensors, origin, cfg)
     return problems
 
 
+def _target_ids(tensors: dict, cfg: DraftConfig) -> torch.Tensor:
+    """Target id of every draft id; a full-vocabulary drafter has no d2t and maps to itself."""
+    if "d2t" not in tensors:
+        return torch.arange(cfg.vocab_size)
+    return target_ids_from_d2t(tensors["d2t"], cfg.vocab_size)
+
+
 def _vocab_problems(tensors: dict, origin: dict, cfg: DraftConfig) -> list[str]:
     try:
-        ids = target_ids_from_d2t(tensors["d2t"], cfg.vocab_size)
+        ids = _target_ids(tensors, cfg)
     except FledgeError as e:
         return [f"{origin['d2t']}: {e}"]
     if "t2d" in tensors and not torch.equal(tensors["t2d"], t2d_from_target_ids(ids, cfg.vocab_size)):
@@ -278,67 +295,65 @@ def _vocab_problems(tensors: dict, origin: dict, cfg: DraftConfig) -> list[str]:
 
 @dataclass
 class _Read:
+    """A checkpoint dir as read: its config, layout, and tensors under our names."""
+
     cfg: DraftConfig
     layout: str
     tensors: dict
-    problems: list
 
 
-def _inspect(path, target_layers: int | None = None) -> _Read | list[str]:
-    """Read and check a checkpoint dir: a `_Read`, or the problems that stop it from loading."""
+def _inspect(path, target_layers: int | None = None) -> tuple[_Read | None, list[str]]:
+    """Read and check a checkpoint dir: what was read (None if it could not be), and the problems."""
     path = Path(path)
     cfile = path / "config.json"
     if not cfile.is_file():
-        return [f"{cfile}: missing"]
+        return None, [f"{cfile}: missing"]
     try:
         cj = json.loads(cfile.read_text())
         cfg = draft_config_from_json(cj, target_layers)
     except json.JSONDecodeError as e:
-        return [f"{cfile}: not valid JSON ({e.msg})"]
+        return None, [f"{cfile}: not valid JSON ({e.msg})"]
     except (FledgeError, KeyError, TypeError, ValueError) as e:
-        return [f"{cfile}: {e if isinstance(e, FledgeError) else f'missing or bad field {e}'}"]
+        return None, [f"{cfile}: {e if isinstance(e, FledgeError) else f'missing or bad field {e}'}"]
     try:
         tensors, origin = read_tensors(path)
     except FledgeError as e:
-        return [str(e)]
+        return None, [str(e)]
     files = sorted(set(origin.values()))
     index = path / "model.safetensors.index.json"
     where = index if index.exists() else files[0] if len(files) == 1 else path  # names missing tensors
-    return _Read(cfg, detect_layout(cj), tensors, tensor_problems(tensors, origin, cfg, where))
+    return _Read(cfg, detect_layout(cj), tensors), tensor_problems(tensors, origin, cfg, where)
 
 
 def validate_checkpoint(path, target_layers: int | None = None) -> list[str]:
     """Problems found in a drafter checkpoint dir (either layout), each one line naming the file;
     [] if SGLang and vLLM would both load it as fledge means it."""
-    r = _inspect(path, target_layers)
-    return r if isinstance(r, list) else r.problems
+    return _inspect(path, target_layers)[1]
 
 
-def _embeddings(embed_from) -> torch.Tensor:
-    model = embed_from if hasattr(embed_from, "get_input_embeddings") else embed_from.model
-    return model.get_input_embeddings().weight
+def _hf_model(model_or_target):
+    """An HF causal LM, given one or a fledge Target."""
+    return model_or_target if hasattr(model_or_target, "get_input_embeddings") else model_or_target.model
 
 
 def _load(path, target_layers=None, embed_from=None) -> tuple[Eagle3Draft, _Read]:
     if target_layers is None and embed_from is not None:
-        m = embed_from if hasattr(embed_from, "config") else embed_from.model
-        target_layers = (getattr(m.config, "text_config", None) or m.config).num_hidden_layers
-    r = _inspect(path, target_layers)
-    problems = r if isinstance(r, list) else r.problems
+        tcfg = _hf_model(embed_from).config
+        target_layers = (getattr(tcfg, "text_config", None) or tcfg).num_hidden_layers
+    r, problems = _inspect(path, target_layers)
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise FledgeError(problems[0] + more)
     draft = Eagle3Draft(r.cfg)
-    sd = {k: v for k, v in r.tensors.items() if k != "t2d"}
-    draft.load_state_dict(sd, strict=False)
-    draft.set_vocab(target_ids_from_d2t(r.tensors["d2t"], r.cfg.vocab_size))  # also rebuilds t2d
+    draft.load_state_dict({k: v for k, v in r.tensors.items() if k != "t2d"}, strict=False)
+    draft.set_vocab(_target_ids(r.tensors, r.cfg))  # also rebuilds t2d
     if "embed_tokens.weight" not in r.tensors:
         with torch.no_grad():
             if embed_from is None:
                 # NaN, not random: a drafter run without the target's embeddings must fail loudly.
                 draft.embed_tokens.weight.fill_(float("nan"))
             else:
-                emb = _embeddings(embed_from)
+                emb = _hf_model(embed_from).get_input_embeddings().weight
                 if tuple(emb.shape) != tuple(draft.embed_tokens.weight.shape):
                     raise FledgeError(f"target embeddings {list(emb.shape)} do not fit the drafter "
                                       f"{list(draft.embed_tokens.weight.shape)}")
@@ -396,9 +411,9 @@ def export_checkpoint(draft: Eagle3Draft, out_dir, layout="eagle3", dtype=torch.
     sd = draft.state_dict()
     if with_embed and bool(torch.isnan(sd["embed_tokens.weight"]).all()):
         raise FledgeError("the drafter has no embeddings (loaded without them): give the target or drop --with-embed")
-    tensors = {}
+    tensors, served = {}, checkpoint_keys(cfg)
     for k, t in sd.items():
-        if k == "embed_tokens.weight" and not with_embed:
+        if k not in served or (k == "embed_tokens.weight" and not with_embed):
             continue
         t = t.detach().cpu()
         t = t.to(dtype) if t.is_floating_point() else t.to(torch.int64) if k == "d2t" else t
@@ -409,7 +424,8 @@ def export_checkpoint(draft: Eagle3Draft, out_dir, layout="eagle3", dtype=torch.
         _write_weights(tmp, tensors, shard_size_mb)
         problems = validate_checkpoint(tmp)
         if problems:
-            raise FledgeError(f"export to {out_dir} failed its own check: {problems[0].replace(str(tmp), str(out_dir))}")
+            first = problems[0].replace(str(tmp), str(out_dir))
+            raise FledgeError(f"export to {out_dir} failed its own check: {first}")
     return out_dir
 
 
@@ -442,8 +458,16 @@ def _summary(out: Path, layout: str, draft: Eagle3Draft) -> None:
           f"(canonical), draft vocab {c.draft_vocab_size}/{c.vocab_size}")
 
 
+def _target_arg(args):
+    if not args.target:
+        return None
+    from fledge.target import load_target  # pulls in model code; only needed when a target is named
+
+    return load_target(args.target)
+
+
 def run_export(args) -> int:
-    draft, _ = _load(args.src, _target_layers_arg(args))
+    draft, _ = _load(args.src, _target_layers_arg(args), embed_from=_target_arg(args))
     out = export_checkpoint(draft, args.out, layout=args.layout, dtype=_dtype(args.dtype),
                             shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
                             verifier=args.verifier, overwrite=args.overwrite)
@@ -452,8 +476,8 @@ def run_export(args) -> int:
 
 
 def run_import(args) -> int:
-    """Into fledge's own (eagle3) layout, keeping the source's dtype and embeddings."""
-    draft, r = _load(args.src, _target_layers_arg(args))
+    """Into fledge's own (eagle3) layout, keeping the source's dtype, and its embeddings if it has them."""
+    draft, r = _load(args.src, _target_layers_arg(args), embed_from=_target_arg(args))
     out = export_checkpoint(draft, args.out, layout="eagle3", dtype=_dtype(r.cfg.torch_dtype),
                             with_embed="embed_tokens.weight" in r.tensors, overwrite=args.overwrite)
     print(f"read {args.src} ({r.layout} layout)")
@@ -462,9 +486,7 @@ def run_import(args) -> int:
 
 
 def run_init_draft(args) -> int:
-    from fledge.target import load_target  # the target loader pulls in model code; only this command needs it
-
-    target = load_target(args.target)
+    target = _target_arg(args)
     cfg = DraftConfig.from_target(target.model.config, draft_vocab_size=args.draft_vocab)
     archs = list(getattr(target.model.config, "architectures", None) or [])
     cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
@@ -477,6 +499,8 @@ def run_init_draft(args) -> int:
 def _add_target_layers(p) -> None:
     p.add_argument("--target-layers", type=int, help="target decoder layer count (if config.json lacks it)")
     p.add_argument("--target-config", help="target config.json (or its dir) to read the layer count from")
+    p.add_argument("--target", help="target (HF dir, GGUF, built-in name): its layer count, and its embeddings "
+                                    "for a drafter saved without them (--with-embed)")
 
 
 def add_cli(sub) -> None:

@@ -19,8 +19,11 @@ STEP_MODULES = [
     "fledge.data",
     "fledge.regen",
     "fledge.vocab",
+    "fledge.features",
+    "fledge.train",
     "fledge.checkpoint",
     "fledge.doctor",
+    "fledge.engine.cli",
 ]
 
 

@@ -12,10 +12,12 @@ rendering messages[:k] with the generation prompt and messages[:k+1], and diffin
 (after checking that both are prefixes of the full rendering — templates that rewrite
 earlier turns are not prefix-stable, and such conversations are skipped and counted).
 
-Trained tokens: each assistant turn's content plus its end-of-turn token (the first special
-token the template emits after the content, e.g. <|im_end|>, <|eot_id|>): the drafter must
-predict the stop token or drafts run past the end of every answer. Template scaffolding
-after it (ChatML's trailing newline) is not trained: the target never generates it.
+Trained tokens: everything the target generates for an assistant turn — from after the
+generation prompt up to and including the turn's last special token, its end-of-turn marker
+(<|im_end|>, <|eot_id|>, <end_of_turn>, ...). The drafter must predict the stop token or
+drafts run past the end of every answer; special tokens the model itself writes before the
+content (harmony-style channel headers) are trained too. Template scaffolding after the
+marker (ChatML's trailing newline) is not trained: the target never generates it.
 
 Truncation to max_len keeps whole leading turns: the sequence is cut after the last
 assistant turn that fits. If not even the first assistant turn fits, it is cut at max_len
@@ -40,7 +42,7 @@ from pathlib import Path
 import jinja2
 from tqdm import tqdm
 
-from fledge.util import FledgeError, append_jsonl, atomic_dir, atomic_write_json, cache_dir, read_jsonl
+from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, read_jsonl
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
@@ -96,7 +98,7 @@ def iter_json_array(path: Path, counts: collections.Counter, chunk_chars: int = 
     the middle of a record still gives every complete record before the cut."""
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8") as f:
-        buf, pos, eof = f.read(chunk_chars), 0, False
+        buf, eof = f.read(chunk_chars), False
         pos = len(buf) - len(buf.lstrip())
         if buf[pos:pos + 1] != "[":
             raise FledgeError(f"{path}: not a JSON array (expected '[' at the start)")
@@ -141,7 +143,8 @@ def _sniff(path: Path) -> str:
     for fmt, key in FORMATS.items():
         if isinstance(rec, dict) and key in rec:
             return fmt
-    raise FledgeError(f"{path}: cannot tell the format from keys {sorted(rec)[:8]}; pass --format")
+    got = f"keys {sorted(rec)[:8]}" if isinstance(rec, dict) else f"a JSON {type(rec).__name__}"
+    raise FledgeError(f"{path}: cannot tell the format from {got}; pass --format")
 
 
 def _iter_records(path: Path, fmt: str, counts, bad: list):
@@ -251,8 +254,8 @@ def load_conversations(source: str, fmt: str | None = None) -> tuple[list[dict],
         rid = rec.get("id", rec.get("question_id", f"{name}-{where}"))
         records.append({"id": str(rid), "source": name, "messages": msgs})
     if counts["cut_records"]:
-        bad.append(f"{path}: JSON array cut off after record {counts['read']}; "
-                   f"{counts['cut_chars']} chars of a partial record skipped")
+        bad.insert(0, f"{path}: JSON array cut off (or malformed) after record {counts['read']}; "
+                   f"its last {counts['cut_chars']} chars are skipped")
     counts["kept"] = len(records)
     return records, {**counts, "format": fmt, "path": str(path), "bad_examples": bad[:20]}
 
@@ -311,8 +314,7 @@ def _ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
 
 
 def _end_of_turn_ids(tokenizer) -> set[int]:
-    """Special added tokens: the template's end-of-turn marker is the first of these after
-    the assistant content (content text itself never tokenizes to a special token)."""
+    """Special added tokens: a turn's end-of-turn marker is the last of these it renders."""
     return {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
 
@@ -345,7 +347,7 @@ def _mask_by_prefix(tokenizer, messages, eot: set[int], max_len: int):
         upto = _ids(tokenizer, messages[: k + 1], False)
         if before[: len(ids)] != ids or upto[: len(before)] != before:
             raise NotPrefixStable(k)
-        stop = next((i + 1 for i in range(len(before), len(upto)) if upto[i] in eot), len(upto))
+        stop = max((i + 1 for i in range(len(before), len(upto)) if upto[i] in eot), default=len(upto))
         mask += [0] * (len(before) - len(ids)) + [1] * (stop - len(before)) + [0] * (len(upto) - stop)
         ids = upto
         ends.append(stop)
@@ -407,7 +409,7 @@ def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict
             line = {"id": conv["id"], **rec} if rec else {"id": conv["id"], "dropped": status}
             if status.startswith("truncated"):
                 line["truncated"] = status
-            append_jsonl(f, line)
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")  # no fsync per line: a torn tail is redone
     stats = collections.Counter(conversations=len(convs), max_len=max_len)
     lengths, trained = [], 0
     tmp = out_path.with_name(f".{out_path.name}.tmp")
@@ -445,19 +447,13 @@ def render_sample(tokenizer, record: dict, color: bool) -> str:
 
 # --------------------------------------------------------------------------- CLI
 def load_tokenizer(spec: str):
-    """A tokenizer from an HF directory, a .gguf file, or a target name fledge.target knows."""
+    """A tokenizer from a directory holding one, or any target spec (built-in name, GGUF)."""
     from transformers import AutoTokenizer
 
+    from fledge.target import resolve_target
+
     path = Path(spec)
-    if path.suffix == ".gguf" and path.is_file():
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    if not path.is_dir():
-        try:
-            from fledge.target import resolve_target
-        except ImportError:
-            raise FledgeError(f"--tokenizer {spec}: not a directory or .gguf file") from None
-        path = Path(resolve_target(spec))
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path if path.is_dir() else resolve_target(spec))
 
 
 def print_table(rows: list[list]) -> None:
@@ -474,6 +470,8 @@ def _ingest(args) -> tuple[list[dict], list[dict], dict]:
             print(f"warning: {line}", file=sys.stderr)
         per_source[src] = counts
         all_records += records
+    if args.heldout < 0:
+        raise FledgeError(f"--heldout {args.heldout}: must be >= 0")
     kept, dup = deduplicate(all_records)
     train, held = split_heldout(kept, args.heldout)
     summary = {"sources": args.sources, "format": args.format, "heldout_requested": args.heldout,
@@ -510,6 +508,8 @@ def run_prep(args) -> int:
                         "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
                 atomic_write_json(tmp / "summary.json", summary)
     _print_summary(summary)
+    if summary["train"] == 0:
+        print("note: every conversation is held out (fine for an eval prompt set like MT-Bench)", file=sys.stderr)
     if args.show and not args.tokenizer:
         raise FledgeError("--show needs --tokenizer")
     if not args.tokenizer:
@@ -517,7 +517,8 @@ def run_prep(args) -> int:
     tok = load_tokenizer(args.tokenizer)
     if out:
         for name in ("train", "heldout"):
-            summary[f"tokenized_{name}"] = build_training_set(tok, out / f"{name}.jsonl", out / f"{name}.tok.jsonl", args.max_len)
+            summary[f"tokenized_{name}"] = build_training_set(
+                tok, out / f"{name}.jsonl", out / f"{name}.tok.jsonl", args.max_len)
         atomic_write_json(out / "summary.json", summary)
         keys = sorted({k for n in ("train", "heldout") for k in summary[f"tokenized_{n}"]})
         print_table([["tokenized", "train", "heldout"]] +

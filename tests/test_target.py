@@ -76,15 +76,16 @@ def test_capture_any_valid_ids_and_no_leftover_hooks():
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == hooks
 
 
-@pytest.mark.parametrize("bad", [(0, 2, 3), (2, 3, 6), (3, 2, 4), (2, 2, 4), (1, 2)])
-def test_capture_rejects_bad_aux_ids(bad):
+def test_capture_rejects_bad_aux_ids():
     model = make_tiny("llama")
-    with pytest.raises(FledgeError):
-        capture(model, torch.zeros(1, 4, dtype=torch.long), bad)
+    n = model.config.num_hidden_layers
+    for bad in [(0, 2, 3), (2, 3, n), (3, 2, 4), (2, 2, 4), (1, 2)]:
+        with pytest.raises(FledgeError, match="aux layer ids"):
+            capture(model, torch.zeros(1, 4, dtype=torch.long), bad)
 
 
 def test_aux_id_conventions_round_trip():
-    for n in (4, 6, 30, 61):
+    for n in (8, 30, 61):
         canon = default_aux_layer_ids(n)
         sglang = aux_ids_to_sglang(canon, n)
         assert sglang == (1, n // 2 - 1, n - 4)
@@ -98,11 +99,13 @@ def test_aux_id_conventions_round_trip():
 def test_load_hf_dir(tmp_path):
     ref = save_tiny_dir(tmp_path / "m", "qwen2")
     target = load_target(str(tmp_path / "m"))
-    assert target.path == tmp_path / "m" and target.num_layers == 6 and target.hidden_size == 64
+    assert target.path == tmp_path / "m" and target.num_layers == ref.config.num_hidden_layers
+    assert target.hidden_size == ref.config.hidden_size
     assert not target.model.training
     ids = torch.randint(0, 301, (1, 9))
     with torch.no_grad():
-        assert torch.equal(target.model(ids).logits, ref(ids).logits)
+        # the reference runs eager attention, the loaded model sdpa: equal up to rounding
+        assert torch.allclose(target.model(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
     text = target.tokenizer.apply_chat_template([{"role": "user", "content": "w5 w7"}], tokenize=False)
     assert text == "<user>w5 w7</s>"
 

@@ -73,6 +73,7 @@ class OracleDrafter:
     engine — every draft is accepted under greedy decoding, so accept length = num_steps + 1."""
 
     aux_ids = None
+    device_only = False  # reads the host context
 
     def __init__(self, spec: SpecConfig, sequences: list[list[int]]):
         if spec.topk != 1:
@@ -96,6 +97,7 @@ class NgramDrafter:
     (n = max_n down to 1) and propose what followed it."""
 
     aux_ids = None
+    device_only = False
 
     def __init__(self, spec: SpecConfig, max_n: int):
         if spec.topk != 1:
@@ -129,8 +131,11 @@ class Eagle3Drafter:
     Draft row p pairs the target's aux state at position p with token p+1 (the SGLang /
     SpecForge alignment), at rope position p. Rows [0, cache_len) always hold the verified
     context with the target's aux states; tree rows live in a scratch region after max_len
-    and are overwritten every round.
+    and are overwritten every round. Nothing reads the host context (`device_only`), so
+    propose and observe can be CUDA graphs.
     """
+
+    device_only = True
 
     def __init__(self, draft: Eagle3Draft, spec: SpecConfig, target):
         hidden, vocab, layers = target_dims(target)

@@ -101,15 +101,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in fp32 and scale in the model dtype, as HF does (bf16 parity).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        # Normalised in fp32 (rms_norm's accumulation type) and rounded to the model dtype, then
+        # scaled in the model dtype: HF's order of roundings, in two kernels instead of seven.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 class Attention(nn.Module):
@@ -125,21 +119,24 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache_k, cache_v, slots, mask):
         a, (B, T, _) = self.a, x.shape
         H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
-        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        qkv = self.wqkv(x)
+        v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
+        if self.q_norm is None:
+            qk = qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D)
+        else:
+            q, k = qkv[..., :H * D].view(B, T, H, D), qkv[..., H * D:(H + Hkv) * D].view(B, T, Hkv, D)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        # Rope on q and k at once; roll + signed sin is HF's rotate_half, bit for bit.
+        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
+        q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
         idx = slots[:, None, :, None].expand(B, Hkv, T, D)
         cache_k.scatter_(2, idx, k)
         cache_v.scatter_(2, idx, v)
-        # GQA without copying K/V: the G query heads sharing a kv head become G*T query rows
-        # (HF maps q head h to kv head h // G), and the mask rows repeat G times to match.
-        G = H // Hkv
-        q = q.reshape(B, Hkv, G * T, D)
-        o = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask.repeat(1, 1, G, 1))
-        return self.wo(o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
+        # GQA without copying K/V: the G query heads sharing a kv head (HF maps q head h to kv
+        # head h // G) become G*T query rows; `mask` is additive, its rows already repeated G times.
+        q = q.reshape(B, Hkv, (H // Hkv) * T, D)
+        o = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask)
+        return self.wo(o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
 
 
 class MLP(nn.Module):
@@ -184,10 +181,11 @@ class Transformer(nn.Module):
         return KVCache.allocate(self.args, batch, max_len, w.dtype, w.device)
 
     def rope(self, positions, dtype):
-        """cos, sin [B, 1, T, head_dim], computed in fp32 and cast like HF's rotary embedding."""
-        freqs = positions[..., None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return (emb.cos() * self.args.rope_scale).to(dtype), (emb.sin() * self.args.rope_scale).to(dtype)
+        """cos and signed sin [B, T, 1, head_dim], in fp32 then cast, as HF's rotary embedding.
+        The sin's first half is negated so that x * cos + roll(x) * sin == HF's rope."""
+        freqs = positions[..., None, None].float() * self.inv_freq.float()
+        cos, sin = freqs.cos() * self.args.rope_scale, freqs.sin() * self.args.rope_scale
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def forward(self, input_ids, positions, slots, mask, cache: KVCache, aux_ids=None, logits_idx=None):
         """input_ids/positions/slots [B, T] long; mask [B, 1, T, max_len] bool (True = may attend).
@@ -201,11 +199,15 @@ class Transformer(nn.Module):
             raise FledgeError(f"aux ids {list(aux_ids)} out of range [0, {self.args.n_layers})")
         x = self.tok_embeddings(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        # SDPA would turn a bool mask into an additive one in every layer: do it once here, with
+        # the rows repeated once per query head sharing a kv head (see Attention: GQA).
+        bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+        bias = bias.repeat(1, 1, self.args.n_heads // self.args.n_kv_heads, 1)
         captured = {}
         for i, layer in enumerate(self.layers):
             if aux_ids is not None and i in aux_ids:
                 captured[i] = x
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, mask)
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, bias)
         if logits_idx is not None:
             x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))
         logits = self.output(self.norm(x)).float()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fledge.engine.drafters import DraftInput, SpecConfig
-from fledge.engine.generate import logits_to_probs, make_causal_mask, sample_token
+from fledge.engine.generate import capture_cuda_graph, logits_to_probs, make_causal_mask, sample_token
 from fledge.engine.model import HFCache, KVCache
 from fledge.engine.stats import Clock, SpecStats
 from fledge.engine.tree import Tree, path_to, tree_mask, verify_greedy, verify_sample
@@ -36,6 +36,26 @@ def verify_forward(target, cache, tree: Tree, cache_len: torch.Tensor, aux_ids):
     slots = cache_len[:, None] + torch.arange(N, device=cache_len.device)
     mask = tree_mask(tree, cache_len, _slots(cache))
     return target(tree.tokens, cache_len[:, None] + tree.depth, slots, mask, cache, aux_ids=aux_ids)
+
+
+def static_call(fn, examples, use_graph: bool):
+    """`fn` over static copies of its tensor inputs; with `use_graph`, captured once as a CUDA
+    graph and replayed. Capture runs fn on the examples, so call this before the prefill: what
+    it writes past the prefix is overwritten before any mask lets a query see it."""
+    bufs = [e.clone() for e in examples]
+
+    def body():
+        return fn(*bufs)
+
+    if use_graph:
+        body = capture_cuda_graph(body)
+
+    def call(*args):
+        for b, a in zip(bufs, args):
+            b.copy_(a)
+        return body()
+
+    return call
 
 
 def _slots(cache) -> int:
@@ -63,9 +83,13 @@ def compact(cache, cache_len: torch.Tensor, path: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len: int | None = None):
+def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len: int | None = None,
+                  use_cuda_graph: bool = True):
     """One prompt (batch 1). Returns (new tokens, ending at the first eos (included) or at
-    max_new_tokens — the same cut as generate_ar; SpecStats)."""
+    max_new_tokens — the same cut as generate_ar; SpecStats).
+
+    On CUDA the verify forward (compact targets) and the EAGLE-3 drafter's propose/observe
+    each replay as a CUDA graph; elsewhere they run eagerly, the same code."""
     if not prompt:
         raise FledgeError("generate_spec: the prompt is empty")
     spec: SpecConfig = drafter.spec
@@ -73,6 +97,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     size = cache_size(len(prompt), params.max_new_tokens, spec, cache_len)
     cache = target.new_cache(1, size)
     drafter.start(1, size)
+    verify, propose, observe = _round_functions(target, cache, drafter, device, use_cuda_graph)
     gen = torch.Generator(device=device).manual_seed(params.seed)
     clock, stats = Clock(device), SpecStats(spec.num_steps, spec.num_draft_tokens, prompt_tokens=len(prompt))
     eos = set(eos_ids)
@@ -91,9 +116,9 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     marks, done = [], out[0] in eos
     while len(out) < params.max_new_tokens and not done:
         t_a = clock.now()
-        tree = drafter.propose(DraftInput(root, cache_len_t, [prompt + out]))
+        tree = propose(root, cache_len_t, [prompt + out])
         t_b = clock.now()
-        logits, aux = verify_forward(target, cache, tree, cache_len_t, drafter.aux_ids)
+        logits, aux = verify(tree, cache_len_t)
         if params.temperature == 0:
             best, bonus = verify_greedy(logits, tree)
         else:
@@ -106,7 +131,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
         t_d = clock.now()
         if aux is not None:
             aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
-        drafter.observe(path_tokens, aux, n, bonus, cache_len_t)
+        observe(path_tokens, aux, n, bonus, cache_len_t)
         t_e = clock.now()
         host = torch.cat([n, path_tokens[0], bonus]).tolist()  # the round's one host sync
         accepted = host[0] - 1
@@ -128,6 +153,37 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
         stats.verify_ms.append(clock.ms(b, c))
         stats.other_ms.append(clock.ms(c, d) + clock.ms(e, f))
     return out, stats
+
+
+def _round_functions(target, cache, drafter, device, use_cuda_graph: bool):
+    """(verify, propose, observe) for the decode rounds, over static buffers so that on CUDA
+    each is one graph replay. Host-side drafters (n-gram, oracle) stay eager."""
+    spec: SpecConfig = drafter.spec
+    N, D = spec.num_draft_tokens, spec.path_len
+    graphs = use_cuda_graph and device.type == "cuda"
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    ids = torch.zeros(1, N, dtype=torch.long, device=device)
+    anc = torch.eye(N, dtype=torch.bool, device=device)[None]
+
+    def verify_fn(tokens, depth, anc, cache_len):
+        return verify_forward(target, cache, Tree(tokens, depth, depth, anc), cache_len, drafter.aux_ids)
+
+    run_verify = static_call(verify_fn, [ids, ids, anc, one], graphs and getattr(target, "cuda_graph_ok", False))
+
+    def verify(tree, cache_len):
+        return run_verify(tree.tokens, tree.depth, tree.anc, cache_len)
+
+    if not getattr(drafter, "device_only", False):
+        return verify, (lambda root, cache_len, ctx: drafter.propose(DraftInput(root, cache_len, ctx))), drafter.observe
+    run_propose = static_call(lambda root, cache_len: drafter.propose(DraftInput(root, cache_len, [])), [one, one], graphs)
+    hidden = 3 * drafter.draft.cfg.target_hidden_size
+    aux = torch.zeros(1, D, hidden, dtype=drafter.k.dtype, device=device)
+    run_observe = static_call(drafter.observe, [ids[:, :D], aux, one + 1, one, one], graphs)
+
+    def observe(tokens, aux, n, next_token, start):
+        run_observe(tokens, aux.to(drafter.k.dtype), n, next_token, start)
+
+    return verify, (lambda root, cache_len, ctx: run_propose(root, cache_len)), observe
 
 
 def _cut(row: list[int], eos: set[int]) -> list[int]:

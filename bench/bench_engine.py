@@ -1,0 +1,178 @@
+"""Engine bench: MT-Bench first turns, batch 1, greedy, every decoding method on one target.
+
+    python bench/bench_engine.py --target smollm2-135m [--drafter DIR] [--quick]
+
+Configs: HF generate (eager; static cache, auto-compiled, GPU only), engine AR, oracle chain
+(the engine's ceiling), n-gram, EAGLE-3 chain and tree (with --drafter). Ratios are against
+engine AR from the same run; `match_ar` counts prompts whose output equals engine AR's token
+for token. Prints a table and writes bench/results/engine_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from fledge.data import load_conversations
+from fledge.engine.cli import encode_chat, eos_ids, load_drafter, pick_device, pick_dtype
+from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
+from fledge.engine.generate import SamplingParams, generate_ar
+from fledge.engine.model import build_engine_target
+from fledge.engine.spec import generate_spec
+from fledge.engine.stats import SpecStats
+from fledge.target import load_target
+from fledge.util import FledgeError, atomic_write_json
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_runner(hf, eos, device, static: bool):
+    def run(prompt, params, _ar):
+        ids = torch.tensor([prompt], device=device)
+        kw = {"cache_implementation": "static"} if static else {}
+        sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
+                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
+        sync(device)
+        return out[0, len(prompt):].tolist(), time.perf_counter() - t0, None
+    return run
+
+
+def ar_runner(target, eos):
+    def run(prompt, params, _ar):
+        rows, st = generate_ar(target, [prompt], params, eos)
+        return rows[0], (st["prefill_ms"] + st["decode_ms"]) / 1e3, None
+    return run
+
+
+def spec_runner(target, eos, make_drafter):
+    def run(prompt, params, ar):
+        out, st = generate_spec(target, make_drafter(prompt, ar), prompt, params, eos)
+        return out, st.wall_ms / 1e3, st
+    return run
+
+
+def parse_tree(text: str) -> SpecConfig:
+    try:
+        steps, topk, n = (int(x) for x in text.split(","))
+    except ValueError:
+        raise FledgeError(f"--tree {text!r}: expected STEPS,TOPK,NUM_DRAFT_TOKENS") from None
+    return SpecConfig(steps, topk, n)
+
+
+def load_prompts(source: str, n: int, tokenizer) -> list[list[int]]:
+    records, _ = load_conversations(source)
+    firsts = [[next(m for m in r["messages"] if m["role"] == "user")] for r in records[:n]]
+    return [encode_chat(tokenizer, m) for m in firsts]
+
+
+def bench(args) -> dict:
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    t = load_target(args.target, dtype=dtype, device=device)
+    target = build_engine_target(t.model, dtype, device)
+    eos = eos_ids(t.model, t.tokenizer)
+    prompts = load_prompts(args.prompts, args.num_prompts, t.tokenizer)
+    params = SamplingParams(0.0, 1.0, args.max_new_tokens, 0)
+    chain7 = SpecConfig(7, 1, 8)
+
+    configs = {"hf eager": hf_runner(t.model, eos, device, static=False)}
+    if device.type == "cuda":
+        configs["hf static (compiled)"] = hf_runner(t.model, eos, device, static=True)
+    configs["engine AR"] = ar_runner(target, eos)
+    configs["oracle chain 7"] = spec_runner(target, eos, lambda p, ar: OracleDrafter(chain7, [p + ar]))
+    ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
+    configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(target, eos, lambda p, ar: NgramDrafter(ngram, args.ngram))
+    if args.drafter:
+        tree = parse_tree(args.tree)
+        eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype)
+        eagle_tree = load_drafter(args.drafter, tree, t.model, target, device, dtype)
+        configs["eagle3 chain 7"] = spec_runner(target, eos, lambda p, ar: eagle_chain)
+        configs[f"eagle3 tree {args.tree}"] = spec_runner(target, eos, lambda p, ar: eagle_tree)
+
+    # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
+    ar_out = [ar_runner(target, eos)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
+    results = {}
+    for name, run in configs.items():
+        warm = SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0)
+        run(prompts[0], warm, ar_out[0][:16])  # compile / capture / allocator warm-up, untimed
+        tokens, seconds, matches, stats = 0, 0.0, 0, []
+        for rep in range(args.repeats):
+            for p, ar in tqdm(list(zip(prompts, ar_out)), desc=f"{name} [{rep + 1}/{args.repeats}]", leave=False):
+                out, s, st = run(p, params, ar)
+                tokens, seconds = tokens + len(out), seconds + s
+                matches += rep == 0 and out == ar
+                if st is not None:
+                    stats.append(st)
+        row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "match_ar": matches}
+        if stats:
+            s = SpecStats.merge(stats).summary()
+            row.update({k: s[k] for k in ("accept_length", "accept_rate", "draft_ms_per_step", "verify_ms_per_step",
+                                          "other_ms_per_step", "depth_acceptance", "histogram")})
+        results[name] = row
+    base = results["engine AR"]["tok_s"]
+    for row in results.values():
+        row["vs_engine_ar"] = row["tok_s"] / base
+    name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
+    return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."),
+            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+            "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
+            "results": results}
+
+
+def print_table(report: dict) -> None:
+    head = ["config", "tok/s", "vs AR", "match AR", "accept len", "draft ms", "verify ms", "other ms"]
+    rows = [head]
+    for name, r in report["results"].items():
+        spec = [f"{r['accept_length']:.2f}", f"{r['draft_ms_per_step']:.2f}", f"{r['verify_ms_per_step']:.2f}",
+                f"{r['other_ms_per_step']:.2f}"] if "accept_length" in r else ["-"] * 4
+        rows.append([name, f"{r['tok_s']:.1f}", f"{r['vs_engine_ar']:.2f}x", f"{r['match_ar']}/{report['prompts']}", *spec])
+    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+    print(f"{report['device']}  {report['target']}  {report['dtype']}  {report['prompts']} prompts x "
+          f"{report['max_new_tokens']} new tokens, batch 1, greedy")
+    for row in rows:
+        print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--drafter", help="EAGLE-3 checkpoint directory (adds the eagle3 chain and tree configs)")
+    p.add_argument("--tree", default="5,4,16", help="EAGLE-3 tree as STEPS,TOPK,NUM_DRAFT_TOKENS")
+    p.add_argument("--ngram", type=int, default=3, help="longest n-gram prompt lookup matches")
+    p.add_argument("--ngram-steps", type=int, default=4, help="tokens the n-gram drafter proposes per round")
+    p.add_argument("--prompts", default="mtbench", help="built-in data set or conversations file")
+    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="10 prompts, 1 repeat (about 3 minutes on an H200)")
+    p.add_argument("--device")
+    p.add_argument("--dtype")
+    p.add_argument("--out", help="JSON path (default bench/results/engine_<device>.json)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.repeats = min(args.num_prompts, 10), 1
+    try:
+        report = bench(args)
+    except FledgeError as e:
+        print(f"bench_engine: error: {e}", file=sys.stderr)
+        return 2
+    print_table(report)
+    out = args.out or Path(__file__).parent / "results" / f"engine_{report['device']}.json"
+    atomic_write_json(out, report)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

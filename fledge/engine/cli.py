@@ -1,0 +1,135 @@
+"""`fledge generate`: one prompt through the engine, plain AR or speculative, with stats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fledge.engine.drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
+from fledge.engine.generate import SamplingParams, generate_ar
+from fledge.engine.model import build_engine_target
+from fledge.engine.spec import generate_spec
+from fledge.util import FledgeError, atomic_write_json
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    name = name or ("bfloat16" if device.type == "cuda" else "float32")
+    if name not in ("float32", "bfloat16", "float16"):
+        raise FledgeError(f"--dtype {name}: expected float32, bfloat16 or float16")
+    return getattr(torch, name)
+
+
+def eos_ids(hf_model, tokenizer) -> list[int]:
+    """Every id that ends a turn: the generation config's (often a list) and the tokenizer's."""
+    ids = getattr(hf_model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` in the target's chat template, ready for the assistant turn."""
+    if not tokenizer.chat_template:
+        return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+    return list(enc["input_ids"])
+
+
+def spec_config(num_steps: int, topk: int, num_draft_tokens: int | None) -> SpecConfig:
+    if num_draft_tokens is None:
+        if topk > 1:
+            raise FledgeError("--num-draft-tokens is required for a tree (--topk > 1)")
+        num_draft_tokens = num_steps + 1
+    return SpecConfig(num_steps, topk, num_draft_tokens)
+
+
+def load_drafter(path: str, spec: SpecConfig, hf_model, engine_target, device, dtype) -> Eagle3Drafter:
+    from fledge.checkpoint import load_checkpoint
+
+    draft = load_checkpoint(path, embed_from=hf_model).to(device=device, dtype=dtype).eval()
+    return Eagle3Drafter(draft, spec, engine_target)
+
+
+def _messages(args) -> list[dict]:
+    if args.prompt is not None:
+        return [{"role": "user", "content": args.prompt}]
+    text = Path(args.messages).read_text() if Path(args.messages).is_file() else args.messages
+    try:
+        msgs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FledgeError(f"--messages: not valid JSON ({e.msg})") from None
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in msgs)):
+        raise FledgeError('--messages: expected a JSON list of {"role": ..., "content": ...}')
+    return msgs
+
+
+def run_generate(args) -> int:
+    from fledge.target import load_target
+
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    spec = spec_config(args.num_steps, args.topk, args.num_draft_tokens)
+    params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, args.seed)
+    t = load_target(args.target, dtype=dtype, device=device)
+    target = build_engine_target(t.model, dtype, device)
+    prompt = encode_chat(t.tokenizer, _messages(args))
+    eos = eos_ids(t.model, t.tokenizer)
+    if args.drafter:
+        drafter = load_drafter(args.drafter, spec, t.model, target, device, dtype)
+    elif args.oracle:
+        greedy = SamplingParams(0.0, 1.0, args.max_new_tokens, args.seed)
+        drafter = OracleDrafter(spec, [prompt + generate_ar(target, [prompt], greedy, eos)[0][0]])
+    elif args.ngram:
+        drafter = NgramDrafter(spec, args.ngram)
+    else:
+        drafter = None
+    if drafter is None:
+        rows, ar = generate_ar(target, [prompt], params, eos)
+        out, summary = rows[0], ar
+        report = f"AR: {ar['generated_tokens']} tokens  {ar['tok_s']:.1f} tok/s  (prefill {ar['prefill_ms']:.1f} ms)"
+    else:
+        out, stats = generate_spec(target, drafter, prompt, params, eos)
+        summary, report = stats.summary(), stats.report()
+    print(t.tokenizer.decode(out, skip_special_tokens=False))
+    print("-" * 60)
+    print(report)
+    if args.json:
+        atomic_write_json(args.json, {"prompt_tokens": len(prompt), "output_ids": out, **summary})
+    return 0
+
+
+def add_spec_args(p) -> None:
+    p.add_argument("--num-steps", type=int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
+    p.add_argument("--topk", type=int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="tree nodes verified per round, root included (default num-steps+1 for a chain)")
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("generate", help="generate with the engine: AR, or speculative with a drafter / oracle / n-gram")
+    p.add_argument("--target", required=True, help="built-in name, GGUF file or HF directory")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--drafter", help="EAGLE-3 checkpoint directory")
+    src.add_argument("--oracle", action="store_true", help="draft the target's own greedy continuation (the ceiling)")
+    src.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
+    add_spec_args(p)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    msg = p.add_mutually_exclusive_group(required=True)
+    msg.add_argument("--prompt", help="one user message")
+    msg.add_argument("--messages", help="a JSON list of chat messages, inline or a file")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--json", help="also write the output ids and stats here")
+    p.set_defaults(func=run_generate)

@@ -1,0 +1,317 @@
+"""fledge doctor: a healthy export passes; each deliberate breakage FAILs under the right
+check name without the doctor raising; launch lines for SGLang and vLLM are linted."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_tiny
+from fledge import cli, doctor
+from fledge.checkpoint import export_checkpoint
+from fledge.config import DraftConfig
+from fledge.draft import Eagle3Draft
+
+DRAFT_VOCAB = 100
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    model = make_tiny("llama")
+    path = tmp_path_factory.mktemp("target")
+    model.save_pretrained(path)
+    return model, path
+
+
+def _draft(model, seed=0, trained=True):
+    cfg = DraftConfig.from_target(model.config, draft_vocab_size=DRAFT_VOCAB)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(cfg.vocab_size, generator=g)[:DRAFT_VOCAB].sort().values
+    d = Eagle3Draft.from_target(cfg, model, ids)
+    if trained:  # norms start at ones: move every trainable weight as training would
+        for p in d.parameters():
+            if p.requires_grad:
+                p.data.normal_(0, 0.2 if p.ndim > 1 else 1.0, generator=g)
+    return d
+
+
+def _export(model, out, **kw):
+    kw = {"dtype": torch.float32, **kw}
+    return export_checkpoint(_draft(model, kw.pop("seed", 0), kw.pop("trained", True)), out, **kw)
+
+
+def _statuses(results):
+    return {c.name: c.status for c in results}
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path, fn):
+    sd = load_file(path / "model.safetensors")
+    fn(sd)
+    save_file(sd, path / "model.safetensors")
+
+
+# ---------------------------------------------------------------- healthy drafters
+def test_healthy_eagle3_export_passes_everything(target, tmp_path, capsys):
+    model, tpath = target
+    drafter = _export(model, tmp_path / "d")
+    results = doctor.doctor(drafter, str(tpath))
+    assert {c.status for c in results} == {doctor.PASS}, [c for c in results if c.status != doctor.PASS]
+    names = _statuses(results)
+    for name in ("files", "target", "architecture", "aux_ids", "context", "rope", "hidden", "keys", "fc", "shapes",
+                 "vocab", "d2t", "t2d", "dtype", "weights", "norms", "embed"):
+        assert name in names
+    aux = next(c for c in results if c.name == "aux_ids")
+    assert "hidden_states[2, 4, 5]" in aux.why and "[1, 3, 4]" in aux.why  # both engines' spellings
+    assert cli.main(["doctor", str(drafter), "--target", str(tpath)]) == 0
+    assert "0 fail" in capsys.readouterr().out
+
+
+def test_healthy_speculators_and_sharded_exports(target, tmp_path):
+    model, tpath = target
+    spec = _export(model, tmp_path / "spec", layout="speculators", verifier=str(tpath))
+    assert doctor.exit_code(doctor.doctor(spec, str(tpath))) == 0
+    sharded = _export(model, tmp_path / "shards", shard_size_mb=0.01)
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert doctor.exit_code(doctor.doctor(sharded, str(tpath))) == 0
+    next(iter(sorted(sharded.glob("model-*.safetensors")))).unlink()
+    assert _statuses(doctor.doctor(sharded, str(tpath)))["files"] == doctor.FAIL
+
+
+def test_untrained_norms_are_the_only_warning(target, tmp_path):
+    model, tpath = target
+    results = doctor.doctor(_export(model, tmp_path / "d", trained=False), str(tpath))
+    assert {c.name for c in results if c.status != doctor.PASS} == {"norms"}
+    assert _statuses(results)["norms"] == doctor.WARN and doctor.exit_code(results) == 1
+
+
+def test_embeddings_compared_with_the_target(target, tmp_path):
+    model, tpath = target
+    drafter = _export(model, tmp_path / "d", with_embed=True)
+    assert _statuses(doctor.doctor(drafter, str(tpath)))["embed"] == doctor.PASS
+    _edit_tensors(drafter, lambda sd: sd["embed_tokens.weight"].add_(torch.randn_like(sd["embed_tokens.weight"])))
+    assert _statuses(doctor.doctor(drafter, str(tpath)))["embed"] == doctor.WARN
+
+
+# ---------------------------------------------------------------- broken drafters
+def _dup_d2t(sd):
+    ids = torch.arange(DRAFT_VOCAB) + sd["d2t"]
+    ids[1] = ids[0]  # two draft ids onto one target id
+    sd["d2t"] = ids - torch.arange(DRAFT_VOCAB)
+
+
+def _truncate(p):
+    data = (p / "model.safetensors").read_bytes()
+    (p / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _swap(sd, old, new):
+    sd[new] = sd.pop(old)
+
+
+BROKEN = {
+    "missing config": ("files", lambda p: (p / "config.json").unlink()),
+    "config not json": ("files", lambda p: (p / "config.json").write_text("{oops")),
+    "truncated safetensors": ("files", _truncate),
+    "missing d2t": ("d2t", lambda p: _edit_tensors(p, lambda sd: sd.pop("d2t"))),
+    "d2t duplicate": ("d2t", lambda p: _edit_tensors(p, _dup_d2t)),
+    "d2t out of range": ("d2t", lambda p: _edit_tensors(p, lambda sd: sd["d2t"].__setitem__(-1, 10_000))),
+    "d2t float": ("d2t", lambda p: _edit_tensors(p, lambda sd: sd.__setitem__("d2t", sd["d2t"].float()))),
+    "NaN weight": ("weights", lambda p: _edit_tensors(p, lambda sd: sd["fc.weight"].__setitem__((0, 0), float("nan")))),
+    "all-zero lm_head": ("weights", lambda p: _edit_tensors(p, lambda sd: sd["lm_head.weight"].zero_())),
+    "fc wrong width": ("fc", lambda p: _edit_tensors(p, lambda sd: sd.__setitem__("fc.weight", sd["fc.weight"][:, :128].contiguous()))),
+    "aux ids out of range": ("aux_ids", lambda p: _edit_config(
+        p, eagle_aux_hidden_state_layer_ids=[2, 4, 9], eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 9]})),
+    "aux ids disagree": ("aux_ids", lambda p: _edit_config(p, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]})),
+    "max_position too small": ("context", lambda p: _edit_config(p, max_position_embeddings=256)),
+    "extra unknown key": ("keys", lambda p: _edit_tensors(p, lambda sd: sd.__setitem__("foo.weight", torch.ones(3)))),
+    "missing hidden_norm": ("keys", lambda p: _edit_tensors(p, lambda sd: sd.pop("midlayer.hidden_norm.weight"))),
+    "layers.0 names in eagle3 layout": ("keys", lambda p: _edit_tensors(
+        p, lambda sd: _swap(sd, "midlayer.mlp.up_proj.weight", "layers.0.mlp.up_proj.weight"))),
+    "draft_vocab mismatch": ("vocab", lambda p: _edit_config(p, draft_vocab_size=DRAFT_VOCAB - 1)),
+    "tied embeddings": ("vocab", lambda p: _edit_config(p, tie_word_embeddings=True)),
+    "not eagle3": ("architecture", lambda p: _edit_config(p, architectures=["LlamaForCausalLM"])),
+    "aux capture off": ("architecture", lambda p: _edit_config(p, eagle_config={"use_aux_hidden_state": False})),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_drafter_fails_the_right_check(target, tmp_path, case):
+    model, tpath = target
+    check, breakage = BROKEN[case]
+    drafter = _export(model, tmp_path / "d")
+    breakage(drafter)
+    results = doctor.doctor(drafter, str(tpath))
+    assert _statuses(results).get(check) == doctor.FAIL, [(c.name, c.status, c.why) for c in results]
+    assert doctor.exit_code(results) == 2
+    payload = json.loads("\n".join(_collect(lambda out: doctor.report(results, as_json=True, out=out))))
+    assert payload["exit_code"] == 2 and any(c["name"] == check and c["status"] == "FAIL" for c in payload["checks"])
+
+
+def _collect(fn):
+    lines = []
+    fn(lines.append)
+    return lines
+
+
+def test_unreadable_target_only_warns(target, tmp_path):
+    model, _ = target
+    results = doctor.doctor(_export(model, tmp_path / "d"), str(tmp_path / "nowhere"))
+    assert _statuses(results)["target"] == doctor.WARN and doctor.exit_code(results) == 1
+
+
+def test_not_a_directory(tmp_path):
+    assert _statuses(doctor.doctor(tmp_path / "missing"))["files"] == doctor.FAIL
+
+
+# ---------------------------------------------------------------- --against
+def test_against_counts_differing_d2t_entries(target, tmp_path):
+    model, _ = target
+    a, b = _export(model, tmp_path / "a", seed=1), _export(model, tmp_path / "b", seed=2)
+    ta = torch.arange(DRAFT_VOCAB) + load_file(a / "model.safetensors")["d2t"]
+    tb = torch.arange(DRAFT_VOCAB) + load_file(b / "model.safetensors")["d2t"]
+    c = doctor.against_check(a, b)
+    assert c.status == doctor.WARN
+    assert f"{int((ta != tb).sum()):,} of {DRAFT_VOCAB}" in c.why
+    assert f"share {len(set(ta.tolist()) & set(tb.tolist())):,}" in c.why
+    assert doctor.against_check(a, a).status == doctor.PASS
+
+
+# ---------------------------------------------------------------- launch lines
+def _lint(drafter, cmd, target=None):
+    return _statuses(doctor.launch_checks(cmd, drafter, None, target))
+
+
+SGL = "python -m sglang.launch_server --model-path {t} --speculative-draft-model-path {d} --tp 8 "
+
+
+def test_sglang_eagle_vs_eagle3(target, tmp_path):
+    model, tpath = target
+    d = _export(model, tmp_path / "d")
+    good = _lint(d, SGL.format(t=tpath, d=d) + "--speculative-algorithm EAGLE3 --speculative-num-steps 3 "
+                 "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4", str(tpath))
+    assert set(good.values()) == {doctor.PASS} and "launch.model" in good
+    bad = _lint(d, SGL.format(t=tpath, d=d) + "--speculative-algorithm EAGLE")
+    assert bad["launch.algorithm"] == doctor.FAIL
+    # argparse prefixes and the short draft flag, spread over continuation lines
+    abbrev = _lint(d, f"CUDA_VISIBLE_DEVICES=0 python3 -m sglang.launch_server --model {tpath} \\\n"
+                      f"  --speculative-algo EAGLE3 \\\n  --speculative-draft={d}")
+    assert abbrev["launch.algorithm"] == doctor.PASS and abbrev["launch.draft_path"] == doctor.PASS
+
+
+@pytest.mark.parametrize("steps,topk,ndt,status", [
+    (3, 1, 4, "PASS"), (3, 1, 8, "WARN"), (5, 4, 8, "PASS"), (3, 4, 37, "PASS"), (3, 4, 38, "FAIL"),
+    (2, 2, 7, "PASS"), (2, 2, 8, "FAIL"), (6, 4, 4, "WARN"), (0, 1, 1, "FAIL"), ("x", 1, 2, "FAIL")])
+def test_sglang_tree_bounds(tmp_path, steps, topk, ndt, status):
+    cmd = (f"python -m sglang.launch_server --speculative-algorithm EAGLE3 --speculative-num-steps {steps} "
+           f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {ndt}")
+    assert _lint(tmp_path, cmd)["launch.tree"] == status
+
+
+def test_tree_bound_matches_candidate_count():
+    """The bound is the number of scored candidates SGLang's draft loop produces, plus the root."""
+    for steps in range(1, 6):
+        for topk in range(1, 6):
+            candidates = [topk] + [topk * topk] * (steps - 1)  # per-step score tensors, flattened
+            assert doctor.sglang_tree_bound(steps, topk) == 1 + sum(candidates)
+
+
+def test_sglang_other_flags(target, tmp_path):
+    model, tpath = target
+    d = _export(model, tmp_path / "d")
+    other = _export(model, tmp_path / "other")
+    facts = doctor.draft_facts(json.loads((d / "config.json").read_text()))
+    base = SGL.format(t=tpath, d=d) + "--speculative-algorithm EAGLE3 "
+    r = _statuses(doctor.launch_checks(base + "--disable-cuda-graph --context-length 100000", d, facts))
+    assert r["launch.cuda_graph"] == doctor.WARN and r["launch.context"] == doctor.FAIL
+    assert _lint(d, SGL.format(t=tpath, d=other) + "--speculative-algorithm EAGLE3")["launch.draft_path"] == doctor.FAIL
+    assert _lint(d, SGL.format(t=tpath, d="org/remote") + "--speculative-algorithm EAGLE3")["launch.draft_path"] == doctor.WARN
+    assert _lint(d, base + "--speculative-eagle-topk 4")["launch.tree"] == doctor.FAIL  # SGLang asserts
+    assert _lint(d, base.replace(str(tpath), str(other)), str(tpath))["launch.model"] == doctor.WARN
+
+
+def test_vllm_lines(target, tmp_path):
+    model, tpath = target
+    d = _export(model, tmp_path / "d")
+    facts = doctor.draft_facts(json.loads((d / "config.json").read_text()))
+
+    def vllm(spec, extra=""):
+        return _statuses(doctor.launch_checks(f"vllm serve {tpath} {extra} --speculative-config '{json.dumps(spec)}'",
+                                              d, facts, str(tpath)))
+
+    good = vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})
+    assert set(good.values()) == {doctor.PASS}
+    assert vllm({"method": "eagle", "model": str(d), "num_speculative_tokens": 3})["launch.algorithm"] == doctor.FAIL
+    assert vllm({"model": str(d), "num_speculative_tokens": 3})["launch.algorithm"] == doctor.FAIL
+    assert vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 0})["launch.num_tokens"] == doctor.FAIL
+    assert vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 12})["launch.num_tokens"] == doctor.WARN
+    r = vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}, "--enforce-eager --max-model-len 4096")
+    assert r["launch.cuda_graph"] == doctor.WARN and r["launch.context"] == doctor.FAIL
+    assert _lint(d, f"vllm serve {tpath} --speculative-config '{{bad'")["launch.spec_config"] == doctor.FAIL
+    assert _lint(d, f"vllm serve {tpath}")["launch.spec_config"] == doctor.FAIL
+    assert _lint(d, f"vllm serve {tpath} --speculative-model {d}")["launch.legacy"] == doctor.FAIL
+    dotted = _lint(d, f"vllm serve {tpath} --speculative-config.method eagle3 --speculative-config.model {d} "
+                      "--speculative-config.num_speculative_tokens 2")
+    assert set(dotted.values()) == {doctor.PASS}
+
+
+def test_odd_launch_lines_never_raise(tmp_path):
+    for cmd in ["", "   ", "'unbalanced", "ls -la", "--speculative-algorithm EAGLE3", "sglang", "vllm serve"]:
+        results = doctor.launch_checks(cmd, tmp_path, None)
+        assert results and all(c.status in (doctor.PASS, doctor.WARN, doctor.FAIL) for c in results)
+    assert _lint(tmp_path, "ls -la")["launch.parse"] == doctor.FAIL
+    rng = random.Random(0)
+    words = ["python", "-m", "sglang.launch_server", "vllm", "serve", "--speculative-algorithm", "EAGLE3", "EAGLE",
+             "--speculative-num-steps", "-1", "3", "--speculative-eagle-topk", "--speculative-config", "{}", "[1]",
+             '{"method": 3}', "--context-length", "nan", "=", "--x=", "'", "\\\n", "--speculative-num-draft-tokens"]
+    for _ in range(300):
+        doctor.launch_checks(" ".join(rng.choices(words, k=rng.randint(1, 12))), tmp_path, None)
+
+
+def test_exit_codes():
+    mk = lambda s: doctor.Check("x", s, "")  # noqa: E731
+    assert doctor.exit_code([]) == 0
+    assert doctor.exit_code([mk("PASS"), mk("PASS")]) == 0
+    assert doctor.exit_code([mk("PASS"), mk("WARN")]) == 1
+    assert doctor.exit_code([mk("WARN"), mk("FAIL"), mk("PASS")]) == 2
+
+
+def test_index_and_shards_disagree(target, tmp_path):
+    model, tpath = target
+    drafter = _export(model, tmp_path / "d", shard_size_mb=0.01)
+    index = json.loads((drafter / "model.safetensors.index.json").read_text())
+    name = "midlayer.hidden_norm.weight"
+    shard = index["weight_map"].pop(name)  # the tensor is in a shard, but engines go by the index
+    (drafter / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = _statuses(doctor.doctor(drafter, str(tpath)))
+    assert r["files"] == doctor.WARN and r["keys"] == doctor.FAIL
+    index["weight_map"]["ghost.weight"] = shard
+    (drafter / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert _statuses(doctor.doctor(drafter, str(tpath)))["files"] == doctor.FAIL
+
+
+def test_odd_config_values_never_raise(target, tmp_path):
+    model, tpath = target
+    for changes in [{"eagle_config": [1, 2]}, {"hidden_size": "wide"}, {"eagle_aux_hidden_state_layer_ids": "abc"},
+                    {"max_position_embeddings": None}, {"draft_vocab_size": -5}, {"vocab_size": "big"}]:
+        drafter = _export(model, tmp_path / str(len(list(tmp_path.iterdir()))))
+        _edit_config(drafter, **changes)
+        results = doctor.doctor(drafter, str(tpath))
+        assert doctor.exit_code(results) == 2, (changes, results)
+
+
+def test_rope_mismatch_warns(target, tmp_path):
+    model, tpath = target
+    drafter = _export(model, tmp_path / "d")
+    _edit_config(drafter, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
+    results = doctor.doctor(drafter, str(tpath))
+    assert {c.name: c.status for c in results if c.status != doctor.PASS} == {"rope": doctor.WARN}

@@ -1,0 +1,280 @@
+"""Speculative decoding on the engine: tree logic against brute force, greedy output equal to
+AR token for token, draft KV consistency, lossless sampling (with a negative control), bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ENGINE_FAMILIES, make_tiny
+from fledge.config import DraftConfig
+from fledge.draft import Eagle3Draft
+from fledge.engine import SamplingParams, build_engine_target, generate_ar, logits_to_probs, make_causal_mask
+from fledge.engine.drafters import DraftInput, Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
+from fledge.engine.spec import generate_spec, verify_forward
+from fledge.engine.tree import path_to, select_tree, tree_mask, verify_greedy, verify_sample
+from fledge.util import FledgeError
+
+
+def random_candidates(g, B, K, steps):
+    """Candidates laid out as Eagle3Drafter lays them out: K children of the root, then K*K per
+    step, children of that step's K best beams."""
+    toks, scores, parents, depth = [], [], [], []
+    score = torch.rand(B, K, generator=g).log()
+    toks.append(torch.randint(0, 50, (B, K), generator=g)), scores.append(score)
+    parents.append(torch.full((B, K), -1)), depth.append(torch.ones(B, K, dtype=torch.long))
+    beams, n = torch.arange(K).expand(B, K), K
+    for i in range(1, steps):
+        child = (score[..., None] + torch.rand(B, K, K, generator=g).log()).flatten(1)
+        toks.append(torch.randint(0, 50, (B, K * K), generator=g)), scores.append(child)
+        parents.append(beams[..., None].expand(B, K, K).flatten(1)), depth.append(torch.full((B, K * K), i + 1))
+        score, pick = child.topk(K, dim=1)
+        beams, n = n + pick, n + K * K
+    return [torch.cat(x, 1) for x in (toks, scores, parents, depth)]
+
+
+def test_select_tree_keeps_best_valid_subtree():
+    g = torch.Generator().manual_seed(0)
+    for K, steps, N in [(1, 4, 5), (2, 3, 6), (3, 4, 12), (4, 2, 9)]:
+        toks, scores, parents, depth = random_candidates(g, 3, K, steps)
+        root = torch.randint(0, 50, (3,), generator=g)
+        tree = select_tree(root, toks, scores, parents, depth, N)
+        for b in range(3):
+            best = sorted(range(toks.shape[1]), key=lambda c: -scores[b, c].item())[:N - 1]
+            kept = sorted(best)  # brute force: the N-1 best candidates, in candidate order
+            assert tree.tokens[b, 1:].tolist() == [toks[b, c].item() for c in kept]
+            for node, c in enumerate(kept, 1):
+                p = parents[b, c].item()
+                want = 0 if p < 0 else kept.index(p) + 1  # raises if a parent was dropped
+                assert tree.parents[b, node].item() == want
+                assert tree.depth[b, node].item() == depth[b, c].item()
+                walk, j = {node, 0}, want
+                while j:
+                    walk.add(j)
+                    j = tree.parents[b, j].item()
+                assert set(torch.nonzero(tree.anc[b, node]).flatten().tolist()) == walk
+
+
+def test_tree_mask_and_path():
+    g = torch.Generator().manual_seed(1)
+    toks, scores, parents, depth = random_candidates(g, 2, 3, 3)
+    tree = select_tree(torch.tensor([7, 8]), toks, scores, parents, depth, 8)
+    cache_len = torch.tensor([5, 11])
+    mask = tree_mask(tree, cache_len, 32)
+    for b in range(2):
+        for i in range(8):
+            want = [c < cache_len[b] or (0 <= c - cache_len[b] < 8 and bool(tree.anc[b, i, c - cache_len[b]]))
+                    for c in range(32)]
+            assert mask[b, 0, i].tolist() == want
+    best = torch.tensor([7, 3])
+    path = path_to(best, tree, 4)
+    for b in range(2):
+        nodes, j = [], best[b].item()
+        while True:
+            nodes.insert(0, j)
+            if j == 0:
+                break
+            j = tree.parents[b, j].item()
+        assert path[b, :len(nodes)].tolist() == nodes
+        assert all(x == best[b].item() for x in path[b, len(nodes):].tolist())
+
+
+def test_verify_greedy_walks_the_tree():
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        toks, scores, parents, depth = random_candidates(g, 1, 2, 4)
+        toks = toks % 4  # small vocab so matches happen
+        tree = select_tree(torch.tensor([0]), toks, scores, parents, depth, 8)
+        logits = torch.randn(1, 8, 4, generator=g)
+        best, bonus = verify_greedy(logits, tree)
+        node = 0  # brute force: from the root, step to the child holding the argmax
+        while True:
+            kids = [j for j in range(1, 8) if tree.parents[0, j] == node
+                    and tree.tokens[0, j] == logits[0, node].argmax()]
+            if not kids:
+                break
+            node = kids[0]
+        assert best.item() == node and bonus.item() == logits[0, node].argmax().item()
+
+
+# --------------------------------------------------------------------------- on tiny targets
+def tiny_setup(family, vocab=24, seed=0):
+    """A tiny target and a random drafter nudged to imitate it (fc passes the highest aux state
+    through, the head is the target's), so drafts are often accepted and the accept/compact/
+    re-feed paths run with multi-token rounds; its attention still matters (the 0.3 scale)."""
+    hf = make_tiny(family, seed=seed, vocab_size=vocab)
+    target = build_engine_target(hf, torch.float32, "cpu")
+    torch.manual_seed(seed + 1)
+    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()
+    H = draft.cfg.hidden_size
+    with torch.no_grad():
+        draft.fc.weight.zero_()[:, 2 * H:] = torch.eye(H)
+        draft.midlayer.self_attn.o_proj.weight.mul_(0.3)
+        draft.lm_head.weight.copy_(hf.lm_head.weight)
+        draft.norm.weight.copy_(hf.model.norm.weight)
+    return hf, target, draft
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_greedy_spec_equals_ar(family):
+    hf, target, draft = tiny_setup(family)
+    prompt = torch.randint(0, 24, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
+    drafters = {
+        "eagle chain": Eagle3Drafter(draft, SpecConfig(3, 1, 4), target),
+        "eagle tree": Eagle3Drafter(draft, SpecConfig(3, 3, 9), target),
+        "eagle wide tree": Eagle3Drafter(draft, SpecConfig(2, 4, 13), target),
+        "oracle": OracleDrafter(SpecConfig(4, 1, 5), [prompt + ar]),
+        "ngram": NgramDrafter(SpecConfig(3, 1, 4), 2),
+    }
+    for name, drafter in drafters.items():
+        out, stats = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[])
+        assert out == ar, name
+        if name == "oracle":  # 15 tokens after the prefill's one = 3 full rounds of 4 + bonus
+            assert stats.accept_length() == 5.0
+    # a stop token mid-round is cut exactly as AR cuts it
+    eos = [ar[6]]
+    ar_eos = generate_ar(target, [prompt], GREEDY, eos_ids=eos)[0][0]
+    out, _ = generate_spec(target, drafters["oracle"], prompt, GREEDY, eos_ids=eos)
+    assert out == ar_eos and out[-1] == eos[0]
+
+
+def test_eagle_draft_cache_matches_recompute():
+    """Every chain the drafter proposes equals a from-scratch draft run over the whole context
+    with HF's hidden states: the static draft cache, after re-feeding accepted tokens, holds
+    exactly what a fresh prefill would."""
+    hf, target, draft = tiny_setup("llama", vocab=12, seed=4)
+    drafter = Eagle3Drafter(draft, SpecConfig(3, 1, 4), target)
+    rounds, propose = [], drafter.propose
+
+    def recording(inp: DraftInput):
+        tree = propose(inp)
+        rounds.append((list(inp.context[0]), drafter.last[0].clone(), tree.tokens[0, 1:].tolist()))
+        return tree
+
+    drafter.propose = recording
+    prompt = torch.randint(0, 12, (7,), generator=torch.Generator().manual_seed(5)).tolist()
+    _, stats = generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=20), eos_ids=[])
+    assert sum(stats.accepted) > 0  # some rounds moved the cache by more than one token
+    to_target = draft.target_ids()
+    with torch.no_grad():
+        for ctx, last, proposed in rounds:
+            L = len(ctx) - 1
+            hs = hf(torch.tensor([ctx[:-1]]), output_hidden_states=True).hidden_states
+            aux = torch.cat([hs[i] for i in draft.cfg.aux_layer_ids], -1)
+            causal = torch.ones(L, L, dtype=torch.bool).tril()[None, None]
+            out, kv = draft(torch.tensor([ctx[1:]]), aux, torch.arange(L)[None], causal)
+            h, want = out[:, -1:], []
+            torch.testing.assert_close(last, h[0, 0], atol=1e-4, rtol=1e-4)
+            for i in range(3):
+                want.append(to_target[draft.logits(h)[0, -1].argmax()].item())
+                if i == 2:
+                    break
+                ones = torch.ones(1, 1, 1, kv[0].shape[2] + 1, dtype=torch.bool)
+                h, step_kv = draft(torch.tensor([[want[-1]]]), h, torch.tensor([[L + i]]), ones, kv)
+                kv = (torch.cat([kv[0], step_kv[0]], 2), torch.cat([kv[1], step_kv[1]], 2))
+            assert proposed == want
+
+
+# --------------------------------------------------------------------------- sampling
+def first_round(temperature=1.0, top_p=0.95, samples=40000, residual=True):
+    """One verify round replicated `samples` times (batch dim) on a real tiny target and a random
+    EAGLE-3 tree. Returns per-depth TV distances between what the round emits and the exact
+    distribution, computed by HF on each explicit prefix, and the tolerance for each."""
+    hf, target, draft = tiny_setup("llama", vocab=8, seed=6)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3)  # peaked enough that deep nodes get accepted, flat enough that sampling varies
+        target.output.weight.mul_(3)
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    ctx = torch.randint(0, 8, (6,), generator=torch.Generator().manual_seed(7)).tolist()
+    spec = SpecConfig(3, 4, 20)
+    drafter = Eagle3Drafter(draft, spec, target)
+    drafter.start(1, 64)
+    cache = target.new_cache(1, 64)
+    L = torch.tensor([len(ctx) - 1])
+    pos = torch.arange(len(ctx) - 1)[None]
+    with torch.no_grad():
+        _, aux = target(torch.tensor([ctx[:-1]]), pos, pos, make_causal_mask(L * 0, len(ctx) - 1, 64), cache,
+                        aux_ids=drafter.aux_ids)
+        drafter.observe(torch.tensor([ctx[:-1]]), aux, L, torch.tensor([ctx[-1]]), L * 0)
+        tree = drafter.propose(DraftInput(torch.tensor([ctx[-1]]), L, [ctx]))
+        logits, _ = verify_forward(target, cache, tree, L, None)
+        B = samples
+        big = type(tree)(*(t.expand(B, *t.shape[1:]) for t in (tree.tokens, tree.parents, tree.depth, tree.anc)))
+        best, bonus = verify_sample(logits_to_probs(logits, params).expand(B, -1, -1), big,
+                                    torch.Generator().manual_seed(8), residual=residual)
+        path = path_to(best, big, spec.path_len)
+        emitted = torch.cat([big.tokens.gather(1, path), bonus[:, None]], 1)  # root, path..., (bonus)
+        n = big.depth.gather(1, best[:, None])[:, 0]
+        results = []
+        for d in range(3):  # token d+1 after the root, given the d before it were accepted
+            rows = n >= d
+            y = torch.where(n[rows] == d, bonus[rows], emitted[rows, d + 1])
+            prefixes = emitted[rows, :d + 1]
+            for pre in torch.unique(prefixes, dim=0):
+                sel = (prefixes == pre).all(1)
+                if sel.sum() < 1000:
+                    continue
+                ref = logits_to_probs(hf(torch.tensor([ctx[:-1] + pre.tolist()])).logits[0, -1], params)
+                emp = torch.bincount(y[sel], minlength=8).double() / sel.sum()
+                tv = 0.5 * (emp - ref).abs().sum().item()
+                # ~3x the expected TV of an honest sample of this size
+                tol = 1.2 * (ref * (1 - ref) / sel.sum()).sqrt().sum().item() + 1e-3
+                results.append((d, tv, tol))
+    return results
+
+
+def test_sampling_matches_ar_distribution():
+    results = first_round()
+    assert {d for d, _, _ in results} == {0, 1, 2}, "every depth needs a well-sampled prefix"
+    for d, tv, tol in results:
+        assert tv <= tol, f"depth {d}: total variation {tv:.4f} > {tol:.4f}"
+
+
+def test_sampling_without_rejection_correction_is_caught():
+    """Negative control: drawing the bonus from p without removing the rejected children
+    over-weights drafted tokens; the same test must flag it."""
+    results = first_round(residual=False)
+    assert any(tv > tol for _, tv, tol in results)
+
+
+# --------------------------------------------------------------------------- bad input
+def test_bad_input_is_one_fledge_error():
+    hf, target, draft = tiny_setup("qwen2")
+    with pytest.raises(FledgeError, match="chain"):
+        SpecConfig(num_steps=4, topk=1, num_draft_tokens=4)
+    with pytest.raises(FledgeError, match="holds 2..7"):
+        SpecConfig(num_steps=2, topk=2, num_draft_tokens=8)
+    with pytest.raises(FledgeError, match="cache"):
+        generate_spec(target, NgramDrafter(SpecConfig(3, 1, 4), 2), list(range(20)), GREEDY, [], cache_len=32)
+    other = make_tiny("qwen2", hidden_size=32)
+    small = Eagle3Draft.from_target(DraftConfig.from_target(other.config), other)
+    with pytest.raises(FledgeError, match="hidden size"):
+        Eagle3Drafter(small, SpecConfig(), target)
+    other = make_tiny("qwen2", vocab_size=50)
+    wrong_vocab = Eagle3Draft.from_target(DraftConfig.from_target(other.config), other)
+    with pytest.raises(FledgeError, match="vocab"):
+        Eagle3Drafter(wrong_vocab, SpecConfig(), target)
+    with pytest.raises(FledgeError, match="chain"):
+        OracleDrafter(SpecConfig(2, 2, 5), [[1]])
+
+
+# --------------------------------------------------------------------------- a real model
+@pytest.mark.slow
+def test_smollm2_greedy_spec_equals_ar():
+    from fledge.target import load_target
+    hf, tok = load_target("smollm2-135m")
+    target = build_engine_target(hf, torch.float32, "cpu")
+    prompt = tok("The capital of France is Paris. The capital of Germany is")["input_ids"]
+    params = SamplingParams(max_new_tokens=40)
+    ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
+    oracle = generate_spec(target, OracleDrafter(SpecConfig(7, 1, 8), [prompt + ar]), prompt, params, [])
+    ngram = generate_spec(target, NgramDrafter(SpecConfig(4, 1, 5), 3), prompt, params, [])
+    torch.manual_seed(0)
+    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf)
+    tree = generate_spec(target, Eagle3Drafter(draft, SpecConfig(3, 2, 6), target), prompt, params, [])
+    assert oracle[0] == ar and ngram[0] == ar and tree[0] == ar
+    assert oracle[1].accept_length() > 7

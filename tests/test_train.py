@@ -1,0 +1,291 @@
+"""Training: the unrolled TTT forward against the inference loop, learning, rank/shard
+equivalence, kill -9 resume, online == offline features, and refused inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from conftest import make_tiny
+from fledge.cli import main as cli_main
+from fledge.config import DraftConfig
+from fledge.draft import Eagle3Draft
+from fledge.features import (FeatureStore, TargetHead, features_meta, load_samples, online_features,
+                             write_features)
+from fledge.target import Target
+from fledge.train import TTT, TrainConfig, train, unroll
+from fledge.util import FledgeError
+from fledge.vocab import save_vocab
+
+TESTS = Path(__file__).parent
+V = 301  # tiny target vocab
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops on a shared 2-core machine: one thread is ~10x faster than two fighting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def write_data(path, n=48, seed=0, lo=12, hi=40, masked=True):
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            t = int(torch.randint(lo, hi, (), generator=g))
+            prompt = int(torch.randint(2, 6, (), generator=g))
+            ids = torch.randint(0, V, (t,), generator=g).tolist()
+            mask = [0] * prompt + [int(masked)] * (t - prompt)
+            f.write(json.dumps({"id": f"s{i}", "input_ids": ids, "loss_mask": mask}) + "\n")
+    return str(path)
+
+
+def tiny_target(name="tiny"):
+    return Target(make_tiny("llama"), None, name, None)
+
+
+def config(tmp, out="run", **kw) -> TrainConfig:
+    base = dict(data=str(tmp / "data.jsonl"), out=str(tmp / out), batch_size=4, max_steps=6, lr=3e-3, warmup=0.0,
+                log_every=1, eval_every=1000, save_every=1000, eval_samples=4, pad_multiple=1, ttt_steps=4)
+    return TrainConfig(**{**base, **kw})
+
+
+def curve(out) -> list[float]:
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r["objective"] for r in rows if r["kind"] == "train"]
+
+
+def random_draft(target, draft_vocab=None, seed=1):
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab)
+    torch.manual_seed(seed)
+    ids = torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values
+    d = Eagle3Draft.from_target(cfg, target, ids)
+    for p in d.parameters():  # norms start at ones; randomise so any misplaced norm would show
+        if p.requires_grad:
+            p.data.normal_(0, 0.2 if p.ndim > 1 else 1.0)
+    return d
+
+
+# --------------------------------------------------------------------------- TTT = inference
+def test_unrolled_ttt_matches_inference_loop():
+    """For every context row t and depth j, the training forward's step-j logits at row t equal
+    a draft run the inference way: context rows 0..t in one causal pass, then one token per
+    depth against an explicit KV list, at position t+j, reading token x_{t+1+j}. The loss pairs
+    step j / row t with the target's distribution at t+1+j and loss_mask[t+2+j]."""
+    target = make_tiny("llama")
+    d = random_draft(target, draft_vocab=120)
+    b, t_len, steps = 2, 11, 4
+    ids = torch.randint(0, V, (b, t_len))
+    aux = torch.randn(b, t_len, 3 * d.cfg.hidden_size)
+    with torch.no_grad():
+        train_logits = [d.logits(o) for o in unroll(d, ids, aux, steps)]
+        checked = 0
+        for r in range(b):
+            for t in range(t_len - 1):
+                causal = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None, None]
+                out, past = d(ids[r:r + 1, 1:t + 2], aux[r:r + 1, :t + 1], torch.arange(t + 1)[None], causal)
+                h = out[:, t:t + 1]
+                torch.testing.assert_close(d.logits(h)[0, 0], train_logits[0][r, t], atol=1e-4, rtol=1e-4)
+                for j in range(1, min(steps, t_len - 1 - t)):
+                    see_all = torch.ones(1, 1, 1, past[0].shape[2] + 1, dtype=torch.bool)
+                    h, kv = d(ids[r:r + 1, t + 1 + j:t + 2 + j], h, torch.tensor([[t + j]]), see_all, past)
+                    past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+                    torch.testing.assert_close(d.logits(h)[0, 0], train_logits[j][r, t], atol=1e-4, rtol=1e-4)
+                    checked += 1
+        assert checked > 20
+
+        # the loss: brute-force soft CE over (row, step) pairs, against TTT.forward's sums
+        cap_hidden = torch.randn(b, t_len, d.cfg.hidden_size)
+        head = TargetHead.from_model(target, d.target_ids(), "cpu")
+        probs, top = head.view(cap_hidden)
+        mask = torch.rand(b, t_len) > 0.3
+        _, stats = TTT(d, steps, 0.8)(ids, aux, probs, top, mask, torch.ones(steps))
+        for j in range(steps):
+            ce = hits = n = 0.0
+            for r in range(b):
+                for t in range(t_len - 2 - j):
+                    if mask[r, t + 2 + j]:
+                        logp = train_logits[j][r, t].log_softmax(-1)
+                        ce -= float((probs[r, t + 1 + j] * logp).sum())
+                        hits += float(logp.argmax() == top[r, t + 1 + j])
+                        n += 1
+            torch.testing.assert_close(stats[:, j], torch.tensor([ce, hits, n]), atol=1e-4, rtol=1e-5)
+
+
+def test_target_head_recomputes_capture_logits():
+    """Offline shards keep the final-norm hidden state: the head must give the target's logits."""
+    from fledge.target import capture
+    target = make_tiny("llama")
+    ids = torch.randint(0, V, (2, 9))
+    cap = capture(target, ids, (2, 4, 5))
+    draft_ids = torch.randperm(V)[:50].sort().values
+    probs, top = TargetHead.from_model(target, draft_ids, "cpu").view(cap.hidden)
+    torch.testing.assert_close(probs, cap.logits[..., draft_ids].softmax(-1))
+    full_top = cap.logits.argmax(-1)
+    inside = torch.isin(full_top, draft_ids)
+    assert bool((top[~inside] == -1).all()) and bool((draft_ids[top[inside]] == full_top[inside]).all())
+
+
+# --------------------------------------------------------------------------- learning
+def test_loss_falls_and_draft_learns(tmp_path):
+    data = write_data(tmp_path / "data.jsonl", n=64)
+    target = tiny_target()
+    with torch.no_grad():  # a random head is near-uniform; sharpen it so there is something to learn
+        target.model.lm_head.weight.mul_(50)
+        tops = torch.cat([target.model(s.input_ids[None]).logits[0].argmax(-1) for s in load_samples(data, 2048, V)])
+    majority = tops.bincount().max().item() / tops.numel()  # always guessing the commonest token
+    result = train(config(tmp_path, max_steps=30, eval_samples=8, eval_every=30), target)
+    c = curve(tmp_path / "run")
+    assert sum(c[-5:]) / 5 < sum(c[:5]) / 5 - 2.0
+    ev = result["eval"]
+    assert ev["acc"][0] > 1.5 * majority > 1.5 / V
+    assert ev["accept_len"] == pytest.approx(1 + ev["accept_len_no_bonus"])
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+    assert (tmp_path / "run" / "draft" / "config.json").exists()
+
+
+# --------------------------------------------------------------------------- ranks and shards
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_worker(rank, world, port, kw):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train(TrainConfig(**kw), tiny_target())
+    dist.destroy_process_group()
+
+
+def _weights(out):
+    return load_file(str(Path(out) / "draft" / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_match_one_rank(tmp_path, parallel):
+    """2 gloo ranks x batch 2 (DDP, or FSDP2-sharded) == 1 rank x batch 4, curve and weights."""
+    write_data(tmp_path / "data.jsonl", n=40)
+    one = config(tmp_path, "one", max_steps=5, grad_accum=2, batch_size=2)
+    train(one, tiny_target())
+    kw = {**config(tmp_path, "two", max_steps=5, batch_size=1, grad_accum=2, parallel=parallel).__dict__}
+    mp.spawn(_rank_worker, args=(2, _free_port(), kw), nprocs=2)
+    assert curve(tmp_path / "one") == pytest.approx(curve(tmp_path / "two"), abs=1e-5)
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), atol=1e-2, rtol=0)  # exported in bf16
+
+
+# --------------------------------------------------------------------------- kill -9 and resume
+CHILD = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+from conftest import make_tiny
+from fledge.target import Target
+from fledge.train import TrainConfig, train
+train(TrainConfig(**json.loads(sys.argv[1])), Target(make_tiny("llama"), None, "tiny", None))
+"""
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_gives_the_same_curve(tmp_path):
+    write_data(tmp_path / "data.jsonl", n=64, lo=30, hi=60)
+    ref = config(tmp_path, "ref", max_steps=14)
+    train(ref, tiny_target())
+    kw = json.dumps({**config(tmp_path, "killed", max_steps=14, save_every=3).__dict__})
+    cmd = [sys.executable, "-c", CHILD.format(tests=str(TESTS)), kw]
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    meta = tmp_path / "killed" / "checkpoint" / "meta.json"
+    while child.poll() is None and not (meta.exists() and json.loads(meta.read_text())["step"] >= 3):
+        time.sleep(0.005)
+    child.send_signal(signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+    assert len(curve(tmp_path / "killed")) < 14
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert curve(tmp_path / "killed") == pytest.approx(curve(tmp_path / "ref"), abs=1e-6)
+    a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "killed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- online == offline
+def test_online_equals_offline_fp32(tmp_path):
+    data = write_data(tmp_path / "data.jsonl", n=24)
+    save_vocab(tmp_path / "vocab.safetensors", torch.randperm(V)[:150].sort().values, V, {})
+    target = tiny_target()
+    samples = load_samples(data, 2048, V)
+    feats = tmp_path / "feats"
+    write_features(target.model, (2, 4, 5), samples, feats, features_meta("tiny", data, 2048), "fp32",
+                   shard_size=10, batch_size=3)
+    first = sorted(feats.glob("shard_*"))[0]
+    stamp = first.stat().st_mtime_ns
+    first_bytes = first.read_bytes()
+    (feats / "shard_00001.safetensors").unlink()  # resume: only the missing shard is recomputed
+    write_features(target.model, (2, 4, 5), samples, feats, features_meta("tiny", data, 2048), "fp32",
+                   shard_size=10, batch_size=5)
+    assert first.stat().st_mtime_ns == stamp and first.read_bytes() == first_bytes
+    store = FeatureStore(feats, {}, 64)
+    aux, hidden = online_features(target.model, (2, 4, 5), samples[13].input_ids[None], None)
+    torch.testing.assert_close(store.get(13)[0], aux[0], atol=1e-5, rtol=1e-5)
+
+    kw = dict(vocab=str(tmp_path / "vocab.safetensors"), max_steps=4, batch_size=3)
+    train(config(tmp_path, "online", **kw), target)
+    train(config(tmp_path, "offline", features=str(feats), **kw), tiny_target())
+    assert curve(tmp_path / "online") == pytest.approx(curve(tmp_path / "offline"), abs=1e-5)
+
+
+# --------------------------------------------------------------------------- refused inputs
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from test_target import save_tiny_dir
+    path = tmp_path_factory.mktemp("tiny_target")
+    save_tiny_dir(path)
+    return path
+
+
+def _cli_fails(capsys, tmp_path, target_dir, *extra, match):
+    args = ["train", "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "run"),
+            "--target", str(target_dir), "--max-steps", "2", "--batch-size", "2", "--ttt-steps", "2", *extra]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fledge: error:") and match in err[0], err
+
+
+def test_bad_inputs_refused(tmp_path, target_dir, capsys):
+    data = write_data(tmp_path / "data.jsonl", n=16)
+    # a vocab map made for another target vocab
+    save_vocab(tmp_path / "v500.safetensors", torch.arange(100), 500, {})
+    _cli_fails(capsys, tmp_path, target_dir, "--vocab", str(tmp_path / "v500.safetensors"), match="500-token vocab")
+    # features 2H wide (from a target of another width)
+    narrow = make_tiny("llama", hidden_size=32)
+    write_features(narrow, (2, 4, 5), load_samples(data, 2048, V), tmp_path / "narrow",
+                   features_meta(str(target_dir), data, 2048), "fp32")
+    _cli_fails(capsys, tmp_path, target_dir, "--features", str(tmp_path / "narrow"), match="3xH=192")
+    assert not (tmp_path / "run").exists()
+    # nothing to train after filtering
+    write_data(tmp_path / "empty.jsonl", n=8, masked=False)
+    _cli_fails(capsys, tmp_path, target_dir, "--data", str(tmp_path / "empty.jsonl"), match="no sample")
+    # a checkpoint of another config is refused and left as it was
+    assert cli_main(["train", "--data", data, "--out", str(tmp_path / "run"), "--target", str(target_dir),
+                     "--max-steps", "2", "--batch-size", "2", "--ttt-steps", "2"]) == 0
+    capsys.readouterr()
+    state = tmp_path / "run" / "checkpoint" / "state.pt"
+    before = state.read_bytes()
+    _cli_fails(capsys, tmp_path, target_dir, "--lr", "0.5", match="another config (lr differ")
+    assert state.read_bytes() == before

@@ -1,0 +1,122 @@
+"""The exported drafter in real vLLM (CPU build): it loads unchanged next to SmolLM2, vLLM
+captures the aux layers we wrote, applies our d2t, and greedy output is the same with and
+without speculation.
+
+vLLM runs in its own venv (scripts/setup_vllm.sh) through scripts/vllm_run.py. Without that
+venv the vLLM test skips, unless FLEDGE_REQUIRE_VLLM is set (CI), where it fails instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
+from fledge.config import DraftConfig
+from fledge.conventions import accept_length
+from fledge.draft import Eagle3Draft
+from fledge.target import resolve_target
+from fledge.util import FledgeError, cache_dir
+
+RUNNER = Path(__file__).resolve().parents[1] / "scripts" / "vllm_run.py"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
+           "List three colors: red,"]
+MAX_TOKENS = 32
+SPEC_TOKENS = 3
+DRAFT_VOCAB = 4096
+# Not vLLM's default for a 30-layer target (2, 15, 27): the ids it logs must come from our config.
+AUX_IDS = (4, 11, 25)
+
+
+def vllm_env() -> tuple[Path, dict]:
+    venv = cache_dir() / "vllm-venv"
+    if not (venv / ".fledge-complete").is_file():
+        if os.environ.get("FLEDGE_REQUIRE_VLLM"):
+            pytest.fail(f"{venv}: no vLLM venv but FLEDGE_REQUIRE_VLLM is set; run scripts/setup_vllm.sh")
+        pytest.skip(f"{venv}: no vLLM venv; run scripts/setup_vllm.sh (or set FLEDGE_REQUIRE_VLLM to fail)")
+    env = dict(os.environ)
+    for line in (venv / "vllm.env").read_text().splitlines():
+        key, _, value = line.partition("=")
+        env[key] = value
+    return venv / "bin" / "python", env
+
+
+def run_vllm(python: Path, env: dict, tmp: Path, target: Path, drafter: Path | None = None) -> dict:
+    prompts = tmp / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out = tmp / ("spec.json" if drafter else "base.json")
+    cmd = [str(python), str(RUNNER), "--target", str(target), "--prompts", str(prompts), "--out", str(out),
+           "--max-tokens", str(MAX_TOKENS), "--num-spec-tokens", str(SPEC_TOKENS)]
+    if drafter:
+        cmd += ["--drafter", str(drafter)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, f"vLLM failed:\n{res.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def constant_drafter(target: Path, first_target_id: int) -> Eagle3Draft:
+    """A random drafter with a zeroed lm_head and a draft vocab whose smallest target id is
+    `first_target_id`. All-zero logits make greedy drafting pick draft id 0 (argmax takes the
+    first maximum), which is `first_target_id` only if vLLM applies our d2t as we mean it;
+    read as zeros (or misread) it proposes another token and nothing is ever accepted."""
+    hf_config = transformers.AutoConfig.from_pretrained(target)
+    cfg = DraftConfig.from_target(hf_config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX_IDS)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    above = torch.arange(first_target_id + 1, cfg.vocab_size)
+    rest = above[torch.randperm(above.numel())[:DRAFT_VOCAB - 1]].sort().values
+    draft.set_vocab(torch.cat([torch.tensor([first_target_id]), rest]))
+    with torch.no_grad():
+        draft.lm_head.weight.zero_()
+    return draft
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return resolve_target("smollm2-135m")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_speculation_is_lossless(tmp_path, smollm2):
+    python, env = vllm_env()
+    base = run_vllm(python, env, tmp_path, smollm2)
+    assert [len(t) for t in base["outputs"]] == [MAX_TOKENS] * len(PROMPTS)
+
+    # The token the target emits most often, so a drafter that always proposes it gets some right.
+    frequent = Counter(t for ids in base["outputs"] for t in ids).most_common(1)[0][0]
+    draft = constant_drafter(smollm2, frequent)
+    assert int((draft.d2t != 0).sum()) > DRAFT_VOCAB // 2  # a non-trivial draft vocabulary
+    out = export_checkpoint(draft, tmp_path / "drafter", layout="eagle3")
+    spec = run_vllm(python, env, tmp_path, smollm2, out)
+
+    assert spec["outputs"] == base["outputs"], "speculation changed vLLM's greedy output"
+    written = json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    assert tuple(written) == AUX_IDS
+    assert spec["aux_layer_ids"] == list(AUX_IDS), "vLLM captured other layers than the ones exported"
+    sd = spec["spec_decode"]
+    assert sd["num_drafts"] > 0 and sd["num_draft_tokens"] == SPEC_TOKENS * sd["num_drafts"]
+    assert sd["num_accepted_tokens_per_pos"][0] > 0, "no draft accepted: vLLM did not map draft ids through d2t"
+    print(f"\nvLLM start {base['start_s']} s (spec {spec['start_s']} s); {base['tok_per_s']} tok/s plain, "
+          f"{spec['tok_per_s']} tok/s spec; accept length {accept_length(sd['num_accepted_tokens'], sd['num_drafts']):.2f}")
+
+
+def test_export_without_d2t_is_refused(tmp_path, smollm2):
+    """vLLM would load this drafter with all-zero offsets without a word; fledge must not."""
+    draft = constant_drafter(smollm2, 198)
+    out = export_checkpoint(draft, tmp_path / "drafter", layout="eagle3")
+    weights = out / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["d2t"]
+    save_file(tensors, weights)
+    assert any("missing tensor d2t" in p for p in validate_checkpoint(out))
+    with pytest.raises(FledgeError, match="d2t"):
+        load_checkpoint(out)
