@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fledge.config import DraftConfig
-from fledge.conventions import aux_ids_from_sglang, t2d_from_target_ids, target_ids_from_d2t, validate_aux_layer_ids
+from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, t2d_from_target_ids, target_ids_from_d2t,
+                                validate_aux_layer_ids)
 from fledge.draft import Eagle3Draft
 from fledge.util import FledgeError, atomic_dir
 
@@ -72,16 +73,19 @@ def canonical_name(key: str) -> str:
 
 
 def serving_aux_ids(ids, num_layers: int) -> list[int]:
-    """The aux ids written in the eagle3 layout's `eagle_config` (what SGLang reads) for
-    canonical `ids`. Today: canonical as-is (vLLM convention) — SGLang's reading is being
-    checked; if it reads "output of layer k", change this and `aux_ids_from_serving` together.
-    The top-level `eagle_aux_hidden_state_layer_ids` is always canonical: only vLLM reads it."""
-    return list(validate_aux_layer_ids(ids, num_layers))
+    """The aux ids written in `eagle_config` for canonical `ids`: SGLang's convention.
+
+    SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` and captures
+    hidden_states[k+1] for id k (`set_eagle3_layers_to_capture` adds 1), i.e. "output of layer
+    k". vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first (canonical, written
+    as-is), so with both lists written, both engines feed the drafter the same residual streams.
+    """
+    return list(aux_ids_to_sglang(ids, num_layers))
 
 
 def aux_ids_from_serving(ids, num_layers: int) -> tuple[int, int, int]:
     """Inverse of `serving_aux_ids`: canonical ids from an `eagle_config` list."""
-    return validate_aux_layer_ids(ids, num_layers)
+    return aux_ids_from_sglang(ids, num_layers)
 
 
 def _specforge_default_aux(num_layers: int) -> tuple[int, int, int]:

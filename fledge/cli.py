@@ -24,6 +24,8 @@ STEP_MODULES = [
     "fledge.checkpoint",
     "fledge.doctor",
     "fledge.engine.cli",
+    "fledge.bench",
+    "fledge.tune",
 ]
 
 

@@ -69,7 +69,8 @@ def test_eagle3_layout_fields(tmp_path):
     assert (cj["target_hidden_size"], cj["max_position_embeddings"], cj["head_dim"]) == (64, 512, 16)
     assert cj["tie_word_embeddings"] is False and cj["torch_dtype"] == "bfloat16"
     assert cj["eagle_aux_hidden_state_layer_ids"] == list(default_aux_layer_ids(8)) == [2, 4, 5]
-    assert cj["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "use_aux_hidden_state": True}
+    # SGLang reads only eagle_config and adds 1: "output of layer k" = the same streams as vLLM's [2, 4, 5].
+    assert cj["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
     want = {k for k, (_, _) in checkpoint_keys(draft.cfg).items()} - {"embed_tokens.weight"}
     assert set(t) == want
     assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
@@ -279,7 +280,7 @@ def _poke(key, idx, value):
 def _both_ids(ids):
     def fn(cj):
         cj["eagle_aux_hidden_state_layer_ids"] = ids
-        cj["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        cj["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]  # SGLang's spelling
     return fn
 
 

@@ -130,8 +130,9 @@ BROKEN = {
     "all-zero lm_head": ("weights", lambda p: _edit_tensors(p, lambda sd: sd["lm_head.weight"].zero_())),
     "fc wrong width": ("fc", lambda p: _edit_tensors(p, lambda sd: sd.__setitem__("fc.weight", sd["fc.weight"][:, :128].contiguous()))),
     "aux ids out of range": ("aux_ids", lambda p: _edit_config(
-        p, eagle_aux_hidden_state_layer_ids=[2, 4, 9], eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 9]})),
-    "aux ids disagree": ("aux_ids", lambda p: _edit_config(p, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]})),
+        p, eagle_aux_hidden_state_layer_ids=[2, 4, 9], eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 8]})),
+    # eagle_config is SGLang's spelling (canonical - 1): [2, 4, 5] there names streams 3, 5, 6.
+    "aux ids disagree": ("aux_ids", lambda p: _edit_config(p, eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 5]})),
     "max_position too small": ("context", lambda p: _edit_config(p, max_position_embeddings=256)),
     "extra unknown key": ("keys", lambda p: _edit_tensors(p, lambda sd: sd.__setitem__("foo.weight", torch.ones(3)))),
     "missing hidden_norm": ("keys", lambda p: _edit_tensors(p, lambda sd: sd.pop("midlayer.hidden_norm.weight"))),

@@ -152,17 +152,17 @@ def test_eagle_draft_cache_matches_recompute():
 
     def recording(inp: DraftInput):
         tree = propose(inp)
-        rounds.append((list(inp.context[0]), drafter.last[0].clone(), tree.tokens[0, 1:].tolist()))
+        rounds.append((inp.cache_len.item(), drafter.last[0].clone(), tree.tokens[0, 1:].tolist()))
         return tree
 
     drafter.propose = recording
     prompt = torch.randint(0, 12, (7,), generator=torch.Generator().manual_seed(5)).tolist()
-    _, stats = generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=20), eos_ids=[])
+    out, stats = generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=20), eos_ids=[])
     assert sum(stats.accepted) > 0  # some rounds moved the cache by more than one token
     to_target = draft.target_ids()
     with torch.no_grad():
-        for ctx, last, proposed in rounds:
-            L = len(ctx) - 1
+        for L, last, proposed in rounds:
+            ctx = (prompt + out)[:L + 1]  # the verified tokens and the root
             hs = hf(torch.tensor([ctx[:-1]]), output_hidden_states=True).hidden_states
             aux = torch.cat([hs[i] for i in draft.cfg.aux_layer_ids], -1)
             causal = torch.ones(L, L, dtype=torch.bool).tril()[None, None]

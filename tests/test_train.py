@@ -206,20 +206,25 @@ train(TrainConfig(**json.loads(sys.argv[1])), Target(make_tiny("llama"), None, "
 
 @pytest.mark.slow
 def test_kill9_then_resume_gives_the_same_curve(tmp_path):
-    write_data(tmp_path / "data.jsonl", n=64, lo=30, hi=60)
-    ref = config(tmp_path, "ref", max_steps=14)
-    train(ref, tiny_target())
-    kw = json.dumps({**config(tmp_path, "killed", max_steps=14, save_every=3).__dict__})
-    cmd = [sys.executable, "-c", CHILD.format(tests=str(TESTS)), kw]
-    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Both runs are child processes, so the only difference is the kill: curves and weights
+    must match bit for bit."""
+    write_data(tmp_path / "data.jsonl", n=48, lo=20, hi=40)
+
+    def cmd(out):
+        kw = json.dumps({**config(tmp_path, out, max_steps=10, save_every=3).__dict__})
+        return [sys.executable, "-c", CHILD.format(tests=str(TESTS)), kw]
+
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ref = subprocess.Popen(cmd("ref"), **quiet)
+    child = subprocess.Popen(cmd("killed"), **quiet)
     meta = tmp_path / "killed" / "checkpoint" / "meta.json"
     while child.poll() is None and not (meta.exists() and json.loads(meta.read_text())["step"] >= 3):
         time.sleep(0.005)
     child.send_signal(signal.SIGKILL)
-    assert child.wait() == -signal.SIGKILL
-    assert len(curve(tmp_path / "killed")) < 14
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert curve(tmp_path / "killed") == pytest.approx(curve(tmp_path / "ref"), abs=1e-6)
+    assert child.wait() == -signal.SIGKILL and ref.wait() == 0
+    assert len(curve(tmp_path / "killed")) < 10
+    subprocess.run(cmd("killed"), check=True, **quiet)
+    assert curve(tmp_path / "killed") == curve(tmp_path / "ref")
     a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "killed")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -263,7 +268,7 @@ def _cli_fails(capsys, tmp_path, target_dir, *extra, match):
     args = ["train", "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "run"),
             "--target", str(target_dir), "--max-steps", "2", "--batch-size", "2", "--ttt-steps", "2", *extra]
     assert cli_main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fledge")]  # not HF's bars
     assert len(err) == 1 and err[0].startswith("fledge: error:") and match in err[0], err
 
 

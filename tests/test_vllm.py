@@ -36,7 +36,9 @@ DRAFT_VOCAB = 4096
 AUX_IDS = (4, 11, 25)
 
 
-def vllm_env() -> tuple[Path, dict]:
+@pytest.fixture(scope="module")
+def vllm() -> tuple[Path, dict]:
+    """The vLLM venv's python and the environment it runs under (skip or fail if absent)."""
     venv = cache_dir() / "vllm-venv"
     if not (venv / ".fledge-complete").is_file():
         if os.environ.get("FLEDGE_REQUIRE_VLLM"):
@@ -86,8 +88,8 @@ def smollm2() -> Path:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_speculation_is_lossless(tmp_path, smollm2):
-    python, env = vllm_env()
+def test_vllm_speculation_is_lossless(vllm, smollm2, tmp_path):  # vllm first: skip before converting
+    python, env = vllm
     base = run_vllm(python, env, tmp_path, smollm2)
     assert [len(t) for t in base["outputs"]] == [MAX_TOKENS] * len(PROMPTS)
 

@@ -183,8 +183,8 @@ def _cut(row: list[int], eos_ids) -> list[int]:
 def _hf_generate(hf, ids, new_tokens: int, **kw):
     """HF greedy generation of exactly `new_tokens` tokens; returns (tokens [B, new], seconds)."""
     t0 = _now(hf.device)
-    out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                      disable_compile=True, **kw)
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                      min_new_tokens=new_tokens, do_sample=False, disable_compile=True, **kw)
     return out[:, ids.shape[1]:], _now(hf.device) - t0
 
 

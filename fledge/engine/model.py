@@ -94,6 +94,23 @@ class KVCache:
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
 
+# Pointwise pieces as plain functions: one or two kernels each, which is what bounds a
+# CUDA-graph decode step at batch 1 (every kernel costs ~2 us however small it is).
+def rms_norm(x, weight, eps: float):
+    """HF's RMSNorm computed in fp32 and rounded once (HF rounds before scaling: bf16 noise)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def apply_rope(x, cos, sin):
+    """x * cos + rotate_half(x) * sin, with `sin` signed as `Transformer.rope` returns it."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -101,9 +118,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalised in fp32 (rms_norm's accumulation type) and rounded to the model dtype, then
-        # scaled in the model dtype: HF's order of roundings, in two kernels instead of seven.
-        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -126,8 +141,7 @@ class Attention(nn.Module):
         else:
             q, k = qkv[..., :H * D].view(B, T, H, D), qkv[..., H * D:(H + Hkv) * D].view(B, T, Hkv, D)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        # Rope on q and k at once; roll + signed sin is HF's rotate_half, bit for bit.
-        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
+        qk = apply_rope(qk, cos, sin)  # q and k at once
         q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
         idx = slots[:, None, :, None].expand(B, Hkv, T, D)
         cache_k.scatter_(2, idx, k)
@@ -146,8 +160,7 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(silu_mul(self.w13(x)))
 
 
 class Block(nn.Module):
@@ -182,7 +195,7 @@ class Transformer(nn.Module):
 
     def rope(self, positions, dtype):
         """cos and signed sin [B, T, 1, head_dim], in fp32 then cast, as HF's rotary embedding.
-        The sin's first half is negated so that x * cos + roll(x) * sin == HF's rope."""
+        The sin's first half is negated so that x * cos + roll(x) * sin is HF's rope."""
         freqs = positions[..., None, None].float() * self.inv_freq.float()
         cos, sin = freqs.cos() * self.args.rope_scale, freqs.sin() * self.args.rope_scale
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)

@@ -1,0 +1,583 @@
+"""`fledge bench`: measure speculative decoding where it runs.
+
+Three sources, one command:
+  --url      an OpenAI-compatible server (SGLang, vLLM, ...): tok/s per request, time to first
+             token (streaming), at several concurrency levels, in loops bounded by a request
+             count and a time limit. Requests go only to the URL given.
+  --log      a serving log: SGLang's "Decode batch" lines and vLLM's "SpecDecoding metrics"
+             lines → accept length (SGLang's definition, bonus included), per-position
+             acceptance, throughput.
+  --target   fledge's engine (with --drafter): plain decoding, then each --shapes shape through
+             the engine's speculative decoding, an acceptance profile by depth and sibling rank
+             (the input `fledge tune` needs), a table, JSON and PNG plots.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import re
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from fledge.conventions import accept_length
+from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json
+
+# --------------------------------------------------------------------------- serving logs
+# SGLang, python/sglang/srt/managers/scheduler_metrics_mixin.py (SchedulerMetricsMixin.log_decode_stats;
+# scheduler.py in older versions):
+#   "Decode batch, #running-req: 1, #token: 812, token usage: 0.01, accept len: 3.12, accept rate: 0.45,
+#    cuda graph: True, gen throughput (token/s): 120.50, #queue-req: 0, "
+# "accept len" = (accepted + bonus) / forward passes, as fledge.conventions.accept_length. "accept rate"
+# is absent in older versions and its denominator has changed between versions (num_draft_tokens vs
+# num_draft_tokens - 1), so it is reported as logged, never compared. Without speculation the line
+# has no "accept len": its gen throughput is the baseline.
+_SGLANG_FIELDS = {"running": r"#running-req: (\d+)", "accept_len": r"accept len: ([\d.]+)",
+                  "accept_rate": r"accept rate: ([\d.]+)", "gen": r"gen throughput \(token/s\): ([\d.]+)"}
+
+
+def _sglang_lines(text: str) -> list[dict]:
+    rows = []
+    for line in text.splitlines():
+        if "Decode batch" in line and "gen throughput (token/s):" in line:
+            found = {k: re.search(p, line) for k, p in _SGLANG_FIELDS.items()}
+            rows.append({k: m.group(1) if m else None for k, m in found.items()})
+    return rows
+
+
+# vLLM, vllm/v1/spec_decode/metrics.py (SpecDecodingLogging.log):
+#   "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, Drafted
+#    throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, Per-position acceptance rate:
+#    %s, Avg Draft acceptance rate: %.1f%%"   (rates ", "-joined, %.3f each)
+# Mean acceptance length = 1 + accepted / drafts (bonus included, as SGLang); per-position rate i =
+# fraction of drafts whose position i was accepted, i.e. P(reached depth i).
+_VLLM = re.compile(r"SpecDecoding metrics: Mean acceptance length: (?P<mal>[\d.]+), .*?"
+                   r"Accepted: (?P<accepted>\d+) tokens, Drafted: (?P<drafted>\d+) tokens, "
+                   r"Per-position acceptance rate: (?P<rates>[\d., ]+?), Avg Draft acceptance rate: (?P<avg>[\d.]+)%")
+
+
+def parse_log(path) -> dict:
+    """Summary of every SGLang or vLLM speculative-decoding line in a log file."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as e:
+        raise FledgeError(f"{path}: cannot read ({e.strerror})") from None
+    sglang = _sglang_lines(text)
+    vllm = [m.groupdict() for m in _VLLM.finditer(text)]
+    if vllm:
+        return _vllm_summary(vllm)
+    if sglang:
+        return _sglang_summary(sglang)
+    raise FledgeError(f"{path}: no SGLang 'Decode batch ... gen throughput' or vLLM 'SpecDecoding metrics' lines")
+
+
+def _sglang_summary(rows: list[dict]) -> dict:
+    spec = [r for r in rows if r["accept_len"] is not None]
+    gen = [float(r["gen"]) for r in (spec or rows)]
+    out = {"engine": "sglang", "lines": len(rows), "speculative": bool(spec), "gen_throughput_mean": statistics.mean(gen)}
+    if spec:
+        # Each line covers decode_log_interval forward passes of the whole batch; without the
+        # pass counts, lines are averaged unweighted.
+        out["accept_length"] = statistics.mean(float(r["accept_len"]) for r in spec)
+        rates = [float(r["accept_rate"]) for r in spec if r["accept_rate"] is not None]
+        out["accept_rate_as_logged"] = statistics.mean(rates) if rates else None
+    return out
+
+
+def _vllm_summary(rows: list[dict]) -> dict:
+    accepted = sum(int(r["accepted"]) for r in rows)
+    drafted = sum(int(r["drafted"]) for r in rows)
+    k = len(rows[-1]["rates"].split(","))
+    drafts = drafted / k  # every draft proposes num_speculative_tokens = k tokens
+    reach = [0.0] * k
+    for r in rows:
+        w = int(r["drafted"]) / k
+        for i, x in enumerate(float(v) for v in r["rates"].split(",")[:k]):
+            reach[i] += w * x / max(drafts, 1e-9)
+    cond = [reach[0]] + [b / a if a > 0 else 0.0 for a, b in zip(reach, reach[1:])]
+    return {"engine": "vllm", "lines": len(rows), "speculative": True, "num_speculative_tokens": k,
+            "accept_length": accept_length(accepted, round(drafts)) if drafts else float("nan"),
+            "accepted_tokens": accepted, "drafted_tokens": drafted, "reached_depth": reach,
+            "profile": [[p] for p in cond]}
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible server
+def _endpoint(url: str, leaf: str) -> str:
+    base = url.rstrip("/").removesuffix("/chat/completions").removesuffix("/models")
+    return f"{base if base.endswith('/v1') else base + '/v1'}/{leaf}"
+
+
+def _open(req, url: str, timeout: float):
+    try:
+        return urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        raise FledgeError(f"{url}: HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise FledgeError(f"{url}: server not answering ({getattr(e, 'reason', e)})") from None
+
+
+def server_model(url: str, timeout: float) -> str:
+    """The first model the server lists (vLLM refuses requests naming another)."""
+    where = _endpoint(url, "models")
+    with _open(where, where, timeout) as r:
+        try:
+            return json.load(r)["data"][0]["id"]
+        except (ValueError, KeyError, IndexError):
+            raise FledgeError(f"{where}: no model list in the answer") from None
+
+
+def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+    """One streamed chat completion: time to first token, tokens, decode tok/s after it."""
+    where = _endpoint(url, "chat/completions")
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(where, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first, chunks, usage = None, 0, None
+    with _open(req, where, timeout) as r:
+        for raw in r:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                raise FledgeError(f"{where}: stream event is not JSON: {line[:80]!r}") from None
+            usage = event.get("usage") or usage
+            if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
+                first = first or time.perf_counter()
+                chunks += 1
+    end = time.perf_counter()
+    # Servers may pack several tokens in one chunk; the usage block (if sent) is exact.
+    tokens = (usage or {}).get("completion_tokens") or chunks
+    first = first or end
+    return {"ttft_ms": 1e3 * (first - t0), "tokens": tokens, "seconds": end - t0,
+            "decode_tok_s": (tokens - 1) / (end - first) if tokens > 1 and end > first else float("nan")}
+
+
+@dataclass
+class ServerBench:
+    url: str
+    prompts: list[str]
+    model: str | None = None
+    max_tokens: int = 256
+    concurrency: tuple[int, ...] = (1,)
+    requests: int = 8  # per concurrency level
+    duration_s: float = 120.0  # per level: no request starts after this
+    timeout_s: float = 120.0
+
+    def __post_init__(self):
+        if not self.prompts or self.requests < 1 or min(self.concurrency) < 1 or self.duration_s <= 0:
+            raise FledgeError("bench: need prompts, --requests >= 1, --concurrency >= 1 and --duration > 0")
+
+
+def run_level(cfg: ServerBench, model: str, conc: int) -> dict:
+    """`conc` workers take request numbers until `requests` are taken or the time is up."""
+    counter, lock, deadline = itertools.count(), threading.Lock(), time.perf_counter() + cfg.duration_s
+    results, errors = [], []
+
+    def worker():
+        while time.perf_counter() < deadline:
+            with lock:
+                i = next(counter)
+            if i >= cfg.requests:
+                return
+            try:
+                results.append(one_request(cfg.url, model, cfg.prompts[i % len(cfg.prompts)], cfg.max_tokens, cfg.timeout_s))
+            except FledgeError as e:
+                errors.append(str(e))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(conc) as pool:
+        for f in [pool.submit(worker) for _ in range(conc)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    if not results:
+        raise FledgeError(errors[0] if errors else f"{cfg.url}: no request finished within {cfg.duration_s} s")
+    ttft = sorted(r["ttft_ms"] for r in results)
+    rates = [r["decode_tok_s"] for r in results if r["decode_tok_s"] == r["decode_tok_s"]]
+    return {"concurrency": conc, "requests": len(results), "errors": len(errors), "wall_s": wall,
+            "tokens": sum(r["tokens"] for r in results), "total_tok_s": sum(r["tokens"] for r in results) / wall,
+            "per_request_tok_s": statistics.mean(rates) if rates else float("nan"),
+            "ttft_ms_median": statistics.median(ttft), "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))]}
+
+
+def bench_server(cfg: ServerBench) -> list[dict]:
+    model = cfg.model or server_model(cfg.url, cfg.timeout_s)
+    return [run_level(cfg, model, c) for c in tqdm(cfg.concurrency, desc="concurrency levels", leave=False)]
+
+
+# --------------------------------------------------------------------------- fledge's engine
+class RankProbe:
+    """Wraps an EAGLE-3 drafter to record, for every verify round, the sibling rank of each
+    node on the accepted path: `reached[d]` counts rounds whose path reached an expanded node
+    at depth d-1, `hits[d][r]` those where its rank-r child was accepted. Eager on purpose
+    (`device_only` False): recording needs the host between propose and observe."""
+
+    device_only = False
+
+    def __init__(self, drafter):
+        self.inner, self.spec, self.aux_ids = drafter, drafter.spec, drafter.aux_ids
+        K, S = self.spec.topk, self.spec.num_steps
+        self.reached, self.hits, self.tree = [0] * S, [[0] * K for _ in range(S)], None
+
+    def start(self, batch, max_len):
+        self.tree = None
+        self.inner.start(batch, max_len)
+
+    def propose(self, inp):
+        self.tree = self.inner.propose(inp)
+        return self.tree
+
+    def observe(self, tokens, aux, n, next_token, start):
+        if self.tree is not None:
+            self._record(tokens[0].tolist(), int(n[0]))
+        self.inner.observe(tokens, aux, n, next_token, start)
+
+    def _record(self, path: list[int], n: int) -> None:
+        toks, parents = self.tree.tokens[0].tolist(), self.tree.parents[0].tolist()
+        node = 0
+        for d in range(len(self.reached)):
+            kids = [j for j in range(1, len(toks)) if parents[j] == node]  # siblings in rank order
+            if not kids:
+                return
+            self.reached[d] += 1
+            match = [j for j in kids if d + 1 < n and toks[j] == path[d + 1]]
+            if not match:
+                return
+            self.hits[d][kids.index(match[0])] += 1
+            node = match[0]
+
+    def profile(self) -> list[list[float]]:
+        return [[h / r if r else 0.0 for h in row] for row, r in zip(self.hits, self.reached)]
+
+
+@dataclass
+class EngineRig:
+    """A target and drafter loaded once; spec shapes are cheap wrappers around them."""
+
+    hf: object
+    tokenizer: object
+    target: object
+    draft: object
+    eos: list
+    device: object
+
+    def drafter(self, shape):
+        from fledge.engine.drafters import Eagle3Drafter, SpecConfig
+
+        return Eagle3Drafter(self.draft, SpecConfig(shape.num_steps, shape.topk, shape.num_draft_tokens), self.target)
+
+
+def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -> EngineRig:
+    from fledge.checkpoint import load_checkpoint
+    from fledge.engine.cli import eos_ids, pick_device, pick_dtype
+    from fledge.engine.model import build_engine_target
+    from fledge.target import load_target
+
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    t = load_target(target, dtype=dt, device=dev)
+    draft = load_checkpoint(drafter, embed_from=t.model).to(device=dev, dtype=dt).eval()
+    return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev), draft, eos_ids(t.model, t.tokenizer), dev)
+
+
+def load_prompts(source: str | None, n: int, tokenizer) -> list[list[int]]:
+    """First user turns of a conversations source (file or built-in name, default mtbench)."""
+    from fledge.data import load_conversations
+    from fledge.engine.cli import encode_chat
+
+    records, _ = load_conversations(source or "mtbench")
+    firsts = [[m] for r in records for m in r["messages"][:1] if m["role"] == "user"][:n]
+    if not firsts:
+        raise FledgeError(f"{source}: no conversation starts with a user turn")
+    return [encode_chat(tokenizer, m) for m in firsts]
+
+
+def run_ar(rig: EngineRig, prompts, max_new_tokens: int) -> dict:
+    """Plain decoding on the engine, batch 1: ms per decode step and decode tok/s."""
+    from fledge.engine.generate import SamplingParams, generate_ar
+
+    generate_ar(rig.target, [prompts[0]], SamplingParams(max_new_tokens=8), rig.eos)  # warm-up/capture
+    ms = steps = 0
+    for p in tqdm(prompts, desc="plain decoding", leave=False):
+        _, st = generate_ar(rig.target, [p], SamplingParams(max_new_tokens=max_new_tokens), rig.eos)
+        ms, steps = ms + st["decode_ms"], steps + st["decode_steps"]
+    return {"ar_ms": ms / max(steps, 1), "tok_s": 1e3 * steps / max(ms, 1e-9)}
+
+
+def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str):
+    """The engine's speculative decoding over every prompt; merged SpecStats and decode tok/s
+    (prefill excluded: the cost model predicts decode rounds)."""
+    from fledge.engine.generate import SamplingParams
+    from fledge.engine.spec import generate_spec
+    from fledge.engine.stats import SpecStats
+
+    generate_spec(rig.target, drafter, prompts[0], SamplingParams(max_new_tokens=8), rig.eos)  # warm-up
+    runs = [generate_spec(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos)[1]
+            for p in tqdm(prompts, desc=desc, leave=False)]
+    stats = SpecStats.merge(runs)
+    decode_tok_s = 1e3 * (stats.generated_tokens - len(runs)) / max(stats.wall_ms - stats.prefill_ms, 1e-9)
+    return stats, decode_tok_s
+
+
+def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20) -> dict[int, float]:
+    """Target forward time for n tokens verified per round (a chain of n, the engine's verify
+    path, as a CUDA graph where the engine uses one), at `context` tokens already cached."""
+    import torch
+
+    from fledge.engine import spec
+    from fledge.engine.tree import chain
+
+    out, dev = {}, rig.device
+    for n in tqdm(sizes, desc="verify timing", leave=False):
+        cache = rig.target.new_cache(1, -(-(context + n) // 64) * 64)
+        cache_len = torch.tensor([context], device=dev)
+        tokens = torch.zeros(1, n - 1, dtype=torch.long, device=dev)
+        tree = chain(torch.zeros(1, dtype=torch.long, device=dev), tokens)
+
+        def fn(tok, cl, tree=tree, cache=cache):
+            return spec.verify_forward(rig.target, cache, tree, cl, rig.draft.cfg.aux_layer_ids)
+
+        graph = dev.type == "cuda" and getattr(rig.target, "cuda_graph_ok", False) and hasattr(spec, "static_call")
+        call = spec.static_call(fn, [tree.tokens, cache_len], graph) if graph else fn
+        times = []
+        for i in range(iters + 3):
+            _sync(dev)
+            t0 = time.perf_counter()
+            call(tree.tokens, cache_len)
+            _sync(dev)
+            times.append(1e3 * (time.perf_counter() - t0))
+        out[n] = statistics.median(times[3:])
+    return out
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int) -> tuple[dict[int, float], float]:
+    """Per draft step by topk, and the per-round remainder (observe, KV compaction, host sync).
+    A round's draft time is fitted as a + b * num_steps from runs at 2 and 6 steps: b is the
+    draft step, a (observing the accepted path) joins the overhead with SpecStats' other_ms."""
+    from fledge.tune import Shape
+
+    draft, fixed = {}, []
+    for k in topks:
+        pts = {}
+        for s in (2, 6):
+            shape = Shape(s, k, s + 1 if k == 1 else min(16, 1 + k + (s - 1) * k * k))
+            st, _ = run_shape(rig, rig.drafter(shape), prompts, max_new_tokens, f"draft timing s{s} k{k}")
+            summ = st.summary()
+            pts[s] = (summ["draft_ms_per_step"], summ["other_ms_per_step"])
+        b = max((pts[6][0] - pts[2][0]) / 4, 0.0)
+        draft[k] = b
+        fixed += [max(pts[2][0] - 2 * b, 0.0) + pts[2][1], max(pts[6][0] - 6 * b, 0.0) + pts[6][1]]
+    return draft, statistics.median(fixed)
+
+
+def probe_profile(rig: EngineRig, prompts, num_steps: int, topk: int, max_new_tokens: int) -> dict:
+    """Acceptance by depth and sibling rank from a full tree (every candidate verified)."""
+    from fledge.tune import Shape
+
+    full = Shape(num_steps, topk, 1 + topk + (num_steps - 1) * topk ** 2 if topk > 1 else num_steps + 1)
+    probe = RankProbe(rig.drafter(full))
+    run_shape(rig, probe, prompts, max_new_tokens, "acceptance probe")
+    # Every round the probe saw counts, the untimed warm-up included: its acceptance is as real.
+    return {"ranks": probe.profile(), "reached": probe.reached, "rounds": probe.reached[0],
+            "probe_shape": [full.num_steps, full.topk, full.num_draft_tokens]}
+
+
+def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
+    """Two panels: P(reached depth d) per shape, and measured tok/s per shape vs plain decoding."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        a.plot(range(1, len(r["depth_acceptance"]) + 1), r["depth_acceptance"], marker="o", label=r["shape"])
+    a.set_xlabel("depth")
+    a.set_ylabel("P(accepted path reaches depth)")
+    a.legend(fontsize=7)
+    b.bar(range(len(results)), [r["tok_s"] for r in results], color="#4c78a8")
+    b.axhline(ar_tok_s, color="black", linestyle="--", label=f"no speculation {ar_tok_s:.0f}")
+    b.set_xticks(range(len(results)), [r["shape"] for r in results], rotation=45, ha="right", fontsize=7)
+    b.set_ylabel("decode tok/s (batch 1)")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def measured_tune(args) -> int:
+    """`fledge tune --target T --drafter D`: measure timings and acceptance on the engine, predict
+    every shape; with --validate, also run >= 6 shapes and report predicted vs measured."""
+    from fledge import tune
+
+    rig = load_rig(args.target, args.drafter, args.device, args.dtype)
+    prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
+    ar = run_ar(rig, prompts, args.max_new_tokens)
+    topks = sorted({1, *[k for k in (2, 4, 8) if k <= args.probe_topk]})
+    draft_ms, overhead = measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens))
+    context = max(len(p) for p in prompts) + args.max_new_tokens // 2
+    verify_ms = measure_verify_ms(rig, [1, 2, 4, 8, 16, 32, 64, 128], context)
+    timings = tune.Timings(ar["ar_ms"], verify_ms, draft_ms, overhead, batch=1)
+    if args.profile_json:
+        profile = tune.Profile(_read_json(args.profile_json)["ranks"])
+    else:
+        profile = tune.Profile(probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)["ranks"])
+    preds = tune.rank_all(profile, timings, tune.grid(args.max_steps, tuple(topks)))
+    text, data = tune.report(preds, timings, args.drafter)
+    data.update(profile=profile.ranks, ar_measured_tok_s=ar["tok_s"])
+    measured = None
+    if args.validate:
+        rows, measured = validate(rig, prompts, preds, args.max_new_tokens)
+        text += "\n" + validation_table(rows)
+        data["validation"] = rows
+    tune.write_outputs(text, data, preds, timings, args, measured)
+    return 0
+
+
+def _read_json(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise FledgeError(f"{path}: cannot read a JSON profile ({e})") from None
+
+
+def validation_shapes(preds) -> list:
+    """Three chains, three trees (the predicted best of each kind among them), no duplicates."""
+    from fledge.tune import Shape
+
+    chains = [p.shape for p in preds if p.shape.topk == 1]
+    trees = [p.shape for p in preds if p.shape.topk > 1]
+    picks = chains[:1] + [s for s in (Shape(2, 1, 3), Shape(4, 1, 5), Shape(6, 1, 7)) if s in chains]
+    picks += trees[:1] + [s for s in (Shape(4, 2, 8), Shape(5, 4, 16), Shape(6, 4, 32)) if s in trees]
+    return list(dict.fromkeys(picks))
+
+
+def validate(rig: EngineRig, prompts, preds, max_new_tokens: int) -> tuple[list[dict], dict]:
+    by_shape = {p.shape: p for p in preds}
+    rows, measured = [], {}
+    for shape in validation_shapes(preds):
+        stats, tok_s = run_shape(rig, rig.drafter(shape), prompts, max_new_tokens, f"validate {shape}")
+        p = by_shape[shape]
+        measured[shape] = tok_s
+        rows.append({"num_steps": shape.num_steps, "topk": shape.topk, "num_draft_tokens": shape.num_draft_tokens,
+                     "accept_predicted": p.accept_length, "accept_measured": stats.accept_length(),
+                     "tok_s_predicted": p.tok_s, "tok_s_measured": tok_s,
+                     "error_percent": 100 * (p.tok_s - tok_s) / tok_s})
+    return rows, measured
+
+
+def validation_table(rows: list[dict]) -> str:
+    lines = [f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept pred':>11} {'meas':>6} {'tok/s pred':>10} {'meas':>8} {'error':>7}"]
+    for r in rows:
+        lines.append(f"{r['num_steps']:>5} {r['topk']:>4} {r['num_draft_tokens']:>6} {r['accept_predicted']:>11.2f} "
+                     f"{r['accept_measured']:>6.2f} {r['tok_s_predicted']:>10.1f} {r['tok_s_measured']:>8.1f} "
+                     f"{r['error_percent']:>+6.1f}%")
+    errs = [abs(r["error_percent"]) for r in rows]
+    lines.append(f"mean |error| {statistics.mean(errs):.1f}%  max {max(errs):.1f}%  over {len(rows)} shapes")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- CLI
+def parse_shapes(text: str) -> list:
+    from fledge.tune import Shape
+
+    try:
+        return [Shape(*(int(x) for x in item.split(","))) for item in text.split(";") if item.strip()]
+    except (ValueError, TypeError):
+        raise FledgeError(f"--shapes {text!r}: expected STEPS,TOPK,TOKENS;... like '3,1,4;5,4,16'") from None
+
+
+def _engine_bench(args) -> dict:
+    rig = load_rig(args.target, args.drafter, args.device, args.dtype)
+    prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
+    ar = run_ar(rig, prompts, args.max_new_tokens)
+    results = []
+    for shape in parse_shapes(args.shapes):
+        stats, tok_s = run_shape(rig, rig.drafter(shape), prompts, args.max_new_tokens, f"shape {shape}")
+        s = stats.summary()
+        results.append({"shape": f"s{shape.num_steps} k{shape.topk} n{shape.num_draft_tokens}", "tok_s": tok_s,
+                        "speedup": tok_s / ar["tok_s"], **{k: s[k] for k in (
+                            "accept_length", "accept_rate", "draft_ms_per_step", "verify_ms_per_step",
+                            "other_ms_per_step", "depth_acceptance", "histogram")}})
+    print(f"plain decoding {ar['tok_s']:.1f} tok/s ({ar['ar_ms']:.2f} ms/step); accept length = SGLang's (bonus incl.)")
+    print(f"{'shape':<14}{'accept':>7}{'tok/s':>9}{'speedup':>9}{'draft ms':>9}{'verify ms':>10}{'other ms':>9}")
+    for r in results:
+        print(f"{r['shape']:<14}{r['accept_length']:>7.2f}{r['tok_s']:>9.1f}{r['speedup']:>8.2f}x"
+              f"{r['draft_ms_per_step']:>9.2f}{r['verify_ms_per_step']:>10.2f}{r['other_ms_per_step']:>9.2f}")
+    out = {"ar": ar, "results": results}
+    if args.probe:
+        out["profile"] = probe_profile(rig, prompts, args.probe_steps, args.probe_topk, args.max_new_tokens)
+        print("acceptance by depth/rank: " + "  ".join("/".join(f"{x:.2f}" for x in row) for row in out["profile"]["ranks"]))
+    if args.png:
+        plot_engine(results, ar["tok_s"], args.png)
+    return out
+
+
+def _cmd_bench(args) -> int:
+    if args.log:
+        out = parse_log(args.log)
+        for k, v in out.items():
+            print(f"{k:<24} {v}")
+    elif args.url:
+        prompts = [p.strip() for p in Path(args.prompt_file).read_text().splitlines() if p.strip()] if args.prompt_file \
+            else ["Explain speculative decoding in three paragraphs.", "Write a Python function that merges two sorted lists."]
+        cfg = ServerBench(args.url, prompts, args.model, args.max_new_tokens,
+                          tuple(int(c) for c in args.concurrency.split(",")), args.requests, args.duration, args.timeout)
+        out = {"url": args.url, "levels": bench_server(cfg)}
+        print(f"{'conc':>5}{'reqs':>6}{'errors':>7}{'total tok/s':>12}{'per-req tok/s':>14}{'TTFT p50 ms':>12}{'p90 ms':>9}")
+        for r in out["levels"]:
+            print(f"{r['concurrency']:>5}{r['requests']:>6}{r['errors']:>7}{r['total_tok_s']:>12.1f}"
+                  f"{r['per_request_tok_s']:>14.1f}{r['ttft_ms_median']:>12.1f}{r['ttft_ms_p90']:>9.1f}")
+    elif args.target and args.drafter:
+        out = _engine_bench(args)
+    else:
+        raise FledgeError("bench needs --url (a server), --log (a serving log) or --target with --drafter (the engine)")
+    if args.json:
+        atomic_write_json(args.json, out)
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("bench", help="measure spec decoding: a server (--url), a serving log (--log), or the engine")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--url", help="OpenAI-compatible server, e.g. http://127.0.0.1:30000/v1")
+    src.add_argument("--log", help="SGLang or vLLM server log to summarise")
+    src.add_argument("--target", help="engine: target (built-in name, GGUF, HF dir)")
+    p.add_argument("--drafter", help="engine: EAGLE-3 checkpoint directory")
+    p.add_argument("--shapes", default="3,1,4;7,1,8;5,4,16", help="engine: STEPS,TOPK,TOKENS;... to run")
+    p.add_argument("--probe", action="store_true", help="engine: also measure acceptance by depth and rank (for tune)")
+    p.add_argument("--probe-steps", type=int, default=6)
+    p.add_argument("--probe-topk", type=int, default=4)
+    p.add_argument("--prompts", help="engine: conversations file or built-in set (default mtbench)")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--prompt-file", help="server: one prompt per line")
+    p.add_argument("--model", help="server: model name (default: the first the server lists)")
+    p.add_argument("--concurrency", default="1,4,16", help="server: comma-separated levels")
+    p.add_argument("--requests", type=int, default=16, help="server: requests per level")
+    p.add_argument("--duration", type=float, default=120.0, help="server: seconds per level, at most")
+    p.add_argument("--timeout", type=float, default=120.0, help="server: seconds per request")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--device")
+    p.add_argument("--dtype")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--png", help="engine: plot acceptance by depth and tok/s by shape here")
+    p.set_defaults(func=_cmd_bench)

@@ -1,0 +1,190 @@
+"""Serving-log parsers on lines in the engines' real formats, the server bench against a local
+streaming server (127.0.0.1 only, bounded loops), the rank probe, the engine path on CPU."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from fledge.bench import (EngineRig, RankProbe, ServerBench, bench_server, measure_draft_ms, measure_verify_ms,
+                          one_request, parse_log, probe_profile, run_ar, validate)
+from fledge.cli import main
+from fledge.util import FledgeError
+
+# Formats: sglang scheduler_metrics_mixin.log_decode_stats (current, then an older version without
+# "accept rate"), a non-speculative line; vllm v1/spec_decode/metrics.py SpecDecodingLogging.log.
+SGLANG_LOG = """\
+[2025-06-01 10:00:00] Prefill batch, #new-seq: 1, #new-token: 42, #cached-token: 0, token usage: 0.00, #running-req: 0, #queue-req: 0,
+[2025-06-01 10:00:01] Decode batch, #running-req: 1, #token: 120, token usage: 0.00, accept len: {a}, accept rate: 0.45, cuda graph: True, gen throughput (token/s): 120.50, #queue-req: 0,
+[2025-06-01 10:00:02] Decode batch, #running-req: 2, #token: 300, token usage: 0.01, accept len: {b}, cuda graph: True, gen throughput (token/s): 99.50, #queue-req: 0
+"""
+VLLM_LINE = ("INFO 06-01 10:00:0{i} [metrics.py:96] SpecDecoding metrics: Mean acceptance length: {mal:.2f}, "
+             "Accepted throughput: 12.30 tokens/s, Drafted throughput: 30.00 tokens/s, Accepted: {acc} tokens, "
+             "Drafted: {dr} tokens, Per-position acceptance rate: {rates}, Avg Draft acceptance rate: {avg:.1f}%\n")
+
+
+def test_sglang_log(tmp_path):
+    a, b = round(random.uniform(1, 4), 2), round(random.uniform(1, 4), 2)
+    log = tmp_path / "sglang.log"
+    log.write_text(SGLANG_LOG.format(a=a, b=b))
+    s = parse_log(log)
+    assert s["engine"] == "sglang" and s["lines"] == 2 and s["speculative"]
+    assert s["accept_length"] == pytest.approx((a + b) / 2)
+    assert s["gen_throughput_mean"] == pytest.approx(110.0)
+    assert s["accept_rate_as_logged"] == pytest.approx(0.45)
+    base = tmp_path / "base.log"
+    base.write_text("Decode batch, #running-req: 1, #token: 9, token usage: 0.00, cuda graph: True, "
+                    "gen throughput (token/s): 86.20, #queue-req: 0,\n")
+    s = parse_log(base)
+    assert not s["speculative"] and s["gen_throughput_mean"] == pytest.approx(86.2) and "accept_length" not in s
+
+
+def test_vllm_log_profile(tmp_path):
+    rng, k, lines, drafts_all, acc_all, reach_w = random.Random(), 3, [], 0, 0, [0.0] * 3
+    for i in range(3):
+        drafts = rng.randint(50, 500)
+        per_pos = sorted((rng.randint(0, drafts) for _ in range(k)), reverse=True)  # accepted at position j
+        acc = sum(per_pos)
+        rates = ", ".join(f"{x / drafts:.3f}" for x in per_pos)
+        lines.append(VLLM_LINE.format(i=i, mal=1 + acc / drafts, acc=acc, dr=drafts * k, rates=rates,
+                                      avg=100 * acc / (drafts * k)))
+        drafts_all, acc_all = drafts_all + drafts, acc_all + acc
+        reach_w = [w + float(f"{x / drafts:.3f}") * drafts for w, x in zip(reach_w, per_pos)]
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO starting server\n" + "".join(lines))
+    s = parse_log(log)
+    assert s["engine"] == "vllm" and s["lines"] == 3 and s["num_speculative_tokens"] == k
+    assert s["accept_length"] == pytest.approx(1 + acc_all / drafts_all)
+    reach = [w / drafts_all for w in reach_w]
+    assert s["reached_depth"] == pytest.approx(reach)
+    cond = [p[0] for p in s["profile"]]
+    assert cond[0] == pytest.approx(reach[0]) and cond[1] * reach[0] == pytest.approx(reach[1])
+
+
+def test_unparseable_log_is_one_error_line(tmp_path, capsys):
+    log = tmp_path / "x.log"
+    log.write_text("hello\nDecode batch, but nothing else\n")
+    assert main(["bench", "--log", str(log)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "x.log" in err
+
+
+# --------------------------------------------------------------------------- server
+class FakeServer(BaseHTTPRequestHandler):
+    tokens, delay, seen = 12, 0.005, []
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "tiny"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append(req)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = min(self.tokens, req["max_tokens"])
+        for i in range(n):
+            time.sleep(self.delay)
+            self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': f't{i} '}}]})}\n\n".encode())
+            self.wfile.flush()
+        usage = {"choices": [], "usage": {"completion_tokens": n, "prompt_tokens": 5}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+
+@pytest.fixture
+def server():
+    FakeServer.seen = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_one_streamed_request(server):
+    r = one_request(server + "/v1", "tiny", "hi", 8, 10)
+    assert r["tokens"] == 8
+    assert 0 < r["ttft_ms"] < 1e3 * r["seconds"]
+    assert r["decode_tok_s"] < 7 / (7 * FakeServer.delay)  # can't beat the server's pacing
+    assert FakeServer.seen[-1]["stream"] is True and FakeServer.seen[-1]["model"] == "tiny"
+
+
+def test_concurrency_levels_are_bounded(server):
+    levels = bench_server(ServerBench(server, ["a", "b", "c"], max_tokens=6, concurrency=(1, 3), requests=5))
+    assert [lv["concurrency"] for lv in levels] == [1, 3]
+    assert all(lv["requests"] == 5 and lv["errors"] == 0 and lv["tokens"] == 30 for lv in levels)
+    assert len(FakeServer.seen) == 10
+    t0 = time.perf_counter()  # the time bound: far more requests asked than fit in 0.3 s
+    lv = bench_server(ServerBench(server, ["a"], max_tokens=12, requests=10_000, duration_s=0.3))[0]
+    assert lv["requests"] < 100 and time.perf_counter() - t0 < 5
+
+
+def test_server_not_answering(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(FledgeError, match="not answering"):
+        one_request(f"http://127.0.0.1:{port}", "m", "hi", 4, 2)
+    assert main(["bench", "--url", f"http://127.0.0.1:{port}", "--requests", "1", "--timeout", "2"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- engine
+class _Stub:
+    spec = type("S", (), {"topk": 3, "num_steps": 3})()
+    aux_ids = None
+
+    def observe(self, *a):
+        pass
+
+
+def test_rank_probe_counts_sibling_ranks():
+    from fledge.engine.tree import make_tree
+
+    # root → tokens 10, 11, 12 (ranks 0, 1, 2); node 2 (token 11) → 20, 21, 22
+    tree = make_tree(torch.tensor([5]), torch.tensor([[10, 11, 12, 20, 21, 22]]), torch.tensor([[0, 0, 0, 2, 2, 2]]))
+    probe = RankProbe(_Stub())
+    for path, n in [([5, 11, 21], 3), ([5, 12, 12], 2), ([5, 5, 5], 1), ([5, 11, 20], 3)]:
+        probe.tree = tree
+        probe.observe(torch.tensor([path]), None, torch.tensor([n]), None, None)
+    assert probe.reached == [4, 2, 0]  # node 3 (token 12) was never expanded
+    assert probe.hits == [[0, 2, 1], [1, 1, 0], [0, 0, 0]]
+    assert probe.profile()[0] == pytest.approx([0, 0.5, 0.25])
+
+
+def test_engine_measurements_run_on_cpu():
+    from fledge.config import DraftConfig
+    from fledge.draft import Eagle3Draft
+    from fledge.engine import build_engine_target
+    from fledge.tune import Profile, Timings, grid, rank_all
+
+    hf = make_tiny("llama")
+    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()
+    rig = EngineRig(hf, None, build_engine_target(hf, torch.float32, torch.device("cpu")), draft, [], torch.device("cpu"))
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    prompts = [torch.randint(0, 301, (9,), generator=g).tolist() for _ in range(2)]
+    ar = run_ar(rig, prompts, 12)
+    verify = measure_verify_ms(rig, [1, 4], context=20, iters=2)
+    draft_ms, overhead = measure_draft_ms(rig, prompts[:1], [1, 2], 8)
+    assert ar["ar_ms"] > 0 and all(v > 0 for v in verify.values()) and set(draft_ms) == {1, 2} and overhead >= 0
+    prof = probe_profile(rig, prompts[:1], 3, 2, 12)
+    assert len(prof["ranks"]) == 3 and prof["rounds"] >= 11  # >= one round per token after the first
+    preds = rank_all(Profile(prof["ranks"]), Timings(ar["ar_ms"], verify, draft_ms, overhead), grid(6, (1, 2, 4)))
+    rows, measured = validate(rig, prompts[:1], preds, 8)
+    assert len(rows) >= 6 and {r["topk"] for r in rows} >= {1, 2} and all(v > 0 for v in measured.values())

@@ -1,0 +1,162 @@
+"""The cost model against brute force: chains against Bernoulli simulation, trees against an
+independent Monte Carlo walk, the Kimi-K2.5 what-if against the formula, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from fledge.cli import main
+from fledge.tune import (Profile, Shape, Timings, build_tree, chain_accept_length, expected_accept_length, grid,
+                         parse_ms_table, predict, rank_all, simulate_accept_length)
+from fledge.util import FledgeError
+
+
+def _mc_tolerance(samples: list[float]) -> float:
+    """Five standard errors of the sample mean: a false failure is ~1 in 10^6."""
+    m = sum(samples) / len(samples)
+    var = sum((x - m) ** 2 for x in samples) / (len(samples) - 1)
+    return 5 * math.sqrt(var / len(samples)) + 1e-9
+
+
+def test_chain_formula_matches_bernoulli_simulation():
+    rng = random.Random()
+    for _ in range(3):
+        p = [rng.uniform(0.2, 0.95) for _ in range(rng.randint(1, 8))]
+        lengths = []
+        for _ in range(20000):
+            n = 1  # the bonus token
+            for x in p:
+                if rng.random() >= x:
+                    break
+                n += 1
+            lengths.append(n)
+        mean = sum(lengths) / len(lengths)
+        want = chain_accept_length(p)
+        assert abs(mean - want) < _mc_tolerance(lengths), (p, mean, want)
+        assert expected_accept_length(Profile.chain(p), Shape(len(p), 1, len(p) + 1)) == pytest.approx(want)
+
+
+def random_profile(rng, depth: int, width: int) -> Profile:
+    rows = []
+    for _ in range(depth):
+        w = [rng.random() ** 2 for _ in range(width)]
+        total = rng.uniform(0.5, 0.97) / sum(w)
+        rows.append(sorted((x * total for x in w), reverse=True))
+    return Profile(rows)
+
+
+def rank_paths(profile: Profile, shape: Shape) -> set[tuple[int, ...]]:
+    """Each kept node as the tuple of sibling ranks from the root."""
+    tree, out = build_tree(profile, shape), []
+    for n in tree:
+        out.append((out[n.parent] if n.parent >= 0 else ()) + (n.rank,))
+    return set(out)
+
+
+def test_tree_expectation_matches_independent_monte_carlo():
+    rng = random.Random()
+    for shape in [Shape(3, 2, 6), Shape(4, 4, 16), Shape(5, 3, 12), Shape(2, 8, 20)]:
+        prof = random_profile(rng, shape.num_steps, shape.topk)
+        kept = rank_paths(prof, shape)
+        lengths = []
+        for _ in range(20000):
+            ranks, n = (), 1
+            for d in range(1, shape.num_steps + 1):  # the target's choice at each depth, then look it up
+                u, acc, pick = rng.random(), 0.0, None
+                for r in range(shape.topk):
+                    acc += prof.at(d, r)
+                    if u < acc:
+                        pick = r
+                        break
+                if pick is None or ranks + (pick,) not in kept:
+                    break
+                ranks, n = ranks + (pick,), n + 1
+            lengths.append(n)
+        mean = sum(lengths) / len(lengths)
+        exact = expected_accept_length(prof, shape)
+        assert abs(mean - exact) < _mc_tolerance(lengths), (shape, mean, exact)
+        assert abs(simulate_accept_length(prof, shape, 20000, seed=1) - exact) < _mc_tolerance(lengths)
+
+
+def test_tree_shape_follows_the_engine_rule():
+    rng = random.Random()
+    prof = random_profile(rng, 4, 3)
+    full = Shape(4, 3, 1 + 3 + 3 * 9)
+    tree = build_tree(prof, full)
+    assert len(tree) == full.num_draft_tokens - 1  # every candidate kept
+    assert sum(n.depth == 1 for n in tree) == 3 and all(sum(n.depth == d for n in tree) == 9 for d in (2, 3, 4))
+    previous = 1.0
+    for n_tokens in range(2, full.num_draft_tokens + 1):
+        t = build_tree(prof, Shape(4, 3, n_tokens))
+        assert all(n.parent < i for i, n in enumerate(t))  # parents kept, and before children
+        e = expected_accept_length(prof, Shape(4, 3, n_tokens))
+        assert e >= previous - 1e-12  # one more node never lowers the expectation
+        previous = e
+    # A bigger tree of the same shape keeps what the smaller one kept (best-first selection).
+    assert rank_paths(prof, Shape(4, 3, 8)) <= rank_paths(prof, Shape(4, 3, 12))
+
+
+def test_geometric_fit_and_interpolation():
+    for L, s in [(2.1, 3), (1.5, 7), (3.9, 4)]:
+        p = Profile.geometric(L, s).ranks[0][0]
+        assert chain_accept_length([p] * s) == pytest.approx(L, abs=1e-9)
+    t = Timings(10, {1: 10, 8: 24, 16: 40}, {1: 1.0, 4: 2.5})
+    assert [t.verify(n) for n in (1, 8, 16)] == [10, 24, 40]
+    assert t.verify(4) == pytest.approx(10 + 14 * 3 / 7)
+    assert t.verify(32) == pytest.approx(72)  # the last segment, extended
+    assert t.draft(2) == pytest.approx(1.5)
+
+
+def test_kimi_k25_what_if_says_speculation_loses(tmp_path):
+    """DESIGN.md: no-spec 82-90 tok/s (t_ar = 1000/86 ms), verify ~30 ms, accept ~2.1 measured
+    at 3 steps, 54-57 tok/s observed. The prediction is derived here from the formula."""
+    ar_ms, verify_ms, draft_ms, L = 1000 / 86, 30.0, 1.5, 2.1
+    out = tmp_path / "kimi.json"
+    rc = main(["tune", "--what-if", "--ar-ms", str(ar_ms), "--verify-ms", f"4:{verify_ms}", "--draft-ms", str(draft_ms),
+               "--accept-length", str(L), "--accept-steps", "3", "--json", str(out), "--png", str(tmp_path / "k.png")])
+    assert rc == 0 and (tmp_path / "k.png").stat().st_size > 1000
+    data = json.loads(out.read_text())
+    at_theirs = next(p for p in data["predictions"] if (p["num_steps"], p["topk"]) == (3, 1))
+    iter_ms = 3 * draft_ms + verify_ms
+    assert at_theirs["accept_length"] == pytest.approx(L, abs=1e-6)
+    assert at_theirs["tok_s"] == pytest.approx(1e3 * L / iter_ms)
+    assert at_theirs["tok_s"] < 1e3 / ar_ms  # ~61 < 86: speculation loses on their hardware
+    assert at_theirs["break_even_accept_length"] == pytest.approx(iter_ms / ar_ms)  # ~2.97: needs 3+
+    assert data["verdict"] == "LOSES" and data["best"]["tok_s"] < 1e3 / ar_ms
+    assert data["gain_percent"] == pytest.approx(100 * (data["best"]["tok_s"] * ar_ms / 1e3 - 1))
+    assert all(p["topk"] == 1 for p in data["predictions"])  # a chain-only profile says nothing of trees
+
+
+def test_predictions_rank_and_flags():
+    prof = random_profile(random.Random(0), 8, 4)
+    t = Timings(8, {1: 8, 16: 10, 64: 20}, {1: 0.5, 4: 0.7})
+    preds = rank_all(prof, t, grid(6, (1, 2, 4)))
+    assert [p.tok_s for p in preds] == sorted((p.tok_s for p in preds), reverse=True)
+    best = preds[0]
+    assert best.tok_s == pytest.approx(1e3 * best.accept_length / best.iter_ms)
+    assert predict(prof, t, best.shape).speedup == pytest.approx(best.tok_s * 8 / 1e3)
+    flags = Shape(5, 4, 16).sglang_flags()
+    assert flags.split() == ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5",
+                             "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"]
+    assert Shape(5, 4, 16).vllm_flags("d") is None
+    assert json.loads(Shape(3, 1, 4).vllm_flags("d").split("'")[1]) == {"method": "eagle3", "model": "d",
+                                                                         "num_speculative_tokens": 3}
+
+
+def test_bad_input(capsys):
+    for bad in ["1:2,x", "", "8-30"]:
+        with pytest.raises(FledgeError):
+            parse_ms_table(bad, "--verify-ms")
+    with pytest.raises(FledgeError):
+        Profile([[0.8, 0.3]])  # sums past 1
+    with pytest.raises(FledgeError):
+        Shape(3, 1, 6)  # a chain verifies steps + 1
+    rc = main(["tune", "--what-if", "--ar-ms", "10", "--verify-ms", "1:ten", "--draft-ms", "1", "--accept-length", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--verify-ms" in err and len(err.splitlines()) == 1
+    rc = main(["tune", "--what-if", "--ar-ms", "10", "--verify-ms", "1:10", "--draft-ms", "1", "--accept-length", "9"])
+    assert rc == 2 and "--accept-length" in capsys.readouterr().err
