@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import StaticCache
 
 from fledge.data import load_conversations
 from fledge.engine.cli import encode_chat, eos_ids, load_drafter, pick_device, pick_dtype
@@ -35,10 +36,17 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def hf_runner(hf, eos, device, static: bool):
+def hf_runner(hf, eos, device, static_len: int | None = None):
+    """HF generate; with `static_len`, one StaticCache of that many slots reused (reset) for
+    every prompt, so the auto-compiled decode step (CUDA) never sees a new shape."""
+    cache = StaticCache(config=hf.config, max_cache_len=static_len) if static_len else None
+
     def run(prompt, params, _ar):
         ids = torch.tensor([prompt], device=device)
-        kw = {"cache_implementation": "static"} if static else {}
+        kw = {}
+        if cache is not None:
+            cache.reset()
+            kw["past_key_values"] = cache
         sync(device)
         t0 = time.perf_counter()
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
@@ -48,16 +56,16 @@ def hf_runner(hf, eos, device, static: bool):
     return run
 
 
-def ar_runner(target, eos):
+def ar_runner(target, eos, graphs: bool):
     def run(prompt, params, _ar):
-        rows, st = generate_ar(target, [prompt], params, eos)
+        rows, st = generate_ar(target, [prompt], params, eos, use_cuda_graph=graphs)
         return rows[0], (st["prefill_ms"] + st["decode_ms"]) / 1e3, None
     return run
 
 
-def spec_runner(target, eos, make_drafter):
+def spec_runner(target, eos, graphs: bool, make_drafter):
     def run(prompt, params, ar):
-        out, st = generate_spec(target, make_drafter(prompt, ar), prompt, params, eos)
+        out, st = generate_spec(target, make_drafter(prompt, ar), prompt, params, eos, use_cuda_graph=graphs)
         return out, st.wall_ms / 1e3, st
     return run
 
@@ -85,23 +93,26 @@ def bench(args) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts, t.tokenizer)
     params = SamplingParams(0.0, 1.0, args.max_new_tokens, 0)
     chain7 = SpecConfig(7, 1, 8)
+    graphs = not args.no_cuda_graph
 
-    configs = {"hf eager": hf_runner(t.model, eos, device, static=False)}
+    configs = {"hf eager": hf_runner(t.model, eos, device)}
     if device.type == "cuda":
-        configs["hf static (compiled)"] = hf_runner(t.model, eos, device, static=True)
-    configs["engine AR"] = ar_runner(target, eos)
-    configs["oracle chain 7"] = spec_runner(target, eos, lambda p, ar: OracleDrafter(chain7, [p + ar]))
+        static_len = -(-(max(map(len, prompts)) + args.max_new_tokens) // 64) * 64
+        configs["hf static (compiled)"] = hf_runner(t.model, eos, device, static_len)
+    configs["engine AR"] = ar_runner(target, eos, graphs)
+    configs["oracle chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: OracleDrafter(chain7, [p + ar]))
     ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
-    configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(target, eos, lambda p, ar: NgramDrafter(ngram, args.ngram))
+    configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(
+        target, eos, graphs, lambda p, ar: NgramDrafter(ngram, args.ngram))
     if args.drafter:
         tree = parse_tree(args.tree)
         eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype)
         eagle_tree = load_drafter(args.drafter, tree, t.model, target, device, dtype)
-        configs["eagle3 chain 7"] = spec_runner(target, eos, lambda p, ar: eagle_chain)
-        configs[f"eagle3 tree {args.tree}"] = spec_runner(target, eos, lambda p, ar: eagle_tree)
+        configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_chain)
+        configs[f"eagle3 tree {args.tree}"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_tree)
 
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
-    ar_out = [ar_runner(target, eos)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
+    ar_out = [ar_runner(target, eos, graphs)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
     results = {}
     for name, run in configs.items():
         warm = SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0)
@@ -124,7 +135,7 @@ def bench(args) -> dict:
     for row in results.values():
         row["vs_engine_ar"] = row["tok_s"] / base
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
-    return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."),
+    return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
             "results": results}
@@ -156,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="10 prompts, 1 repeat (about 3 minutes on an H200)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--out", help="JSON path (default bench/results/engine_<device>.json)")

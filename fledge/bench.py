@@ -144,14 +144,7 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
     t0 = time.perf_counter()
     first, chunks, usage = None, 0, None
     with _open(req, where, timeout) as r:
-        for raw in r:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            try:
-                event = json.loads(line[5:])
-            except ValueError:
-                raise FledgeError(f"{where}: stream event is not JSON: {line[:80]!r}") from None
+        for event in _events(r, where):
             usage = event.get("usage") or usage
             if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
                 first = first or time.perf_counter()
@@ -162,6 +155,22 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
     first = first or end
     return {"ttft_ms": 1e3 * (first - t0), "tokens": tokens, "seconds": end - t0,
             "decode_tok_s": (tokens - 1) / (end - first) if tokens > 1 and end > first else float("nan")}
+
+
+def _events(response, where: str):
+    """The JSON events of a server-sent-event stream, up to `data: [DONE]`."""
+    try:
+        for raw in response:
+            line = raw.decode(errors="replace").strip()
+            if line == "data: [DONE]":
+                return
+            if line.startswith("data:"):
+                try:
+                    yield json.loads(line[5:])
+                except ValueError:
+                    raise FledgeError(f"{where}: stream event is not JSON: {line[:80]!r}") from None
+    except OSError as e:  # a read timeout or a dropped connection mid-stream
+        raise FledgeError(f"{where}: stream broke off ({e})") from None
 
 
 @dataclass
@@ -220,8 +229,10 @@ def bench_server(cfg: ServerBench) -> list[dict]:
 class RankProbe:
     """Wraps an EAGLE-3 drafter to record, for every verify round, the sibling rank of each
     node on the accepted path: `reached[d]` counts rounds whose path reached an expanded node
-    at depth d-1, `hits[d][r]` those where its rank-r child was accepted. Eager on purpose
-    (`device_only` False): recording needs the host between propose and observe."""
+    at depth d-1, `hits[d][r]` those where its rank-r child was accepted. Give it a full tree
+    (num_draft_tokens = max_nodes): then a node's children are all kept, in the drafter's rank
+    order. Eager on purpose (`device_only` False): recording needs the host between propose
+    and observe."""
 
     device_only = False
 
@@ -435,13 +446,19 @@ def measured_tune(args) -> int:
     topks = sorted({1, *[k for k in (2, 4, 8) if k <= args.probe_topk]})
     draft_ms, overhead = measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens))
     context = max(len(p) for p in prompts) + args.max_new_tokens // 2
-    verify_ms = measure_verify_ms(rig, [1, 2, 4, 8, 16, 32, 64, 128], context)
+    shapes = tune.grid(args.max_steps, tuple(topks))
+    biggest = max(s.num_draft_tokens for s in shapes)
+    sizes = [1]
+    while sizes[-1] < biggest:  # 1, 2, 4, ... up to the largest tree the grid holds
+        sizes.append(2 * sizes[-1])
+    iters = 20 if rig.device.type == "cuda" else 3  # CPU forwards are slow and steady
+    verify_ms = measure_verify_ms(rig, sizes, context, iters)
     timings = tune.Timings(ar["ar_ms"], verify_ms, draft_ms, overhead, batch=1)
     if args.profile_json:
-        profile = tune.Profile(_read_json(args.profile_json)["ranks"])
+        profile = tune.profile_from_json(args.profile_json)
     else:
         profile = tune.Profile(probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)["ranks"])
-    preds = tune.rank_all(profile, timings, tune.grid(args.max_steps, tuple(topks)))
+    preds = tune.rank_all(profile, timings, shapes)
     text, data = tune.report(preds, timings, args.drafter)
     data.update(profile=profile.ranks, ar_measured_tok_s=ar["tok_s"])
     measured = None
@@ -453,22 +470,21 @@ def measured_tune(args) -> int:
     return 0
 
 
-def _read_json(path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise FledgeError(f"{path}: cannot read a JSON profile ({e})") from None
-
-
-def validation_shapes(preds) -> list:
-    """Three chains, three trees (the predicted best of each kind among them), no duplicates."""
+def validation_shapes(preds, want: int = 6) -> list:
+    """The predicted best chain and tree, fixed reference shapes, then the next best of each
+    kind in turn until `want` shapes (chains and trees both present when the grid has trees)."""
     from fledge.tune import Shape
 
     chains = [p.shape for p in preds if p.shape.topk == 1]
     trees = [p.shape for p in preds if p.shape.topk > 1]
-    picks = chains[:1] + [s for s in (Shape(2, 1, 3), Shape(4, 1, 5), Shape(6, 1, 7)) if s in chains]
-    picks += trees[:1] + [s for s in (Shape(4, 2, 8), Shape(5, 4, 16), Shape(6, 4, 32)) if s in trees]
-    return list(dict.fromkeys(picks))
+    fixed = [Shape(2, 1, 3), Shape(4, 1, 5), Shape(6, 1, 7), Shape(4, 2, 8), Shape(5, 4, 16), Shape(6, 4, 32)]
+    picks = list(dict.fromkeys(chains[:1] + trees[:1] + [s for s in fixed if s in chains or s in trees]))
+    for s in itertools.chain.from_iterable(itertools.zip_longest(chains, trees)):
+        if len(picks) >= want:
+            break
+        if s is not None and s not in picks:
+            picks.append(s)
+    return picks
 
 
 def validate(rig: EngineRig, prompts, preds, max_new_tokens: int) -> tuple[list[dict], dict]:

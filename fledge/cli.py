@@ -23,6 +23,7 @@ STEP_MODULES = [
     "fledge.train",
     "fledge.checkpoint",
     "fledge.doctor",
+    "fledge.demo",
     "fledge.engine.cli",
     "fledge.bench",
     "fledge.tune",

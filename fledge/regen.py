@@ -17,8 +17,10 @@ where it stopped. Failed samples are not written, so a rerun retries them.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import http.client
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -106,6 +108,7 @@ class ServerBackend:
         self.urls, self.model, self.cfg = [u.rstrip("/") for u in urls], model, cfg
         self.concurrency, self.timeout, self.retries, self.backoff = concurrency, timeout, retries, backoff
         self.failures: dict[str, int] = {}
+        self._lock = threading.Lock()  # failures is updated from the worker threads
 
     def _post(self, url: str, body: dict) -> dict:
         req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
@@ -121,11 +124,20 @@ class ServerBackend:
             try:
                 choice = self._post(url, body)["choices"][0]
                 return choice["message"]["content"] or "", choice.get("finish_reason") or "stop"
-            except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as e:
-                self.failures[type(e).__name__] = self.failures.get(type(e).__name__, 0) + 1
-                if attempt < self.retries:
-                    time.sleep(self.backoff * 2 ** attempt)
+            except urllib.error.HTTPError as e:
+                if e.code == 400:  # vLLM/SGLang: the prompt does not fit; retrying cannot help
+                    return "", "context"
+                self._count(e)
+            except (urllib.error.URLError, OSError, http.client.HTTPException, KeyError, IndexError,
+                    TypeError, ValueError) as e:  # a server killed mid-reply raises IncompleteRead
+                self._count(e)
+            if attempt < self.retries:
+                time.sleep(self.backoff * 2 ** attempt)
         return None
+
+    def _count(self, e: Exception) -> None:
+        with self._lock:
+            self.failures[type(e).__name__] = self.failures.get(type(e).__name__, 0) + 1
 
     def prompt_len(self, messages) -> int:
         return 0  # the server enforces its own context length and reports finish_reason
@@ -165,6 +177,9 @@ def _run_chunk(samples: list[Sample], backend, cfg: RegenConfig, seed: int) -> l
                 failed.append(s)
                 continue
             text, finish = a
+            if finish == "context":
+                s.finish = "context"
+                continue
             s.done.append({"role": "assistant", "content": text})
             s.turns, s.finish = s.turns + 1, finish
             if s.todo and s.todo[0]["role"] == "assistant":
@@ -214,7 +229,7 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
             bar.update(len(kept) + len(failed))
     counts["seconds"] = round(time.time() - t0, 1)
     if isinstance(backend, ServerBackend):
-        counts["request_errors"] = backend.failures
+        counts["request_errors"] = dict(backend.failures)
     atomic_write_json(out.with_suffix(".summary.json"), counts)
     return counts
 

@@ -44,7 +44,7 @@ from fledge.util import FledgeError, atomic_dir, atomic_write_bytes, atomic_writ
 from fledge.vocab import load_vocab_ids
 
 # Fields that change nothing about the numbers, so a resume may differ in them.
-RESUME_FREE = {"out", "log_every", "eval_every", "save_every", "compile", "device"}
+RESUME_FREE = {"out", "log_every", "eval_every", "save_every", "device"}
 
 
 @dataclass
@@ -72,7 +72,6 @@ class TrainConfig:
     seed: int = 0
     parallel: str = "ddp"             # ddp | fsdp (FSDP2 fully_shard), when run under torchrun
     bf16: bool = True                 # bf16 autocast (CUDA only)
-    compile: bool = False
     pad_multiple: int = 64
     log_every: int = 10
     eval_every: int = 200
@@ -199,10 +198,6 @@ class Run:
     device: torch.device
     plan: dict = dataclasses.field(default_factory=dict)  # epoch -> its global batches
 
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.batch_size * self.world * self.cfg.grad_accum
-
 
 def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
     model = target.model
@@ -226,10 +221,10 @@ def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
 def setup(cfg: TrainConfig, target) -> Run:
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = torch.device(cfg.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL starts, so each rank binds its own GPU
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model = target.model.to(device).eval()
@@ -242,8 +237,6 @@ def setup(cfg: TrainConfig, target) -> Run:
         store = FeatureStore(cfg.features, {**features_meta(target.name, cfg.data, cfg.max_len),
                                             "num_samples": len(samples)}, tcfg.hidden_size)
     train, evals = split_eval(samples, cfg, tcfg.vocab_size)
-    if cfg.features and cfg.eval_data:
-        raise FledgeError("--eval-data with --features: held-out features are not on disk; use --eval-samples")
     draft = build_draft(cfg, target)
     aux_ids = aux_layer_ids_for(model, draft.cfg.aux_layer_ids)
     if store and tuple(store.meta["aux_layer_ids"]) != aux_ids:
@@ -258,10 +251,8 @@ def setup(cfg: TrainConfig, target) -> Run:
     opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     warm = max(1, int(cfg.warmup * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, total - warm))))))
-    if cfg.compile:
-        wrapped = torch.compile(wrapped, dynamic=True)
+    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, cosine(s)))
     return Run(cfg, wrapped, ttt, model, target.name, TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
                store, train, evals, opt, sched, total, per_epoch, rank, world, device)
 
@@ -271,7 +262,8 @@ def parallelize(ttt: TTT, how: str, world: int, device) -> nn.Module:
         return ttt
     if how == "fsdp":
         from torch.distributed.fsdp import fully_shard
-        fully_shard(ttt.draft.midlayer)
+        # One group for the whole draft: its halves (project/attend) call submodules directly,
+        # so only the root's forward hook can gather parameters; one layer gains nothing finer.
         fully_shard(ttt)
         return ttt
     return nn.parallel.DistributedDataParallel(ttt, device_ids=[device.index] if device.type == "cuda" else None)
@@ -296,10 +288,11 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, int]:
     """One optimizer step over global batch `step`; returns the all-reduced stats [3, k] and
     the target tokens of the global batch."""
     cfg = run.cfg
-    epoch, i = divmod(step, run.per_epoch)
+    epoch, k = divmod(step, run.per_epoch)
     if epoch not in run.plan:
-        run.plan = {epoch: epoch_batches([len(s.input_ids) for s in run.train], run.global_batch, cfg.seed, epoch)}
-    batch = run.plan[epoch][i]
+        gb = cfg.batch_size * run.world * cfg.grad_accum
+        run.plan = {epoch: epoch_batches([len(s.input_ids) for s in run.train], gb, cfg.seed, epoch)}
+    batch = run.plan[epoch][k]
     norm = sum(run.train[i].step_counts(cfg.ttt_steps) for i in batch).clamp_min(1).to(run.device) / run.world
     stats = torch.zeros(3, cfg.ttt_steps, device=run.device)
     for m in range(cfg.grad_accum):
@@ -333,9 +326,10 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict:
-    """Held-out stats; each rank takes every world-th sample. Online features (the held-out
-    set is not in the feature shards unless it was split off the training set)."""
-    mine = sorted(run.evals[run.rank::run.world], key=lambda s: len(s.input_ids))
+    """Held-out stats over online features; each rank takes every world-th sample (equal
+    counts: under FSDP2 every rank must run every forward)."""
+    evals = run.evals[:len(run.evals) // run.world * run.world]
+    mine = sorted(evals[run.rank::run.world], key=lambda s: len(s.input_ids))
     stats = torch.zeros(3, run.cfg.ttt_steps, device=run.device)
     ones = torch.ones(run.cfg.ttt_steps, device=run.device)
     for b in range(0, len(mine), run.cfg.batch_size):
@@ -522,6 +516,5 @@ def add_cli(sub) -> None:
         p.add_argument(f"--{name}", type=typ, help=f"default {getattr(TrainConfig, name.replace('-', '_'))}")
     p.add_argument("--parallel", choices=["ddp", "fsdp"])
     p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
-    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the draft step")
     p.add_argument("--device")
     p.set_defaults(func=run_train)

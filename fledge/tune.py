@@ -326,19 +326,41 @@ def write_outputs(text: str, data: dict, preds, timings: Timings, args, measured
 
 
 # --------------------------------------------------------------------------- CLI
+def profile_from_json(path) -> Profile:
+    """A profile from `fledge bench --json` output: engine probe ({"profile": {"ranks": ...}}),
+    vLLM log ({"profile": [[p], ...]}) or a bare {"ranks": ...}."""
+    try:
+        obj = json.loads(open(path).read())
+        prof = obj.get("ranks") or obj.get("profile")
+        return Profile(prof["ranks"] if isinstance(prof, dict) else prof)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
+        raise FledgeError(f"{path}: no acceptance profile ('ranks' or 'profile') in it ({e})") from None
+
+
 def _what_if(args) -> int:
     for name in ("ar_ms", "verify_ms", "draft_ms"):
         if getattr(args, name) is None:
             raise FledgeError(f"--what-if needs --{name.replace('_', '-')}")
+    if args.max_steps < 1:
+        raise FledgeError(f"--max-steps {args.max_steps}: must be >= 1")
     timings = Timings(args.ar_ms, parse_ms_table(args.verify_ms, "--verify-ms"), parse_ms_table(args.draft_ms, "--draft-ms"),
                       args.overhead_ms, args.batch)
-    if (args.accept_profile is None) == (args.accept_length is None):
-        raise FledgeError("--what-if needs exactly one of --accept-profile or --accept-length")
-    profile = (parse_profile(args.accept_profile) if args.accept_profile
-               else Profile.geometric(args.accept_length, args.accept_steps))
+    given = [a for a in (args.accept_profile, args.accept_length, args.profile_json) if a is not None]
+    if len(given) != 1:
+        raise FledgeError("--what-if needs exactly one of --accept-profile, --accept-length, --profile-json")
+    if args.profile_json:
+        profile = profile_from_json(args.profile_json)
+    elif args.accept_profile:
+        profile = parse_profile(args.accept_profile)
+    else:
+        profile = Profile.geometric(args.accept_length, args.accept_steps)
     preds = rank_all(profile, timings, grid(args.max_steps))
-    text, data = report(preds, timings, args.drafter)
+    text, data = report(preds, timings, args.drafter or "<drafter dir>")
     data["profile"] = profile.ranks
+    if args.accept_length is not None:  # say it for the shape the user actually runs, too
+        mine = predict(profile, timings, Shape(args.accept_steps, 1, args.accept_steps + 1))
+        text += (f"\nat your shape ({args.accept_steps}-step chain, accept {mine.accept_length:.2f}): {mine.tok_s:.1f} tok/s, "
+                 f"{100 * (mine.speedup - 1):+.1f}% vs no speculation; break-even accept length {mine.break_even:.2f}")
     write_outputs(text, data, preds, timings, args)
     return 0
 
@@ -366,14 +388,14 @@ def add_cli(sub) -> None:
     p.add_argument("--max-steps", type=int, default=8, help="deepest shape to consider (measured mode: probe depth)")
     p.add_argument("--batch", type=int, default=1, help="batch size the timings are for")
     p.add_argument("--target", help="measured mode: target (built-in name, GGUF, HF dir)")
-    p.add_argument("--drafter", default="<drafter dir>", help="drafter checkpoint (measured mode; printed in vLLM flags)")
+    p.add_argument("--drafter", help="drafter checkpoint (measured mode; printed in vLLM flags)")
     p.add_argument("--device", help="measured mode: default cuda if available, else cpu")
     p.add_argument("--dtype", help="measured mode: default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--prompts", help="conversations JSONL for the acceptance probe (default: built-in prompts)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--probe-topk", type=int, default=4, help="topk of the full tree the rank probe drafts")
-    p.add_argument("--profile-json", help="read the acceptance profile from this JSON (fledge bench writes one)")
+    p.add_argument("--profile-json", help="acceptance profile from `fledge bench --json` (engine --probe, or a vLLM --log)")
     p.add_argument("--validate", action="store_true", help="also run >= 6 shapes for real: predicted vs measured")
     p.add_argument("--json", help="write the predictions here")
     p.add_argument("--png", help="plot predicted tok/s by shape here")

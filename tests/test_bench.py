@@ -168,6 +168,7 @@ def test_rank_probe_counts_sibling_ranks():
     assert probe.profile()[0] == pytest.approx([0, 0.5, 0.25])
 
 
+@pytest.mark.slow  # ~20 s alone, minutes on a loaded 2-core machine
 def test_engine_measurements_run_on_cpu():
     from fledge.config import DraftConfig
     from fledge.draft import Eagle3Draft
@@ -188,3 +189,29 @@ def test_engine_measurements_run_on_cpu():
     preds = rank_all(Profile(prof["ranks"]), Timings(ar["ar_ms"], verify, draft_ms, overhead), grid(6, (1, 2, 4)))
     rows, measured = validate(rig, prompts[:1], preds, 8)
     assert len(rows) >= 6 and {r["topk"] for r in rows} >= {1, 2} and all(v > 0 for v in measured.values())
+
+
+def test_vllm_log_feeds_tune(tmp_path):
+    """`fledge bench --log` → JSON → `fledge tune --what-if --profile-json`: the chain profile
+    read from vLLM's per-position rates reproduces the logged accept length."""
+    log, prof = tmp_path / "vllm.log", tmp_path / "p.json"
+    log.write_text(VLLM_LINE.format(i=0, mal=2.5, acc=300, dr=600, rates="0.800, 0.500, 0.200", avg=50.0))
+    assert main(["bench", "--log", str(log), "--json", str(prof)]) == 0
+    out = tmp_path / "t.json"
+    assert main(["tune", "--what-if", "--ar-ms", "10", "--verify-ms", "1:10,4:12", "--draft-ms", "1",
+                 "--profile-json", str(prof), "--max-steps", "3", "--json", str(out)]) == 0
+    chain3 = next(p for p in json.loads(out.read_text())["predictions"] if p["num_steps"] == 3)
+    assert chain3["accept_length"] == pytest.approx(1 + 0.8 + 0.5 + 0.2)
+    assert chain3["tok_s"] == pytest.approx(1e3 * 2.5 / (3 * 1 + 12))
+
+
+def test_plots_are_written(tmp_path):
+    from fledge.bench import plot_engine
+    from fledge.tune import Profile, Timings, grid, plot, rank_all
+
+    results = [{"shape": f"s{s} k1 n{s + 1}", "tok_s": random.uniform(20, 80),
+                "depth_acceptance": sorted((random.random() for _ in range(s)), reverse=True)} for s in (2, 4)]
+    plot_engine(results, 40.0, tmp_path / "engine.png")
+    preds = rank_all(Profile([[0.7, 0.1]] * 4), Timings(10, {1: 10, 16: 14}, {1: 1, 2: 1.2}), grid(4, (1, 2)))
+    plot(preds, 100.0, tmp_path / "tune.png", measured={preds[0].shape: 90.0})
+    assert all((tmp_path / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in ("engine.png", "tune.png"))

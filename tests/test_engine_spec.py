@@ -9,7 +9,7 @@ import torch
 from conftest import ENGINE_FAMILIES, make_tiny
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
-from fledge.engine import SamplingParams, build_engine_target, generate_ar, logits_to_probs, make_causal_mask
+from fledge.engine import HFTarget, SamplingParams, build_engine_target, generate_ar, logits_to_probs, make_causal_mask
 from fledge.engine.drafters import DraftInput, Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.spec import generate_spec, verify_forward
 from fledge.engine.tree import path_to, select_tree, tree_mask, verify_greedy, verify_sample
@@ -60,7 +60,7 @@ def test_tree_mask_and_path():
     toks, scores, parents, depth = random_candidates(g, 2, 3, 3)
     tree = select_tree(torch.tensor([7, 8]), toks, scores, parents, depth, 8)
     cache_len = torch.tensor([5, 11])
-    mask = tree_mask(tree, cache_len, 32)
+    mask = tree_mask(tree.anc, cache_len, 32)
     for b in range(2):
         for i in range(8):
             want = [c < cache_len[b] or (0 <= c - cache_len[b] < 8 and bool(tree.anc[b, i, c - cache_len[b]]))
@@ -95,6 +95,17 @@ def test_verify_greedy_walks_the_tree():
                 break
             node = kids[0]
         assert best.item() == node and bonus.item() == logits[0, node].argmax().item()
+
+
+def test_stats_follow_sglang_definitions():
+    from fledge.engine.stats import SpecStats
+
+    s = SpecStats(num_steps=3, num_draft_tokens=4, accepted=[0, 3, 1, 3])
+    assert s.accept_length() == (7 + 4) / 4  # (accepted + one bonus per verify step) / steps
+    assert s.accept_rate() == 7 / (4 * 3)
+    assert s.histogram() == [1, 1, 0, 2]
+    assert s.depth_acceptance() == [0.75, 0.5, 0.5]
+    assert SpecStats.merge([s, s]).accept_length() == s.accept_length()
 
 
 # --------------------------------------------------------------------------- on tiny targets
@@ -133,6 +144,8 @@ def test_greedy_spec_equals_ar(family):
     for name, drafter in drafters.items():
         out, stats = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[])
         assert out == ar, name
+        if "tree" in name:  # the imitating drafter gets multi-token rounds through a tree
+            assert sum(stats.accepted) > 0, name
         if name == "oracle":  # 15 tokens after the prefill's one = 3 full rounds of 4 + bonus
             assert stats.accept_length() == 5.0
     # a stop token mid-round is cut exactly as AR cuts it
@@ -140,6 +153,18 @@ def test_greedy_spec_equals_ar(family):
     ar_eos = generate_ar(target, [prompt], GREEDY, eos_ids=eos)[0][0]
     out, _ = generate_spec(target, drafters["oracle"], prompt, GREEDY, eos_ids=eos)
     assert out == ar_eos and out[-1] == eos[0]
+
+
+def test_hf_target_family_spec_equals_ar():
+    """Families without a compact implementation run through HFTarget, whose cache stores
+    (token, position, mask row) per slot: compaction must move those too."""
+    hf, target, draft = tiny_setup("gemma3")
+    prompt = torch.randint(0, 24, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
+    for drafter in (OracleDrafter(SpecConfig(4, 1, 5), [prompt + ar]), Eagle3Drafter(draft, SpecConfig(3, 3, 9), target)):
+        out, stats = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[])
+        assert out == ar
+    assert isinstance(target, HFTarget)
 
 
 def test_eagle_draft_cache_matches_recompute():
@@ -157,12 +182,12 @@ def test_eagle_draft_cache_matches_recompute():
 
     drafter.propose = recording
     prompt = torch.randint(0, 12, (7,), generator=torch.Generator().manual_seed(5)).tolist()
-    out, stats = generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=20), eos_ids=[])
+    generated, stats = generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=20), eos_ids=[])
     assert sum(stats.accepted) > 0  # some rounds moved the cache by more than one token
     to_target = draft.target_ids()
     with torch.no_grad():
         for L, last, proposed in rounds:
-            ctx = (prompt + out)[:L + 1]  # the verified tokens and the root
+            ctx = (prompt + generated)[:L + 1]  # the verified tokens and the root
             hs = hf(torch.tensor([ctx[:-1]]), output_hidden_states=True).hidden_states
             aux = torch.cat([hs[i] for i in draft.cfg.aux_layer_ids], -1)
             causal = torch.ones(L, L, dtype=torch.bool).tril()[None, None]
@@ -241,6 +266,14 @@ def test_sampling_without_rejection_correction_is_caught():
     assert any(tv > tol for _, tv, tol in results)
 
 
+def test_sampled_generation_runs_and_is_seeded():
+    hf, target, draft = tiny_setup("llama", vocab=12, seed=4)
+    drafter = Eagle3Drafter(draft, SpecConfig(3, 2, 6), target)
+    runs = [generate_spec(target, drafter, [1, 2, 3], SamplingParams(0.8, 0.9, 24, seed), [])[0] for seed in (0, 0, 1)]
+    assert runs[0] == runs[1] != runs[2]
+    assert all(len(r) == 24 and all(0 <= t < 12 for t in r) for r in runs)
+
+
 # --------------------------------------------------------------------------- bad input
 def test_bad_input_is_one_fledge_error():
     hf, target, draft = tiny_setup("qwen2")
@@ -262,11 +295,36 @@ def test_bad_input_is_one_fledge_error():
         OracleDrafter(SpecConfig(2, 2, 5), [[1]])
 
 
+def test_exported_drafter_through_load_drafter(tmp_path):
+    """The path `fledge generate --drafter DIR` takes: export, load with the target's
+    embeddings, draft a tree; output still equals AR."""
+    from fledge.checkpoint import export_checkpoint
+    from fledge.engine.cli import load_drafter
+
+    hf, target, draft = tiny_setup("llama", vocab=12, seed=4)
+    export_checkpoint(draft, tmp_path / "d", dtype=torch.float32)
+    drafter = load_drafter(str(tmp_path / "d"), SpecConfig(3, 2, 6), hf, target, torch.device("cpu"), torch.float32)
+    prompt = torch.randint(0, 12, (7,), generator=torch.Generator().manual_seed(5)).tolist()
+    ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
+    out, stats = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[])
+    assert out == ar and sum(stats.accepted) > 0
+
+
+def test_cli_flag_errors_are_one_line(capsys):
+    from fledge.cli import main
+
+    assert main(["generate", "--target", "x", "--prompt", "hi", "--topk", "2"]) == 2
+    assert main(["generate", "--target", "x", "--prompt", "hi", "--num-steps", "3", "--num-draft-tokens", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("fledge: error: --num-draft-tokens") for line in err)
+
+
 # --------------------------------------------------------------------------- a real model
 @pytest.mark.slow
 def test_smollm2_greedy_spec_equals_ar():
     from fledge.target import load_target
-    hf, tok = load_target("smollm2-135m")
+    t = load_target("smollm2-135m")
+    hf, tok = t.model, t.tokenizer
     target = build_engine_target(hf, torch.float32, "cpu")
     prompt = tok("The capital of France is Paris. The capital of Germany is")["input_ids"]
     params = SamplingParams(max_new_tokens=40)

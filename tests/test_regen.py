@@ -68,6 +68,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).calls += 1
+        if "too long" in body["messages"][-1]["content"]:
+            self.send_response(400)  # what vLLM answers when the prompt exceeds max_model_len
+            self.end_headers()
+            return
         if type(self).calls <= type(self).fail_first:
             self.send_response(500)
             self.end_headers()
@@ -116,3 +120,21 @@ def test_unreachable_servers_record_failures_then_resume(tmp_path):
     counts = regenerate(tmp_path / "c.jsonl", tmp_path / "r.jsonl", ServerBackend([url], "m", cfg), cfg)
     srv.shutdown()
     assert counts["written"] == 4 and counts["failed"] == 0
+
+
+def test_prompt_too_long_for_server_ends_conversation_without_retry(tmp_path):
+    rows = [{"id": "ok", "messages": [{"role": "user", "content": "hi"}]},
+            {"id": "long", "messages": [{"role": "user", "content": "too long"}]},
+            {"id": "late", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                        {"role": "user", "content": "too long"}]}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    srv, url = _serve(fail_first=0)
+    cfg = RegenConfig(max_new_tokens=8)
+    backend = ServerBackend([url], "m", cfg, retries=3, backoff=0.01)
+    counts = regenerate(tmp_path / "c.jsonl", tmp_path / "r.jsonl", backend, cfg)
+    srv.shutdown()
+    # One request each: a 400 is not retried. "late" keeps its first answered turn.
+    assert srv.RequestHandlerClass.calls == 4 and counts["failed"] == 0
+    assert counts["written"] == 2 and counts["skipped_no_turn"] == 1
+    out = {r["id"]: r for _, r in read_jsonl(tmp_path / "r.jsonl")}
+    assert out["late"]["finish"] == "context" and len(out["late"]["messages"]) == 2

@@ -10,6 +10,7 @@ step can be captured in a CUDA graph. Causal, padded and tree masks are all just
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -94,16 +95,18 @@ class KVCache:
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
 
-# Pointwise pieces as plain functions: one or two kernels each, which is what bounds a
-# CUDA-graph decode step at batch 1 (every kernel costs ~2 us however small it is).
+# --------------------------------------------------------------------------- pointwise ops
+# The elementwise pieces of a layer, rounded exactly as HF rounds them (bf16 greedy output then
+# follows HF's token for token). A CUDA-graph decode step at batch 1 is bound by the number of
+# kernels (~2 us each however small), so `Pointwise.compiled()` fuses each into one kernel.
 def rms_norm(x, weight, eps: float):
-    """HF's RMSNorm computed in fp32 and rounded once (HF rounds before scaling: bf16 noise)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    """Normalised in fp32 (rms_norm's accumulation type), rounded, then scaled in x's dtype."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def apply_rope(x, cos, sin):
     """x * cos + rotate_half(x) * sin, with `sin` signed as `Transformer.rope` returns it."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def silu_mul(gate_up):
@@ -111,25 +114,38 @@ def silu_mul(gate_up):
     return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class Pointwise:
+    rms_norm: Callable = rms_norm
+    apply_rope: Callable = apply_rope
+    silu_mul: Callable = silu_mul
+
+    @classmethod
+    def compiled(cls) -> "Pointwise":
+        # Small pure functions compile quickly and stay capturable; compiling the whole step
+        # was slower at batch >= 64 on an H200 (5.8 vs 2.4 ms/step at batch 64).
+        return cls(*(torch.compile(f, fullgraph=True) for f in (rms_norm, apply_rope, silu_mul)))
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: Pointwise):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, ops: Pointwise):
         super().__init__()
-        self.a = a
+        self.a, self.ops = a, ops
         # q, k and v in one matmul: decode at batch 1 is launch-bound.
         self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=a.qkv_bias)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
-        self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
-        self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
+        self.q_norm = RMSNorm(a.head_dim, a.norm_eps, ops) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.norm_eps, ops) if a.qk_norm else None
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, mask):
         a, (B, T, _) = self.a, x.shape
@@ -141,7 +157,7 @@ class Attention(nn.Module):
         else:
             q, k = qkv[..., :H * D].view(B, T, H, D), qkv[..., H * D:(H + Hkv) * D].view(B, T, Hkv, D)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        qk = apply_rope(qk, cos, sin)  # q and k at once
+        qk = self.ops.apply_rope(qk, cos, sin)  # q and k at once
         q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
         idx = slots[:, None, :, None].expand(B, Hkv, T, D)
         cache_k.scatter_(2, idx, k)
@@ -154,22 +170,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, ops: Pointwise):
         super().__init__()
+        self.ops = ops
         self.w13 = nn.Linear(a.dim, 2 * a.intermediate_size, bias=a.mlp_bias)  # gate and up fused
         self.w2 = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)
 
     def forward(self, x):
-        return self.w2(silu_mul(self.w13(x)))
+        return self.w2(self.ops.silu_mul(self.w13(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, ops: Pointwise):
         super().__init__()
-        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
-        self.attention = Attention(a)
-        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
-        self.feed_forward = MLP(a)
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps, ops)
+        self.attention = Attention(a, ops)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps, ops)
+        self.feed_forward = MLP(a, ops)
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, mask):
         x = x + self.attention(self.attention_norm(x), cos, sin, cache_k, cache_v, slots, mask)
@@ -179,12 +196,12 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     cuda_graph_ok = True  # forward has static shapes and no host syncs
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, ops: Pointwise = Pointwise()):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(Block(args, ops) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, ops)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Persistent so that `from_hf` loads it (fp32) with the weights; never cast it.
         self.register_buffer("inv_freq", torch.tensor(args.rope_inv_freq, dtype=torch.float32))
@@ -228,10 +245,11 @@ class Transformer(nn.Module):
         return logits, aux
 
     @classmethod
-    def from_hf(cls, hf_model, dtype, device) -> "Transformer":
+    def from_hf(cls, hf_model, dtype, device, compile: bool = False) -> "Transformer":
+        """`compile`: fuse the pointwise ops with torch.compile (CUDA; ~20% faster decode)."""
         args = ModelArgs.from_hf_config(hf_model.config)
         with torch.device("meta"):
-            model = cls(args)
+            model = cls(args, Pointwise.compiled() if compile else Pointwise())
         model.load_state_dict(_engine_state_dict(hf_model, args, dtype, device), strict=True, assign=True)
         return model.eval()
 
@@ -346,12 +364,13 @@ class HFTarget(nn.Module):
         return logits, aux
 
 
-def build_engine_target(hf_model, dtype, device):
-    """The engine's view of a loaded HF model: the compact Transformer where fledge has one,
-    else HFTarget (which moves `hf_model` itself to dtype/device)."""
+def build_engine_target(hf_model, dtype, device, compile: bool = False):
+    """The engine's view of a loaded HF model: the compact Transformer where fledge has one
+    (`compile`: see `Transformer.from_hf`), else HFTarget (which moves `hf_model` itself to
+    dtype/device)."""
     family = hf_model.config.get_text_config().model_type
     if family in COMPACT_FAMILIES:
-        return Transformer.from_hf(hf_model, dtype, device)
+        return Transformer.from_hf(hf_model, dtype, device, compile)
     if family in HF_FAMILIES or hf_model.config.model_type in HF_FAMILIES:
         return HFTarget(hf_model.to(device=device, dtype=dtype))
     raise FledgeError(f"model_type {family!r}: no engine implementation "

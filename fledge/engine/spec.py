@@ -13,7 +13,7 @@ import torch
 
 from fledge.engine.drafters import DraftInput, SpecConfig
 from fledge.engine.generate import capture_cuda_graph, logits_to_probs, make_causal_mask, sample_token
-from fledge.engine.model import HFCache, KVCache
+from fledge.engine.model import KVCache
 from fledge.engine.stats import Clock, SpecStats
 from fledge.engine.tree import Tree, path_to, tree_mask, verify_greedy, verify_sample
 from fledge.util import FledgeError
@@ -32,9 +32,8 @@ def cache_size(prompt_len: int, max_new_tokens: int, spec: SpecConfig, cache_len
 def verify_forward(target, cache, tree: Tree, cache_len: torch.Tensor, aux_ids):
     """The target over all tree nodes at once: node i sits at slot cache_len + i, rope position
     cache_len + depth, and sees the prefix plus its ancestors."""
-    N = tree.size
-    slots = cache_len[:, None] + torch.arange(N, device=cache_len.device)
-    mask = tree_mask(tree, cache_len, _slots(cache))
+    slots = cache_len[:, None] + torch.arange(tree.size, device=cache_len.device)
+    mask = tree_mask(tree.anc, cache_len, _slots(cache))
     return target(tree.tokens, cache_len[:, None] + tree.depth, slots, mask, cache, aux_ids=aux_ids)
 
 
@@ -165,13 +164,13 @@ def _round_functions(target, cache, drafter, device, use_cuda_graph: bool):
     ids = torch.zeros(1, N, dtype=torch.long, device=device)
     anc = torch.eye(N, dtype=torch.bool, device=device)[None]
 
-    def verify_fn(tokens, depth, anc, cache_len):
-        return verify_forward(target, cache, Tree(tokens, depth, depth, anc), cache_len, drafter.aux_ids)
+    def verify_fn(tokens, parents, depth, anc, cache_len):
+        return verify_forward(target, cache, Tree(tokens, parents, depth, anc), cache_len, drafter.aux_ids)
 
-    run_verify = static_call(verify_fn, [ids, ids, anc, one], graphs and getattr(target, "cuda_graph_ok", False))
+    run_verify = static_call(verify_fn, [ids, ids, ids, anc, one], graphs and getattr(target, "cuda_graph_ok", False))
 
     def verify(tree, cache_len):
-        return run_verify(tree.tokens, tree.depth, tree.anc, cache_len)
+        return run_verify(tree.tokens, tree.parents, tree.depth, tree.anc, cache_len)
 
     if not getattr(drafter, "device_only", False):
         return verify, (lambda root, cache_len, ctx: drafter.propose(DraftInput(root, cache_len, ctx))), drafter.observe

@@ -30,8 +30,7 @@ def ancestors(parents: torch.Tensor) -> torch.Tensor:
     """Reflexive-transitive closure of the parent relation by repeated squaring
     (log2 N boolean matmuls instead of a walk per node)."""
     B, N = parents.shape
-    eye = torch.eye(N, dtype=torch.float32, device=parents.device).expand(B, N, N)
-    reach = torch.maximum(eye, torch.nn.functional.one_hot(parents, N).float())
+    reach = torch.eye(N, device=parents.device).repeat(B, 1, 1).scatter_(2, parents[..., None], 1.0)
     for _ in range(max(1, (N - 1).bit_length())):
         reach = (reach @ reach).clamp_(max=1.0)
     return reach > 0
@@ -72,14 +71,14 @@ def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: 
     return make_tree(root, cand_tokens.gather(1, keep), node_of.gather(1, par))
 
 
-def tree_mask(tree: Tree, cache_len: torch.Tensor, max_len: int) -> torch.Tensor:
+def tree_mask(anc: torch.Tensor, cache_len: torch.Tensor, max_len: int) -> torch.Tensor:
     """[B, 1, N, max_len] bool: every node sees the verified prefix [0, cache_len) and its own
-    ancestors, which sit at slots cache_len + node index."""
-    B, N = tree.tokens.shape
-    cols = torch.arange(max_len, device=tree.tokens.device)
+    ancestors (`anc`, [B, N, N]), which sit at slots cache_len + node index."""
+    B, N, _ = anc.shape
+    cols = torch.arange(max_len, device=anc.device)
     mask = (cols < cache_len[:, None])[:, None, :].expand(B, N, max_len).clone()
     slots = (cache_len[:, None] + torch.arange(N, device=cols.device)).clamp(max=max_len - 1)
-    mask.scatter_(2, slots[:, None, :].expand(B, N, N), tree.anc)
+    mask.scatter_(2, slots[:, None, :].expand(B, N, N), anc)
     return mask[:, None]
 
 

@@ -1,0 +1,142 @@
+"""Regeneration against a real vLLM OpenAI server (CPU, SmolLM2), not a mock: the server is
+SIGKILLed mid-run, the run records the failures and leaves only whole lines; after a restart the
+rerun writes every conversation exactly once, and the greedy answers written before the kill
+equal what the restarted server answers now.
+
+vLLM runs from the venv built by scripts/setup_vllm.sh, started by scripts/vllm_serve.py. Without
+that venv this skips, unless FLEDGE_REQUIRE_VLLM is set (CI), where it fails instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fledge.regen import RegenConfig, ServerBackend, regenerate
+from fledge.target import resolve_target
+from fledge.util import cache_dir, read_jsonl
+
+SERVE = Path(__file__).resolve().parents[1] / "scripts" / "vllm_serve.py"
+NAME = "smollm2-135m"
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 3 plus 4?",
+             "Say hello in Spanish.", "What animal barks?", "Which planet is called the red planet?",
+             "What do bees make?", "How many legs does a spider have?", "What is frozen water called?",
+             "Name a fruit that is yellow.", "What color is the sky on a clear day?", "What is 10 minus 2?"]
+FOLLOW_UP = "Explain in one sentence."
+
+
+@pytest.fixture(scope="module")
+def serve():
+    """scripts/vllm_serve.py as a module (skip or fail if the vLLM venv is absent)."""
+    venv = cache_dir() / "vllm-venv"
+    if not (venv / ".fledge-complete").is_file():
+        if os.environ.get("FLEDGE_REQUIRE_VLLM"):
+            pytest.fail(f"{venv}: no vLLM venv but FLEDGE_REQUIRE_VLLM is set; run scripts/setup_vllm.sh")
+        pytest.skip(f"{venv}: no vLLM venv; run scripts/setup_vllm.sh (or set FLEDGE_REQUIRE_VLLM to fail)")
+    spec = importlib.util.spec_from_file_location("vllm_serve", SERVE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_conversations(path: Path) -> dict[str, list[str]]:
+    """12 chats; every third has a follow-up, so some samples need a second, dependent turn."""
+    users = {f"c{i:02d}": [q, FOLLOW_UP] if i % 3 == 0 else [q] for i, q in enumerate(QUESTIONS)}
+    with open(path, "w") as f:
+        for cid, turns in users.items():
+            msgs = [m for u in turns
+                    for m in ({"role": "user", "content": u}, {"role": "assistant", "content": "old"})]
+            f.write(json.dumps({"id": cid, "source": "test", "messages": msgs}) + "\n")
+    return users
+
+
+def kill_when_written(server, out: Path, lines: int, delay: float, within: float):
+    """SIGKILL the server's process group (a crash, not a shutdown) `delay` s after `out` has
+    `lines` lines, so the next chunk's requests are cut off while the server is generating."""
+    killed = threading.Event()
+
+    def watch():
+        end = time.monotonic() + within
+        while time.monotonic() < end:
+            if out.exists() and out.read_bytes().count(b"\n") >= lines:
+                time.sleep(delay)
+                server.stop(signal.SIGKILL)
+                killed.set()
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, killed
+
+
+def check_rows(out: Path, users: dict[str, list[str]]) -> dict[str, dict]:
+    """Only whole JSON lines, ids unique, each a valid regeneration of its conversation."""
+    raw = out.read_bytes()
+    assert raw.endswith(b"\n")
+    rows = [json.loads(line) for line in raw.splitlines()]
+    by_id = {r["id"]: r for r in rows}
+    assert len(by_id) == len(rows), "a conversation was written twice"
+    for cid, r in by_id.items():
+        msgs = r["messages"]
+        assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2) and msgs
+        assert [m["content"] for m in msgs[::2]] == users[cid][: len(msgs) // 2]
+        assert all(m["content"].strip() for m in msgs[1::2]), f"{cid}: empty answer"
+        if r["finish"] == "stop":  # only a cut-off answer may end the conversation early
+            assert len(msgs) == 2 * len(users[cid])
+    return by_id
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_regen_survives_server_kill_and_restart(tmp_path, serve):
+    convs, out, log = tmp_path / "c.jsonl", tmp_path / "r.jsonl", tmp_path / "vllm.log"
+    users = write_conversations(convs)
+    cfg = RegenConfig(max_new_tokens=24, max_len=1024, chunk=4)  # a chunk is written before the next starts
+    target = resolve_target(NAME)
+    servers = []
+    try:
+        first = serve.start(target, NAME, log=log, timeout=240)
+        servers.append(first)
+        backend = ServerBackend([first.url], NAME, cfg, concurrency=4, timeout=60, retries=2, backoff=0.5)
+        watcher, killed = kill_when_written(first, out, cfg.chunk, delay=0.5, within=120)
+        counts = regenerate(convs, out, backend, cfg)
+        print("run cut by the kill:", counts)
+        watcher.join(10)
+        assert killed.is_set(), "the server was never killed"
+        assert counts["written"] >= 1 and counts["failed"] >= 1
+        assert counts["written"] + counts["failed"] == len(users)
+        assert counts["request_errors"], "the failed requests were not recorded"
+        assert json.loads(out.with_suffix(".summary.json").read_text()) == counts
+        before = check_rows(out, users)
+        assert len(before) == counts["written"]
+
+        port = int(first.url.rsplit(":", 1)[1])  # restarted where it was: same URL for the rerun
+        second = serve.start(target, NAME, port=port, log=log, timeout=240)
+        servers.append(second)
+        backend = ServerBackend([second.url], NAME, cfg, concurrency=4, timeout=60, retries=2, backoff=0.5)
+        counts = regenerate(convs, out, backend, cfg)
+        assert counts["already_done"] == len(before) and counts["failed"] == 0
+        assert counts["written"] == len(users) - len(before)
+        after = check_rows(out, users)
+        assert sorted(after) == sorted(users)
+
+        # Greedy: each turn written before the kill is what the restarted server answers now.
+        turns = [(r["messages"][:j], r["messages"][j]["content"])
+                 for r in before.values() for j in range(1, len(r["messages"]), 2)]
+        fresh = backend.answer([prefix for prefix, _ in turns], seed=0)
+        assert None not in fresh
+        assert [text for text, _ in fresh] == [answer for _, answer in turns]
+    finally:
+        for s in servers:
+            s.stop(signal.SIGKILL)
+    print(f"vLLM start: {[s.start_s for s in servers]} s")
