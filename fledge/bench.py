@@ -14,7 +14,6 @@ Three sources, one command:
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import re
@@ -30,7 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from fledge.conventions import accept_length
-from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json
+from fledge.util import FledgeError, atomic_write_json, save_figure
 
 # --------------------------------------------------------------------------- serving logs
 # SGLang, python/sglang/srt/managers/scheduler_metrics_mixin.py (SchedulerMetricsMixin.log_decode_stats;
@@ -429,10 +428,7 @@ def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
     b.set_ylabel("decode tok/s (batch 1)")
     b.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def measured_tune(args) -> int:

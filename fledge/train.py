@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
@@ -40,7 +39,7 @@ from fledge.conventions import accept_length
 from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, features_meta, load_samples,
                              online_features, pad_batch)
-from fledge.util import FledgeError, atomic_dir, atomic_write_bytes, atomic_write_text, read_jsonl
+from fledge.util import FledgeError, atomic_dir, atomic_write_text, read_jsonl, save_figure
 from fledge.vocab import load_vocab_ids
 
 # Fields that change nothing about the numbers, so a resume may differ in them.
@@ -416,10 +415,7 @@ def write_curves(path: Path, history: list[dict]) -> None:
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def record(kind: str, step: int, stats: dict, decay: float, **extra) -> dict:

@@ -23,12 +23,11 @@ Under those assumptions `expected_accept_length` is exact (tests check it agains
 
 from __future__ import annotations
 
-import io
 import json
 import random
 from dataclasses import asdict, dataclass
 
-from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json
+from fledge.util import FledgeError, atomic_write_json, save_figure
 
 
 # --------------------------------------------------------------------------- inputs
@@ -311,10 +310,7 @@ def plot(preds: list[Prediction], ar_tok_s: float, path, measured: dict | None =
     ax.set_ylabel("tok/s per request")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def write_outputs(text: str, data: dict, preds, timings: Timings, args, measured=None) -> None:

@@ -95,3 +95,14 @@ def read_jsonl(path: str | os.PathLike, on_bad=None):
 def cache_dir() -> Path:
     """Where fetched packages and converted models live ($FLEDGE_CACHE, else ~/.cache/fledge)."""
     return Path(os.environ.get("FLEDGE_CACHE", Path.home() / ".cache" / "fledge"))
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> None:
+    """Write a matplotlib figure as PNG atomically, then close it (figures hold memory)."""
+    import io
+
+    import matplotlib.pyplot as plt
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

@@ -3,7 +3,6 @@ check name without the doctor raising; launch lines for SGLang and vLLM are lint
 
 import json
 import random
-import shutil
 
 import pytest
 import torch

@@ -15,15 +15,6 @@ from fledge.util import FledgeError
 AUX = (2, 3, 5)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # On this shared 2-core box the CPU SDPA kernel with a mask spends milliseconds per call
-    # synchronising threads; one thread keeps these tests fast (results are unaffected).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def hf_reference(hf, seq):
     with torch.no_grad():

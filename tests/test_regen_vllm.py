@@ -22,7 +22,7 @@ import pytest
 
 from fledge.regen import RegenConfig, ServerBackend, regenerate
 from fledge.target import resolve_target
-from fledge.util import cache_dir, read_jsonl
+from fledge.util import cache_dir
 
 SERVE = Path(__file__).resolve().parents[1] / "scripts" / "vllm_serve.py"
 NAME = "smollm2-135m"

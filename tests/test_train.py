@@ -32,14 +32,6 @@ TESTS = Path(__file__).parent
 V = 301  # tiny target vocab
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core machine: one thread is ~10x faster than two fighting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def write_data(path, n=48, seed=0, lo=12, hi=40, masked=True):
     g = torch.Generator().manual_seed(seed)
