@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 from transformers import StaticCache
 
-from fledge.data import load_conversations
-from fledge.engine.cli import encode_chat, eos_ids, load_drafter, pick_device, pick_dtype
+from fledge.bench import load_prompts
+from fledge.engine.cli import eos_ids, load_drafter, pick_device, pick_dtype
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import build_engine_target
@@ -76,12 +76,6 @@ def parse_tree(text: str) -> SpecConfig:
     except ValueError:
         raise FledgeError(f"--tree {text!r}: expected STEPS,TOPK,NUM_DRAFT_TOKENS") from None
     return SpecConfig(steps, topk, n)
-
-
-def load_prompts(source: str, n: int, tokenizer) -> list[list[int]]:
-    records, _ = load_conversations(source)
-    firsts = [[next(m for m in r["messages"] if m["role"] == "user")] for r in records[:n]]
-    return [encode_chat(tokenizer, m) for m in firsts]
 
 
 def bench(args) -> dict:

@@ -297,7 +297,7 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     t = load_target(target, dtype=dt, device=dev)
-    draft = load_checkpoint(drafter, embed_from=t.model).to(device=dev, dtype=dt).eval()
+    draft = load_checkpoint(drafter, embed_from=t.model).eval().cast(dev, dt)
     return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev), draft, eos_ids(t.model, t.tokenizer), dev)
 
 

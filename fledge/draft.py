@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from fledge.config import DraftConfig
 from fledge.conventions import d2t_from_target_ids, t2d_from_target_ids
+from fledge.util import FledgeError
 
 
 def rope_config(cfg: DraftConfig) -> transformers.LlamaConfig:
@@ -90,13 +91,20 @@ class Eagle3Draft(nn.Module):
         draft = cls(cfg)
         emb = target_model.get_input_embeddings().weight
         if tuple(emb.shape) != tuple(draft.embed_tokens.weight.shape):
-            from fledge.util import FledgeError
             raise FledgeError(f"target embedding {tuple(emb.shape)} does not fit draft {tuple(draft.embed_tokens.weight.shape)}")
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(emb.float())
         if target_ids is not None:
             draft.set_vocab(target_ids)
         return draft
+
+    def cast(self, device, dtype) -> "Eagle3Draft":
+        """Weights to `dtype` on `device`, RoPE frequencies kept fp32 as HF models keep them
+        (bf16 frequencies shift the angles at long positions)."""
+        inv_freq = self.rotary.inv_freq.float()
+        self.to(device=device, dtype=dtype)
+        self.rotary.inv_freq = inv_freq.to(device)
+        return self
 
     def set_vocab(self, target_ids: torch.Tensor) -> None:
         """Install the draft vocabulary given as ascending target ids (conventions.py owns the encoding)."""

@@ -10,6 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny
 from fledge import cli, doctor
+from fledge.checks import FAIL, PASS, WARN, Check, exit_code, report
+from fledge.lint import launch_checks, sglang_tree_bound
 from fledge.checkpoint import export_checkpoint
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
@@ -64,7 +66,7 @@ def test_healthy_eagle3_export_passes_everything(target, tmp_path, capsys):
     model, tpath = target
     drafter = _export(model, tmp_path / "d")
     results = doctor.doctor(drafter, str(tpath))
-    assert {c.status for c in results} == {doctor.PASS}, [c for c in results if c.status != doctor.PASS]
+    assert {c.status for c in results} == {PASS}, [c for c in results if c.status != PASS]
     names = _statuses(results)
     for name in ("files", "target", "architecture", "aux_ids", "context", "rope", "hidden", "keys", "fc", "shapes",
                  "vocab", "d2t", "t2d", "dtype", "weights", "norms", "embed"):
@@ -78,27 +80,27 @@ def test_healthy_eagle3_export_passes_everything(target, tmp_path, capsys):
 def test_healthy_speculators_and_sharded_exports(target, tmp_path):
     model, tpath = target
     spec = _export(model, tmp_path / "spec", layout="speculators", verifier=str(tpath))
-    assert doctor.exit_code(doctor.doctor(spec, str(tpath))) == 0
+    assert exit_code(doctor.doctor(spec, str(tpath))) == 0
     sharded = _export(model, tmp_path / "shards", shard_size_mb=0.01)
     assert len(list(sharded.glob("*.safetensors"))) > 1
-    assert doctor.exit_code(doctor.doctor(sharded, str(tpath))) == 0
+    assert exit_code(doctor.doctor(sharded, str(tpath))) == 0
     next(iter(sorted(sharded.glob("model-*.safetensors")))).unlink()
-    assert _statuses(doctor.doctor(sharded, str(tpath)))["files"] == doctor.FAIL
+    assert _statuses(doctor.doctor(sharded, str(tpath)))["files"] == FAIL
 
 
 def test_untrained_norms_are_the_only_warning(target, tmp_path):
     model, tpath = target
     results = doctor.doctor(_export(model, tmp_path / "d", trained=False), str(tpath))
-    assert {c.name for c in results if c.status != doctor.PASS} == {"norms"}
-    assert _statuses(results)["norms"] == doctor.WARN and doctor.exit_code(results) == 1
+    assert {c.name for c in results if c.status != PASS} == {"norms"}
+    assert _statuses(results)["norms"] == WARN and exit_code(results) == 1
 
 
 def test_embeddings_compared_with_the_target(target, tmp_path):
     model, tpath = target
     drafter = _export(model, tmp_path / "d", with_embed=True)
-    assert _statuses(doctor.doctor(drafter, str(tpath)))["embed"] == doctor.PASS
+    assert _statuses(doctor.doctor(drafter, str(tpath)))["embed"] == PASS
     _edit_tensors(drafter, lambda sd: sd["embed_tokens.weight"].add_(torch.randn_like(sd["embed_tokens.weight"])))
-    assert _statuses(doctor.doctor(drafter, str(tpath)))["embed"] == doctor.WARN
+    assert _statuses(doctor.doctor(drafter, str(tpath)))["embed"] == WARN
 
 
 # ---------------------------------------------------------------- broken drafters
@@ -151,9 +153,9 @@ def test_broken_drafter_fails_the_right_check(target, tmp_path, case):
     drafter = _export(model, tmp_path / "d")
     breakage(drafter)
     results = doctor.doctor(drafter, str(tpath))
-    assert _statuses(results).get(check) == doctor.FAIL, [(c.name, c.status, c.why) for c in results]
-    assert doctor.exit_code(results) == 2
-    payload = json.loads("\n".join(_collect(lambda out: doctor.report(results, as_json=True, out=out))))
+    assert _statuses(results).get(check) == FAIL, [(c.name, c.status, c.why) for c in results]
+    assert exit_code(results) == 2
+    payload = json.loads("\n".join(_collect(lambda out: report(results, as_json=True, out=out))))
     assert payload["exit_code"] == 2 and any(c["name"] == check and c["status"] == "FAIL" for c in payload["checks"])
 
 
@@ -166,11 +168,11 @@ def _collect(fn):
 def test_unreadable_target_only_warns(target, tmp_path):
     model, _ = target
     results = doctor.doctor(_export(model, tmp_path / "d"), str(tmp_path / "nowhere"))
-    assert _statuses(results)["target"] == doctor.WARN and doctor.exit_code(results) == 1
+    assert _statuses(results)["target"] == WARN and exit_code(results) == 1
 
 
 def test_not_a_directory(tmp_path):
-    assert _statuses(doctor.doctor(tmp_path / "missing"))["files"] == doctor.FAIL
+    assert _statuses(doctor.doctor(tmp_path / "missing"))["files"] == FAIL
 
 
 # ---------------------------------------------------------------- --against
@@ -180,15 +182,15 @@ def test_against_counts_differing_d2t_entries(target, tmp_path):
     ta = torch.arange(DRAFT_VOCAB) + load_file(a / "model.safetensors")["d2t"]
     tb = torch.arange(DRAFT_VOCAB) + load_file(b / "model.safetensors")["d2t"]
     c = doctor.against_check(a, b)
-    assert c.status == doctor.WARN
+    assert c.status == WARN
     assert f"{int((ta != tb).sum()):,} of {DRAFT_VOCAB}" in c.why
     assert f"share {len(set(ta.tolist()) & set(tb.tolist())):,}" in c.why
-    assert doctor.against_check(a, a).status == doctor.PASS
+    assert doctor.against_check(a, a).status == PASS
 
 
 # ---------------------------------------------------------------- launch lines
 def _lint(drafter, cmd, target=None):
-    return _statuses(doctor.launch_checks(cmd, drafter, None, target))
+    return _statuses(launch_checks(cmd, drafter, None, target))
 
 
 SGL = "python -m sglang.launch_server --model-path {t} --speculative-draft-model-path {d} --tp 8 "
@@ -199,13 +201,13 @@ def test_sglang_eagle_vs_eagle3(target, tmp_path):
     d = _export(model, tmp_path / "d")
     good = _lint(d, SGL.format(t=tpath, d=d) + "--speculative-algorithm EAGLE3 --speculative-num-steps 3 "
                  "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4", str(tpath))
-    assert set(good.values()) == {doctor.PASS} and "launch.model" in good
+    assert set(good.values()) == {PASS} and "launch.model" in good
     bad = _lint(d, SGL.format(t=tpath, d=d) + "--speculative-algorithm EAGLE")
-    assert bad["launch.algorithm"] == doctor.FAIL
+    assert bad["launch.algorithm"] == FAIL
     # argparse prefixes and the short draft flag, spread over continuation lines
     abbrev = _lint(d, f"CUDA_VISIBLE_DEVICES=0 python3 -m sglang.launch_server --model {tpath} \\\n"
                       f"  --speculative-algo EAGLE3 \\\n  --speculative-draft={d}")
-    assert abbrev["launch.algorithm"] == doctor.PASS and abbrev["launch.draft_path"] == doctor.PASS
+    assert abbrev["launch.algorithm"] == PASS and abbrev["launch.draft_path"] == PASS
 
 
 @pytest.mark.parametrize("steps,topk,ndt,status", [
@@ -222,7 +224,7 @@ def test_tree_bound_matches_candidate_count():
     for steps in range(1, 6):
         for topk in range(1, 6):
             candidates = [topk] + [topk * topk] * (steps - 1)  # per-step score tensors, flattened
-            assert doctor.sglang_tree_bound(steps, topk) == 1 + sum(candidates)
+            assert sglang_tree_bound(steps, topk) == 1 + sum(candidates)
 
 
 def test_sglang_other_flags(target, tmp_path):
@@ -231,12 +233,12 @@ def test_sglang_other_flags(target, tmp_path):
     other = _export(model, tmp_path / "other")
     facts = doctor.draft_facts(json.loads((d / "config.json").read_text()))
     base = SGL.format(t=tpath, d=d) + "--speculative-algorithm EAGLE3 "
-    r = _statuses(doctor.launch_checks(base + "--disable-cuda-graph --context-length 100000", d, facts))
-    assert r["launch.cuda_graph"] == doctor.WARN and r["launch.context"] == doctor.FAIL
-    assert _lint(d, SGL.format(t=tpath, d=other) + "--speculative-algorithm EAGLE3")["launch.draft_path"] == doctor.FAIL
-    assert _lint(d, SGL.format(t=tpath, d="org/remote") + "--speculative-algorithm EAGLE3")["launch.draft_path"] == doctor.WARN
-    assert _lint(d, base + "--speculative-eagle-topk 4")["launch.tree"] == doctor.FAIL  # SGLang asserts
-    assert _lint(d, base.replace(str(tpath), str(other)), str(tpath))["launch.model"] == doctor.WARN
+    r = _statuses(launch_checks(base + "--disable-cuda-graph --context-length 100000", d, facts))
+    assert r["launch.cuda_graph"] == WARN and r["launch.context"] == FAIL
+    assert _lint(d, SGL.format(t=tpath, d=other) + "--speculative-algorithm EAGLE3")["launch.draft_path"] == FAIL
+    assert _lint(d, SGL.format(t=tpath, d="org/remote") + "--speculative-algorithm EAGLE3")["launch.draft_path"] == WARN
+    assert _lint(d, base + "--speculative-eagle-topk 4")["launch.tree"] == FAIL  # SGLang asserts
+    assert _lint(d, base.replace(str(tpath), str(other)), str(tpath))["launch.model"] == WARN
 
 
 def test_vllm_lines(target, tmp_path):
@@ -245,44 +247,44 @@ def test_vllm_lines(target, tmp_path):
     facts = doctor.draft_facts(json.loads((d / "config.json").read_text()))
 
     def vllm(spec, extra=""):
-        return _statuses(doctor.launch_checks(f"vllm serve {tpath} {extra} --speculative-config '{json.dumps(spec)}'",
+        return _statuses(launch_checks(f"vllm serve {tpath} {extra} --speculative-config '{json.dumps(spec)}'",
                                               d, facts, str(tpath)))
 
     good = vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3})
-    assert set(good.values()) == {doctor.PASS}
-    assert vllm({"method": "eagle", "model": str(d), "num_speculative_tokens": 3})["launch.algorithm"] == doctor.FAIL
-    assert vllm({"model": str(d), "num_speculative_tokens": 3})["launch.algorithm"] == doctor.FAIL
-    assert vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 0})["launch.num_tokens"] == doctor.FAIL
-    assert vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 12})["launch.num_tokens"] == doctor.WARN
+    assert set(good.values()) == {PASS}
+    assert vllm({"method": "eagle", "model": str(d), "num_speculative_tokens": 3})["launch.algorithm"] == FAIL
+    assert vllm({"model": str(d), "num_speculative_tokens": 3})["launch.algorithm"] == FAIL
+    assert vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 0})["launch.num_tokens"] == FAIL
+    assert vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 12})["launch.num_tokens"] == WARN
     r = vllm({"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}, "--enforce-eager --max-model-len 4096")
-    assert r["launch.cuda_graph"] == doctor.WARN and r["launch.context"] == doctor.FAIL
-    assert _lint(d, f"vllm serve {tpath} --speculative-config '{{bad'")["launch.spec_config"] == doctor.FAIL
-    assert _lint(d, f"vllm serve {tpath}")["launch.spec_config"] == doctor.FAIL
-    assert _lint(d, f"vllm serve {tpath} --speculative-model {d}")["launch.legacy"] == doctor.FAIL
+    assert r["launch.cuda_graph"] == WARN and r["launch.context"] == FAIL
+    assert _lint(d, f"vllm serve {tpath} --speculative-config '{{bad'")["launch.spec_config"] == FAIL
+    assert _lint(d, f"vllm serve {tpath}")["launch.spec_config"] == FAIL
+    assert _lint(d, f"vllm serve {tpath} --speculative-model {d}")["launch.legacy"] == FAIL
     dotted = _lint(d, f"vllm serve {tpath} --speculative-config.method eagle3 --speculative-config.model {d} "
                       "--speculative-config.num_speculative_tokens 2")
-    assert set(dotted.values()) == {doctor.PASS}
+    assert set(dotted.values()) == {PASS}
 
 
 def test_odd_launch_lines_never_raise(tmp_path):
     for cmd in ["", "   ", "'unbalanced", "ls -la", "--speculative-algorithm EAGLE3", "sglang", "vllm serve"]:
-        results = doctor.launch_checks(cmd, tmp_path, None)
-        assert results and all(c.status in (doctor.PASS, doctor.WARN, doctor.FAIL) for c in results)
-    assert _lint(tmp_path, "ls -la")["launch.parse"] == doctor.FAIL
+        results = launch_checks(cmd, tmp_path, None)
+        assert results and all(c.status in (PASS, WARN, FAIL) for c in results)
+    assert _lint(tmp_path, "ls -la")["launch.parse"] == FAIL
     rng = random.Random(0)
     words = ["python", "-m", "sglang.launch_server", "vllm", "serve", "--speculative-algorithm", "EAGLE3", "EAGLE",
              "--speculative-num-steps", "-1", "3", "--speculative-eagle-topk", "--speculative-config", "{}", "[1]",
              '{"method": 3}', "--context-length", "nan", "=", "--x=", "'", "\\\n", "--speculative-num-draft-tokens"]
     for _ in range(300):
-        doctor.launch_checks(" ".join(rng.choices(words, k=rng.randint(1, 12))), tmp_path, None)
+        launch_checks(" ".join(rng.choices(words, k=rng.randint(1, 12))), tmp_path, None)
 
 
 def test_exit_codes():
-    mk = lambda s: doctor.Check("x", s, "")  # noqa: E731
-    assert doctor.exit_code([]) == 0
-    assert doctor.exit_code([mk("PASS"), mk("PASS")]) == 0
-    assert doctor.exit_code([mk("PASS"), mk("WARN")]) == 1
-    assert doctor.exit_code([mk("WARN"), mk("FAIL"), mk("PASS")]) == 2
+    mk = lambda s: Check("x", s, "")  # noqa: E731
+    assert exit_code([]) == 0
+    assert exit_code([mk("PASS"), mk("PASS")]) == 0
+    assert exit_code([mk("PASS"), mk("WARN")]) == 1
+    assert exit_code([mk("WARN"), mk("FAIL"), mk("PASS")]) == 2
 
 
 def test_index_and_shards_disagree(target, tmp_path):
@@ -293,10 +295,10 @@ def test_index_and_shards_disagree(target, tmp_path):
     shard = index["weight_map"].pop(name)  # the tensor is in a shard, but engines go by the index
     (drafter / "model.safetensors.index.json").write_text(json.dumps(index))
     r = _statuses(doctor.doctor(drafter, str(tpath)))
-    assert r["files"] == doctor.WARN and r["keys"] == doctor.FAIL
+    assert r["files"] == WARN and r["keys"] == FAIL
     index["weight_map"]["ghost.weight"] = shard
     (drafter / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert _statuses(doctor.doctor(drafter, str(tpath)))["files"] == doctor.FAIL
+    assert _statuses(doctor.doctor(drafter, str(tpath)))["files"] == FAIL
 
 
 def test_odd_config_values_never_raise(target, tmp_path):
@@ -306,7 +308,7 @@ def test_odd_config_values_never_raise(target, tmp_path):
         drafter = _export(model, tmp_path / str(len(list(tmp_path.iterdir()))))
         _edit_config(drafter, **changes)
         results = doctor.doctor(drafter, str(tpath))
-        assert doctor.exit_code(results) == 2, (changes, results)
+        assert exit_code(results) == 2, (changes, results)
 
 
 def test_rope_mismatch_warns(target, tmp_path):
@@ -314,4 +316,4 @@ def test_rope_mismatch_warns(target, tmp_path):
     drafter = _export(model, tmp_path / "d")
     _edit_config(drafter, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
     results = doctor.doctor(drafter, str(tpath))
-    assert {c.name: c.status for c in results if c.status != doctor.PASS} == {"rope": doctor.WARN}
+    assert {c.name: c.status for c in results if c.status != PASS} == {"rope": WARN}

@@ -55,10 +55,7 @@ def spec_config(num_steps: int, topk: int, num_draft_tokens: int | None) -> Spec
 def load_drafter(path: str, spec: SpecConfig, hf_model, engine_target, device, dtype) -> Eagle3Drafter:
     from fledge.checkpoint import load_checkpoint
 
-    draft = load_checkpoint(path, embed_from=hf_model).eval()
-    inv_freq = draft.rotary.inv_freq  # RoPE frequencies stay fp32, as in HF models
-    draft.to(device=device, dtype=dtype)
-    draft.rotary.inv_freq = inv_freq.to(device)
+    draft = load_checkpoint(path, embed_from=hf_model).eval().cast(device, dtype)
     return Eagle3Drafter(draft, spec, engine_target)
 
 
