@@ -27,6 +27,7 @@ STEP_MODULES = [
     "fledge.engine.cli",
     "fledge.bench",
     "fledge.tune",
+    "fledge.adapt",
 ]
 
 

@@ -11,12 +11,26 @@ shows the real speed-up in the last step.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from fledge.checkpoint import export_checkpoint, load_checkpoint
+from fledge.checks import exit_code, report
+from fledge.data import build_training_set, load_conversations
+from fledge.doctor import doctor
+from fledge.engine.cli import encode_chat, eos_ids, load_drafter
+from fledge.engine.drafters import NgramDrafter, SpecConfig
+from fledge.engine.generate import SamplingParams, generate_ar
+from fledge.engine.model import build_engine_target
+from fledge.engine.spec import generate_spec
+from fledge.regen import EngineBackend, RegenConfig, regenerate
+from fledge.target import load_target
+from fledge.train import TrainConfig, train
 from fledge.util import FledgeError, atomic_write_json
+from fledge.vocab import build_vocab, save_vocab
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -30,12 +44,6 @@ def _step(rows: list, name: str, t0: float, what: str) -> float:
 
 def _compare(target_spec, drafter_dir, prompts, tok, model, new_tokens):
     """Greedy AR vs EAGLE-3 chain vs n-gram on the same prompts, one engine, fp32."""
-    from fledge.engine.cli import eos_ids, load_drafter
-    from fledge.engine.drafters import NgramDrafter, SpecConfig
-    from fledge.engine.generate import SamplingParams, generate_ar
-    from fledge.engine.model import build_engine_target
-    from fledge.engine.spec import generate_spec
-
     engine = build_engine_target(model, torch.float32, "cpu")
     params, eos = SamplingParams(max_new_tokens=new_tokens), eos_ids(model, tok)
     chain = SpecConfig(num_steps=4, topk=1, num_draft_tokens=5)
@@ -59,15 +67,6 @@ def _compare(target_spec, drafter_dir, prompts, tok, model, new_tokens):
 
 
 def run_demo(args) -> int:
-    from fledge.checkpoint import export_checkpoint
-    from fledge.data import build_training_set, load_conversations
-    from fledge.doctor import doctor, exit_code, report
-    from fledge.engine.cli import encode_chat
-    from fledge.regen import EngineBackend, RegenConfig, regenerate
-    from fledge.target import load_target
-    from fledge.train import TrainConfig, train
-    from fledge.vocab import build_vocab, save_vocab
-
     torch.manual_seed(0)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -99,7 +98,6 @@ def run_demo(args) -> int:
     t0 = _step(rows, "data", t0, f"{stats['samples']} samples, {stats['trained_tokens']} trained tokens; draft vocab {args.draft_vocab}")
 
     run = work / "train"
-    import shutil
     shutil.rmtree(run, ignore_errors=True)
     tcfg = TrainConfig(data=str(tok_path), out=str(run), target=args.target, vocab=str(vocab_path),
                        max_steps=args.train_steps, batch_size=2, ttt_steps=3, eval_samples=2, max_len=1024,
@@ -108,7 +106,6 @@ def run_demo(args) -> int:
     ev = result["eval"] or {}
     t0 = _step(rows, "train", t0, f"{args.train_steps} steps; held-out step-0 acc {ev.get('acc', ['?'])[0]}")
 
-    from fledge.checkpoint import load_checkpoint
     exported = export_checkpoint(load_checkpoint(result["draft"], embed_from=target.model), work / "export",
                                  layout="eagle3", overwrite=True)
     checks = doctor(str(exported), target=args.target)

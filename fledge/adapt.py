@@ -1,0 +1,217 @@
+"""`fledge adapt`: retarget a trained drafter (OLD) to a new version of its target (NEW).
+
+A drafter is worth keeping across a target update because most of it does not depend on the
+target's exact weights: the fc fusion, the decoder layer and the final norm read hidden states
+of the same width and roughly the same meaning. What must change is everything indexed by
+tokens: the draft vocabulary (NEW's own, built from NEW's tokenized data), the embeddings
+(always NEW's, frozen) and the lm_head rows.
+
+lm_head rows are matched by TARGET token id, never by draft index (two vocabularies put the same
+token at different draft indices). A token in both vocabularies keeps OLD's trained row. A
+token only NEW's vocabulary has starts from NEW's own output embedding for it (the target's
+lm_head row), rescaled to the median norm of the carried rows. Why: the draft's lm_head is
+trained to imitate the target's head restricted to the draft vocab (soft CE against the
+target's distribution), and the draft's output lives in the same residual space that feeds a
+norm + head, so the target's row points the right way; its scale is set by the target's own
+final-norm gain, not the draft's, so it is matched to the draft's rows (a row much larger than
+the rest would win every argmax until trained). With no carried rows the median is over all of
+OLD's rows. Token ids are assumed to mean the same token in OLD's and NEW's tokenizers (a new
+version of one model family); ids past OLD's vocabulary count as new.
+
+Then the initialised drafter is written to <out>/init (fp32: an intermediate, nothing is
+rounded before fine-tuning) and fine-tuned on NEW with `fledge train --init` into
+<out>/train; the final drafter is <out>/train/draft. Training resumes like `fledge train`; it
+is single-process here — for several GPUs run `fledge adapt --no-train`, then
+`torchrun ... fledge train --init <out>/init`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fledge.checkpoint import export_checkpoint, load_checkpoint
+from fledge.config import DraftConfig
+from fledge.conventions import target_ids_from_d2t, validate_aux_layer_ids
+from fledge.draft import Eagle3Draft
+from fledge.util import FledgeError, atomic_write_json
+from fledge.vocab import build_vocab, diff_vocab
+
+# Tensors that do not depend on the target's tokens: carried from OLD unchanged.
+CARRIED_PREFIXES = ("fc.", "midlayer.")
+# Train options `fledge adapt` passes through to `fledge train` (name, type).
+TRAIN_OPTIONS = (("max-steps", int), ("epochs", int), ("batch-size", int), ("grad-accum", int), ("lr", float),
+                 ("warmup", float), ("ttt-steps", int), ("max-len", int), ("eval-samples", int), ("seed", int),
+                 ("log-every", int), ("eval-every", int), ("save-every", int), ("pad-multiple", int))
+
+
+@dataclass
+class AdaptConfig:
+    drafter: str                  # OLD's exported drafter directory (any layout fledge reads)
+    target: str                   # NEW target spec (HF dir, GGUF, built-in name)
+    data: str                     # tokenized training set made with NEW
+    out: str
+    draft_vocab: int | None = None  # default: OLD's draft vocab size
+    train: bool = True
+    train_options: dict = field(default_factory=dict)  # TrainConfig fields
+
+    def __post_init__(self):
+        for name in ("drafter", "data"):
+            if not Path(getattr(self, name)).exists():
+                raise FledgeError(f"--{name} {getattr(self, name)}: does not exist")
+
+
+# --------------------------------------------------------------------------- the adaptation
+def load_old(path, new_num_layers: int) -> Eagle3Draft:
+    """OLD's drafter (its embeddings are not needed: NEW's replace them). A checkpoint that does
+    not record its target's depth (SpecForge, AQ-MedAI) is read as made for NEW's depth."""
+    cfile = Path(path) / "config.json"
+    try:
+        recorded = (json.loads(cfile.read_text()).get("fledge") or {}).get("target_num_hidden_layers")
+    except (OSError, json.JSONDecodeError) as e:
+        raise FledgeError(f"{cfile}: cannot read ({e})") from None
+    return load_checkpoint(path, target_layers=None if recorded else new_num_layers)
+
+
+def new_config(old: DraftConfig, new_tcfg, draft_vocab: int) -> DraftConfig:
+    """The drafter's config for NEW: NEW's geometry and context, OLD's MLP width, OLD's aux ids
+    if NEW has those layers (else NEW's defaults). Refuses what cannot carry OLD's weights."""
+    n = new_tcfg.num_hidden_layers
+    try:
+        aux = validate_aux_layer_ids(old.aux_layer_ids, n)
+    except FledgeError:
+        aux = None
+    cfg = DraftConfig.from_target(new_tcfg, draft_vocab_size=draft_vocab, aux_layer_ids=aux,
+                                  intermediate_size=old.intermediate_size)
+    geometry = ("hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    for name in geometry:
+        if getattr(old, name) != getattr(cfg, name):
+            raise FledgeError(f"--target: {name} {getattr(cfg, name)} but the drafter has {getattr(old, name)}; "
+                              "adapt carries weights only between targets of one width and head layout")
+    cfg.extra = {k: v for k, v in old.extra.items() if k == "speculative_tokens"}
+    return cfg
+
+
+def head_rows(old: Eagle3Draft, new_head: torch.Tensor, new_ids: torch.Tensor):
+    """lm_head [len(new_ids), H] for NEW's vocab (module doc) and a bool mask of carried rows."""
+    old_ids, old_w = old.target_ids().cpu(), old.lm_head.weight.detach().float().cpu()
+    old_row = torch.full((max(int(old_ids.max()), int(new_ids.max())) + 1,), -1, dtype=torch.int64)
+    old_row[old_ids] = torch.arange(old_ids.numel())
+    src = old_row[new_ids]
+    carried = src >= 0
+    rows = new_head[new_ids].detach().float().cpu().clone()
+    scale_from = old_w[src[carried]] if carried.any() else old_w
+    target_norm = scale_from.norm(dim=1).median()
+    rows = rows * (target_norm / rows.norm(dim=1, keepdim=True).clamp_min(1e-12))
+    rows[carried] = old_w[src[carried]]
+    return rows, carried
+
+
+def adapt_draft(old: Eagle3Draft, new_model, new_ids: torch.Tensor) -> tuple[Eagle3Draft, dict]:
+    """A drafter for `new_model` over the draft vocab `new_ids` (ascending target ids) carrying
+    OLD's weights as the module doc says; returns it (fp32, CPU) and a report."""
+    tcfg = new_model.config.get_text_config()
+    cfg = new_config(old.cfg, tcfg, new_ids.numel())
+    draft = Eagle3Draft.from_target(cfg, new_model, new_ids)
+    old_sd, sd = old.state_dict(), draft.state_dict()
+    carried = [k for k in sd if k.startswith(CARRIED_PREFIXES)]
+    for k in carried:
+        if old_sd[k].shape != sd[k].shape:
+            raise FledgeError(f"--drafter: {k} has shape {list(old_sd[k].shape)}, NEW needs {list(sd[k].shape)}")
+    rows, kept = head_rows(old, new_model.get_output_embeddings().weight, new_ids)
+    with torch.no_grad():
+        for k in carried:
+            sd[k].copy_(old_sd[k])
+        draft.lm_head.weight.copy_(rows)
+    report = {"vocab": diff_vocab(old.target_ids(), new_ids),
+              "target_vocab": {"old": old.cfg.vocab_size, "new": cfg.vocab_size},
+              "lm_head_rows": {"carried": int(kept.sum()), "initialised": int((~kept).sum())},
+              "tensors_carried": carried, "tensors_from_new_target": ["embed_tokens.weight"],
+              "aux_layer_ids": {"old": list(old.cfg.aux_layer_ids), "new": list(cfg.aux_layer_ids),
+                                "kept": cfg.aux_layer_ids == old.cfg.aux_layer_ids},
+              "target_layers": {"old": old.cfg.target_num_layers, "new": cfg.target_num_layers}}
+    return draft, report
+
+
+def new_vocab_ids(data, vocab_size: int, draft_vocab: int) -> torch.Tensor:
+    d2t, _ = build_vocab(data, vocab_size, draft_vocab)
+    return target_ids_from_d2t(d2t, vocab_size)
+
+
+# --------------------------------------------------------------------------- the step
+def adapt(cfg: AdaptConfig, target) -> dict:
+    """Build NEW's vocab, adapt OLD to it, write <out>/init, fine-tune into <out>/train
+    (resuming); returns the report, also written to <out>/adapt.json."""
+    out = Path(cfg.out)
+    # What the init depends on; train options are checked by train's own resume key.
+    args = {k: getattr(cfg, k) for k in ("drafter", "target", "data", "draft_vocab")}
+    previous = out / "adapt.json"
+    if previous.exists() and json.loads(previous.read_text()).get("args") != args:
+        raise FledgeError(f"{out}: holds an adapt run with other arguments; use a new --out")
+    model, tcfg = target.model, target.model.config.get_text_config()
+    old = load_old(cfg.drafter, tcfg.num_hidden_layers)
+    n = cfg.draft_vocab or old.cfg.draft_vocab_size
+    if not 0 < n <= tcfg.vocab_size:
+        raise FledgeError(f"--draft-vocab {n}: must be in [1, {tcfg.vocab_size}] (NEW's vocab)")
+    draft, report = adapt_draft(old, model, new_vocab_ids(cfg.data, tcfg.vocab_size, n))
+    archs = list(getattr(model.config, "architectures", None) or [])
+    draft.cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
+    export_checkpoint(draft, out / "init", dtype=torch.float32, overwrite=True)  # deterministic: a rerun rewrites it identically
+    report = {"args": args, **report, "init": str(out / "init")}
+    atomic_write_json(previous, report)
+    if cfg.train:
+        from fledge.train import TrainConfig, train  # the training loop is only needed here
+        tc = TrainConfig(**{**cfg.train_options, "data": cfg.data, "out": str(out / "train"),
+                            "target": cfg.target, "init": str(out / "init")})
+        report["train"] = train(tc, target)
+        atomic_write_json(previous, report)
+    return report
+
+
+def print_report(report: dict) -> None:
+    from fledge.data import print_table
+    v, rows, aux = report["vocab"], report["lm_head_rows"], report["aux_layer_ids"]
+    table = [["draft vocab (old → new)", f"{v['size_a']} → {v['size_b']}"],
+             ["tokens in both / only old / only new", f"{v['overlap']} / {v['only_a']} / {v['only_b']}"],
+             ["d2t entries that differ", v["entries_differ"]],
+             ["target vocab (old → new)", f"{report['target_vocab']['old']} → {report['target_vocab']['new']}"],
+             ["lm_head rows carried / initialised", f"{rows['carried']} / {rows['initialised']}"],
+             ["tensors carried", len(report["tensors_carried"])],
+             ["aux layer ids (canonical)", f"{aux['old']} → {aux['new']}" + ("" if aux["kept"] else " (NEW's default)")],
+             ["initialised drafter", report["init"]]]
+    if report.get("train"):
+        table.append(["fine-tuned drafter", report["train"]["draft"]])
+    print_table(table)
+
+
+def run_adapt(args) -> int:
+    from fledge.target import load_target
+    opts = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in TRAIN_OPTIONS}
+    opts.update(device=args.device, eval_data=args.eval_data, features=args.features, bf16=args.bf16)
+    cfg = AdaptConfig(drafter=args.drafter, target=args.target, data=args.data, out=args.out,
+                      draft_vocab=args.draft_vocab, train=args.train,
+                      train_options={k: v for k, v in opts.items() if v is not None})
+    report = adapt(cfg, load_target(cfg.target))
+    print_report(report)
+    print(f"wrote {Path(cfg.out) / 'adapt.json'}")
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("adapt", help="retarget a trained drafter to a new target version, then fine-tune it")
+    p.add_argument("--drafter", required=True, help="OLD's exported drafter directory")
+    p.add_argument("--target", required=True, help="NEW target (HF dir, GGUF, built-in name)")
+    p.add_argument("--data", required=True, help="tokenized training set made with NEW (input_ids, loss_mask)")
+    p.add_argument("--out", required=True, help="run directory: init/, train/, adapt.json (resumed if rerun)")
+    p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: OLD's)")
+    p.add_argument("--no-train", dest="train", action="store_false", help="write <out>/init only")
+    for name, typ in TRAIN_OPTIONS:
+        p.add_argument(f"--{name}", type=typ, help="as in fledge train")
+    p.add_argument("--eval-data", help="as in fledge train")
+    p.add_argument("--features", help="offline features of NEW on --data (as in fledge train)")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="as in fledge train")
+    p.add_argument("--device")
+    p.set_defaults(func=run_adapt)

@@ -1,0 +1,172 @@
+"""`fledge adapt`: rows carried by target id, new rows from NEW's head, NEW's vocab, the identity
+when nothing changed, refused shapes, and a short fine-tune through the CLI."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import torch
+
+from conftest import make_tiny
+from fledge.adapt import AdaptConfig, adapt, adapt_draft
+from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
+from fledge.cli import main as cli_main
+from fledge.config import DraftConfig
+from fledge.draft import Eagle3Draft
+from fledge.target import Target
+from fledge.util import FledgeError
+
+V, N = 301, 64  # tiny target vocab, draft vocab
+
+
+def write_data(path, seed, n=24, length=20):
+    """Zipf-distributed tokens over a seed-dependent ranking, so two seeds give two draft vocabs
+    that overlap in part."""
+    g = torch.Generator().manual_seed(seed)
+    rank = torch.randperm(V, generator=g)
+    weights = torch.empty(V)
+    weights[rank] = 1.0 / torch.arange(1, V + 1).float()
+    with open(path, "w") as f:
+        for i in range(n):
+            ids = torch.multinomial(weights, length, replacement=True, generator=g).tolist()
+            f.write(json.dumps({"id": f"s{i}", "input_ids": ids, "loss_mask": [0] * 3 + [1] * (length - 3)}) + "\n")
+    return str(path)
+
+
+def brute_vocab(path, n=N) -> list[int]:
+    """Top-n loss-masked tokens, ties to the lower id, unseen ids filling up, ascending."""
+    counts = Counter()
+    for line in open(path):
+        r = json.loads(line)
+        counts.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
+    return sorted(sorted(range(V), key=lambda t: (-counts[t], t))[:n])
+
+
+def old_drafter(model, ids, out, aux=None, seed=3) -> Eagle3Draft:
+    """A random 'trained' drafter for `model` over `ids`, exported (fp32) to `out`."""
+    cfg = DraftConfig.from_target(model.config, draft_vocab_size=len(ids), aux_layer_ids=aux)
+    draft = Eagle3Draft.from_target(cfg, model, torch.tensor(ids))
+    torch.manual_seed(seed)
+    for p in draft.parameters():  # norms start at ones; randomise so a misplaced norm would show
+        if p.requires_grad:
+            p.data.normal_(0, 0.2 if p.ndim > 1 else 1.0)
+    export_checkpoint(draft, out, dtype=torch.float32)
+    return draft
+
+
+def predict(draft, seed=0, t=9):
+    """Draft-vocab logits of one causal step over random fused aux states, and argmax target ids."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (2, t), generator=g)
+    aux = torch.randn(2, t, 3 * draft.cfg.target_hidden_size, generator=g)
+    mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        out, _ = draft(ids, aux, torch.arange(t).expand(2, t), mask)
+        logits = draft.logits(out)
+    return logits, draft.target_ids()[logits.argmax(-1)]
+
+
+def test_rows_by_target_id_and_new_vocab(tmp_path):
+    old_model, new_model = make_tiny("llama", seed=0), make_tiny("llama", seed=1)
+    old_ids = brute_vocab(write_data(tmp_path / "old.jsonl", seed=0))
+    old = old_drafter(old_model, old_ids, tmp_path / "old", aux=(1, 3, 6))
+    data = write_data(tmp_path / "new.jsonl", seed=1)
+    report = adapt(AdaptConfig(str(tmp_path / "old"), "new", data, str(tmp_path / "run"), train=False),
+                   Target(new_model, None, "new", None))
+    init = load_checkpoint(tmp_path / "run" / "init", embed_from=new_model)
+
+    # (b) the adapted drafter's vocab is NEW's, from NEW's data
+    new_ids = brute_vocab(data)
+    assert init.target_ids().tolist() == new_ids
+    shared = [t for t in new_ids if t in old_ids]
+    assert 0 < len(shared) < N  # both kinds of rows are exercised
+    assert report["lm_head_rows"] == {"carried": len(shared), "initialised": N - len(shared)}
+    assert report["vocab"]["overlap"] == len(shared)
+
+    # (a) shared tokens keep OLD's row (matched by target id), new ones get NEW's head row rescaled
+    new_head = new_model.get_output_embeddings().weight.detach()
+    median = torch.stack([old.lm_head.weight[old_ids.index(t)] for t in shared]).norm(dim=1).median()
+    for i, t in enumerate(new_ids):
+        row = init.lm_head.weight[i]
+        if t in old_ids:
+            assert torch.equal(row, old.lm_head.weight[old_ids.index(t)].detach()), t
+        else:
+            expect = new_head[t] * median / new_head[t].norm()
+            torch.testing.assert_close(row, expect, rtol=1e-6, atol=1e-7)
+    old_sd, sd = old.state_dict(), init.state_dict()
+    carried = [k for k in sd if k.split(".")[0] in ("fc", "midlayer", "norm")]
+    assert sorted(carried) == sorted(report["tensors_carried"]) and len(carried) == 12
+    assert all(torch.equal(sd[k], old_sd[k]) for k in carried)
+    assert torch.equal(init.embed_tokens.weight, new_model.get_input_embeddings().weight.detach())
+    assert init.cfg.aux_layer_ids == (1, 3, 6)  # OLD's ids kept: NEW has those layers
+
+
+def test_identity_when_nothing_changed(tmp_path):
+    """(c) Same target, same data: the adapted, untrained drafter predicts exactly as OLD does."""
+    model = make_tiny("llama", seed=0)
+    data = write_data(tmp_path / "d.jsonl", seed=0)
+    old_drafter(model, brute_vocab(data), tmp_path / "old")
+    report = adapt(AdaptConfig(str(tmp_path / "old"), "same", data, str(tmp_path / "run"), train=False),
+                   Target(model, None, "same", None))
+    assert report["lm_head_rows"]["initialised"] == 0 and report["vocab"]["entries_differ"] == 0
+    old = load_checkpoint(tmp_path / "old", embed_from=model)
+    new = load_checkpoint(tmp_path / "run" / "init", embed_from=model)
+    (lo, to), (ln, tn) = predict(old), predict(new)
+    assert torch.equal(lo, ln) and torch.equal(to, tn)
+
+
+def test_aux_ids_fall_back_when_new_lacks_the_layers():
+    old_model, new_model = make_tiny("llama"), make_tiny("llama", seed=1, num_hidden_layers=7)
+    ids = torch.arange(0, V, 5)
+    old = Eagle3Draft.from_target(DraftConfig.from_target(old_model.config, ids.numel(), (3, 5, 7)), old_model, ids)
+    draft, report = adapt_draft(old, new_model, ids)
+    assert draft.cfg.aux_layer_ids == (2, 3, 4) and not report["aux_layer_ids"]["kept"]
+    assert report["lm_head_rows"]["initialised"] == 0
+
+
+def _hf_dir(path, model):
+    from test_target import tiny_tokenizer
+    model.save_pretrained(path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
+    return str(path)
+
+
+def test_mismatched_width_refused(tmp_path, capsys):
+    """(d) A target of another hidden size: one error line, nothing written."""
+    old_drafter(make_tiny("llama"), list(range(N)), tmp_path / "old")
+    narrow = _hf_dir(tmp_path / "narrow", make_tiny("llama", hidden_size=32))
+    data = write_data(tmp_path / "d.jsonl", seed=1)
+    rc = cli_main(["adapt", "--drafter", str(tmp_path / "old"), "--target", narrow, "--data", data,
+                   "--out", str(tmp_path / "run"), "--no-train"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fledge")]
+    assert rc == 2 and len(err) == 1 and "hidden_size 32" in err[0] and "64" in err[0], err
+    assert not (tmp_path / "run").exists()
+    try:
+        adapt_draft(load_checkpoint(tmp_path / "old"), make_tiny("llama", hidden_size=32), torch.arange(N))
+        raise AssertionError("adapt_draft accepted a narrower target")
+    except FledgeError as e:
+        assert "\n" not in str(e)
+
+
+def test_cli_fine_tune_writes_a_valid_drafter(tmp_path, capsys):
+    """(e) adapt + a two-step fine-tune through the CLI; a rerun resumes, other inputs are refused."""
+    from test_target import save_tiny_dir
+    target_dir = tmp_path / "target"
+    new_model = save_tiny_dir(target_dir)
+    old_drafter(make_tiny("llama", seed=1), list(range(0, 2 * N, 2)), tmp_path / "old")
+    data = write_data(tmp_path / "d.jsonl", seed=2)
+    args = ["adapt", "--drafter", str(tmp_path / "old"), "--target", str(target_dir), "--data", data,
+            "--out", str(tmp_path / "run"), "--max-steps", "2", "--batch-size", "2", "--ttt-steps", "2",
+            "--eval-samples", "2", "--pad-multiple", "1", "--draft-vocab", "48"]
+    assert cli_main(args) == 0
+    final = tmp_path / "run" / "train" / "draft"
+    assert validate_checkpoint(final) == []
+    draft = load_checkpoint(final, embed_from=new_model)
+    assert draft.target_ids().tolist() == brute_vocab(data, 48)
+    report = json.loads((tmp_path / "run" / "adapt.json").read_text())
+    assert report["train"]["steps"] == 2 and report["train"]["draft"] == str(final)
+    assert "lm_head rows carried / initialised" in capsys.readouterr().out
+    assert cli_main(args) == 0  # resumes: training is already done, the drafter is re-exported
+    assert cli_main(args[:-1] + ["40"]) == 2
+    assert "other arguments" in capsys.readouterr().err
