@@ -41,7 +41,7 @@ from fledge.util import FledgeError, atomic_write_json
 from fledge.vocab import build_vocab, diff_vocab
 
 # Tensors that do not depend on the target's tokens: carried from OLD unchanged.
-CARRIED_PREFIXES = ("fc.", "midlayer.")
+CARRIED_PREFIXES = ("fc.", "midlayer.", "norm.")
 # Train options `fledge adapt` passes through to `fledge train` (name, type).
 TRAIN_OPTIONS = (("max-steps", int), ("epochs", int), ("batch-size", int), ("grad-accum", int), ("lr", float),
                  ("warmup", float), ("ttt-steps", int), ("max-len", int), ("eval-samples", int), ("seed", int),
@@ -102,7 +102,7 @@ def head_rows(old: Eagle3Draft, new_head: torch.Tensor, new_ids: torch.Tensor):
     old_row[old_ids] = torch.arange(old_ids.numel())
     src = old_row[new_ids]
     carried = src >= 0
-    rows = new_head[new_ids].detach().float().cpu().clone()
+    rows = new_head[new_ids].detach().float().cpu()
     scale_from = old_w[src[carried]] if carried.any() else old_w
     target_norm = scale_from.norm(dim=1).median()
     rows = rows * (target_norm / rows.norm(dim=1, keepdim=True).clamp_min(1e-12))
@@ -156,10 +156,12 @@ def adapt(cfg: AdaptConfig, target) -> dict:
     n = cfg.draft_vocab or old.cfg.draft_vocab_size
     if not 0 < n <= tcfg.vocab_size:
         raise FledgeError(f"--draft-vocab {n}: must be in [1, {tcfg.vocab_size}] (NEW's vocab)")
+    new_config(old.cfg, tcfg, n)  # refuses a target OLD cannot fit before the pass over the data
     draft, report = adapt_draft(old, model, new_vocab_ids(cfg.data, tcfg.vocab_size, n))
     archs = list(getattr(model.config, "architectures", None) or [])
     draft.cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
-    export_checkpoint(draft, out / "init", dtype=torch.float32, overwrite=True)  # deterministic: a rerun rewrites it identically
+    # Deterministic, so a rerun (resuming the fine-tune) rewrites it identically.
+    export_checkpoint(draft, out / "init", dtype=torch.float32, overwrite=True)
     report = {"args": args, **report, "init": str(out / "init")}
     atomic_write_json(previous, report)
     if cfg.train:
@@ -174,13 +176,14 @@ def adapt(cfg: AdaptConfig, target) -> dict:
 def print_report(report: dict) -> None:
     from fledge.data import print_table
     v, rows, aux = report["vocab"], report["lm_head_rows"], report["aux_layer_ids"]
+    aux_note = "" if aux["kept"] else " (NEW default)"
     table = [["draft vocab (old → new)", f"{v['size_a']} → {v['size_b']}"],
              ["tokens in both / only old / only new", f"{v['overlap']} / {v['only_a']} / {v['only_b']}"],
              ["d2t entries that differ", v["entries_differ"]],
              ["target vocab (old → new)", f"{report['target_vocab']['old']} → {report['target_vocab']['new']}"],
              ["lm_head rows carried / initialised", f"{rows['carried']} / {rows['initialised']}"],
              ["tensors carried", len(report["tensors_carried"])],
-             ["aux layer ids (canonical)", f"{aux['old']} → {aux['new']}" + ("" if aux["kept"] else " (NEW's default)")],
+             ["aux layer ids (canonical)", f"{aux['old']} → {aux['new']}{aux_note}"],
              ["initialised drafter", report["init"]]]
     if report.get("train"):
         table.append(["fine-tuned drafter", report["train"]["draft"]])
@@ -195,6 +198,9 @@ def run_adapt(args) -> int:
                       draft_vocab=args.draft_vocab, train=args.train,
                       train_options={k: v for k, v in opts.items() if v is not None})
     report = adapt(cfg, load_target(cfg.target))
+    if (report.get("train") or {}).get("eval"):
+        from fledge.train import print_table
+        print_table(report["train"]["eval"])
     print_report(report)
     print(f"wrote {Path(cfg.out) / 'adapt.json'}")
     return 0
