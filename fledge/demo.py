@@ -79,28 +79,29 @@ def run_demo(args) -> int:
         raise FledgeError(f"mtbench: {len(convs)} questions, demo needs {args.prompts + args.eval_prompts}")
     first_turn = [{**c, "messages": c["messages"][:1]} for c in convs]
     train_convs, held = first_turn[: args.prompts], first_turn[-args.eval_prompts:]
-    (work / "prompts.jsonl").write_text("".join(json.dumps(c) + "\n" for c in train_convs))
-    t0 = _step(rows, "prep", t0, f"{len(train_convs)} MT-Bench first turns (+{len(held)} held out for the speed check)")
+    for name, part in (("prompts", train_convs), ("heldout", held)):
+        (work / f"{name}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in part))
+    t0 = _step(rows, "prep", t0, f"{len(train_convs)} MT-Bench first turns (+{len(held)} held out for eval and speed)")
 
     cfg = RegenConfig(max_new_tokens=args.new_tokens, max_turns=1, max_len=1024)
     backend = EngineBackend(target, cfg, batch_size=args.prompts, device="cpu", dtype=torch.float32)
-    regen_path = work / "regen.jsonl"
-    regen_path.unlink(missing_ok=True)
-    counts = regenerate(work / "prompts.jsonl", regen_path, backend, cfg)
-    t0 = _step(rows, "regen", t0, f"{counts['written']} answers written by the target ({counts['finish']})")
+    stats = {}
+    for name in ("prompts", "heldout"):
+        (work / f"{name}.regen.jsonl").unlink(missing_ok=True)
+        regenerate(work / f"{name}.jsonl", work / f"{name}.regen.jsonl", backend, cfg)
+        stats[name] = build_training_set(target.tokenizer, work / f"{name}.regen.jsonl", work / f"{name}.tok.jsonl", 1024)
+    t0 = _step(rows, "regen", t0, f"{args.prompts}+{args.eval_prompts} answers written by the target, tokenized")
 
-    tok_path = work / "train.tok.jsonl"
-    tok_path.unlink(missing_ok=True)
-    stats = build_training_set(target.tokenizer, regen_path, tok_path, 1024)
+    tok_path = work / "prompts.tok.jsonl"
     vocab_path = work / "vocab.safetensors"
     d2t, t2d = build_vocab(tok_path, target.model.config.vocab_size, args.draft_vocab)
     save_vocab(vocab_path, t2d.nonzero().flatten(), target.model.config.vocab_size, {"source": str(tok_path)})
-    t0 = _step(rows, "data", t0, f"{stats['samples']} samples, {stats['trained_tokens']} trained tokens; draft vocab {args.draft_vocab}")
+    t0 = _step(rows, "data", t0, f"{stats['prompts']['samples']} samples, {stats['prompts']['trained_tokens']} trained tokens; draft vocab {args.draft_vocab}")
 
     run = work / "train"
     shutil.rmtree(run, ignore_errors=True)
     tcfg = TrainConfig(data=str(tok_path), out=str(run), target=args.target, vocab=str(vocab_path),
-                       max_steps=args.train_steps, batch_size=2, ttt_steps=3, eval_samples=2, max_len=1024,
+                       max_steps=args.train_steps, batch_size=2, ttt_steps=3, eval_data=str(work / "heldout.tok.jsonl"), max_len=1024,
                        lr=1e-3, log_every=5, eval_every=args.train_steps, save_every=args.train_steps, device="cpu")
     result = train(tcfg, target)
     ev = result["eval"] or {}

@@ -15,6 +15,10 @@
 #   GPU call 4:  bash scripts/gpu_headline.sh bench                        carry: none
 #   here after 3: cat <files_at>/drafter.tar.part-* | tar -x -C runs/   (-> runs/smollm2-headline/)
 #
+# CPU check of the whole flow (here; a 12-prompt subset replaces firsts.jsonl after `receive`):
+#   export WORK=/tmp/ghw OUT=/tmp/x DEVICE=cpu DTYPE=float32 REGEN_BATCH=4 MAX_NEW=16 TRAIN_BATCH=2 \
+#          PROBE_STEPS=3 EPOCHS=1 TTT_STEPS=2 EVAL_EVERY=2 WORKERS=2 BENCH_PROMPTS=2 BENCH_NEW=8
+#
 # Budget (device time): call 1 ~1 min; call 2 ~1 min convert + 6 min regen + 0.5 min stats;
 # call 3 ~1 min tokenize/vocab + ~1 min probe + 5 min training + ~1 min eval/export;
 # call 4 ~5 min (bench_engine runs HF eager too, ~7.5 s a prompt: hence 24 prompts). ~23 min.
@@ -78,7 +82,7 @@ regen() {
         --max-new-tokens "${MAX_NEW:-512}" --max-turns 1 ${LIMIT:+--limit "$LIMIT"} || rc=$?
     case $rc in
         0) echo "regen: every conversation answered" ;;
-        124) echo "regen: stopped at the ${budget}s budget (rerun to continue)" ;;
+        124|137) echo "regen: stopped at the ${budget}s budget (rerun to continue)" ;;
         *) echo "gpu_headline: regen failed (exit $rc)" >&2; exit "$rc" ;;
     esac
     data regen-stats "$WORK/regen.jsonl" "$OUT/regen_stats.json" --tokenizer "$(target_dir)" \
@@ -116,9 +120,11 @@ train() {
     fi
     local steps t1=$SECONDS
     steps=$(python3 -c "import json; print(json.load(open('$WORK/plan.json'))['max_steps'])")
-    fledge train "${common[@]}" --out "$WORK/run" --max-steps "$steps" --eval-data "$WORK/heldout.tok.jsonl" \
-        --log-every 20 --eval-every "${EVAL_EVERY:-200}" --save-every 200
-    echo "training: $((SECONDS - t1))s for $steps steps"
+    if [[ ! -f $WORK/run/result.json ]]; then   # written last: a killed run resumes from its checkpoint
+        fledge train "${common[@]}" --out "$WORK/run" --max-steps "$steps" --eval-data "$WORK/heldout.tok.jsonl" \
+            --log-every 20 --eval-every "${EVAL_EVERY:-200}" --save-every 200
+        echo "training: $((SECONDS - t1))s for $steps steps"
+    fi
     fledge export "$WORK/run/draft" "$WORK/drafter" --shard-size-mb 15 --overwrite
     bring_home "$tok"
     report_time train

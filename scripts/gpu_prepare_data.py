@@ -99,9 +99,10 @@ def tokenize(conv: Path, out: Path, tokenizer_dir: str, max_len: int, workers: i
         jobs.append((tokenizer_dir, str(src), str(dst), max_len))
     t0 = time.time()
     todo = [j for j in jobs if not Path(j[2] + ".stats.json").exists()]
-    with mp.get_context("spawn").Pool(len(todo) or 1) as pool:
-        for job, stats in zip(todo, pool.starmap(_tokenize_shard, todo)):
-            atomic_write_json(job[2] + ".stats.json", stats)
+    if todo:  # spawn: each worker loads its own tokenizer, no fork of a used Rust tokenizer
+        with mp.get_context("spawn").Pool(len(todo)) as pool:
+            for job, stats in zip(todo, pool.starmap(_tokenize_shard, todo)):
+                atomic_write_json(job[2] + ".stats.json", stats)
     # Shard order is fine: training shuffles (fledge.train.epoch_batches).
     atomic_write_bytes(out, b"".join(Path(j[2]).read_bytes() for j in jobs))
     stats = Counter()
