@@ -105,14 +105,15 @@ def run_demo(args) -> int:
                        lr=1e-3, log_every=5, eval_every=args.train_steps, save_every=args.train_steps, device="cpu")
     result = train(tcfg, target)
     ev = result["eval"] or {}
-    t0 = _step(rows, "train", t0, f"{args.train_steps} steps; held-out step-0 acc {ev.get('acc', ['?'])[0]}")
+    acc = f"{ev['acc'][0]:.3f}" if ev else "n/a"
+    t0 = _step(rows, "train", t0, f"{args.train_steps} steps; held-out step-0 top-1 accuracy {acc}")
 
     exported = export_checkpoint(load_checkpoint(result["draft"], embed_from=target.model), work / "export",
                                  layout="eagle3", overwrite=True)
     checks = doctor(str(exported), target=args.target)
     code = exit_code(checks)
     report(checks)
-    t0 = _step(rows, "export", t0, f"{exported}: doctor exit {code} (0 PASS, 1 WARN, 2 FAIL)")
+    t0 = _step(rows, "export", t0, f"{exported}: doctor exit {code} (0 all pass, 1 warnings, 2 failures)")
 
     shipped = SHIPPED / args.target
     drafter_dir = shipped if (shipped / "config.json").exists() else exported
