@@ -111,6 +111,26 @@ def test_vllm_speculation_is_lossless(vllm, smollm2, tmp_path):  # vllm first: s
           f"{spec['tok_per_s']} tok/s spec; accept length {accept_length(sd['num_accepted_tokens'], sd['num_drafts']):.2f}")
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_speculators_layout_alone(vllm, smollm2, tmp_path):
+    """`LLM(model=<speculators dir>)` alone must find the verifier, read our aux ids and d2t,
+    and leave greedy output unchanged (vLLM defaults norm_before_residual to true there)."""
+    python, env = vllm
+    (tmp_path / "base").mkdir()
+    base = run_vllm(python, env, tmp_path / "base", smollm2)
+    frequent = Counter(t for ids in base["outputs"] for t in ids).most_common(1)[0][0]
+    draft = constant_drafter(smollm2, frequent)
+    out = export_checkpoint(draft, tmp_path / "spec_layout", layout="speculators", verifier=str(smollm2))
+    (tmp_path / "alone").mkdir()
+    alone = run_vllm(python, env, tmp_path / "alone", out)  # no --drafter: the config names the verifier
+    assert alone["outputs"] == base["outputs"], "speculation changed vLLM's greedy output"
+    assert alone["aux_layer_ids"] == list(AUX_IDS), "vLLM captured other layers than the ones exported"
+    sd = alone["spec_decode"]
+    assert sd["num_drafts"] > 0, "vLLM did not speculate: the speculators config was not recognised"
+    assert sd["num_accepted_tokens_per_pos"][0] > 0, "no draft accepted: d2t not applied"
+
+
 def test_export_without_d2t_is_refused(tmp_path, smollm2):
     """vLLM would load this drafter with all-zero offsets without a word; fledge must not."""
     draft = constant_drafter(smollm2, 198)
