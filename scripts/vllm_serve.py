@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fledge.target import resolve_target
-from fledge.util import FledgeError, cache_dir
+from fledge.util import FledgeError
+from fledge.vllm_cpu import venv_dir, venv_env
 
 HOST = "127.0.0.1"
 
@@ -49,18 +50,6 @@ class Server:
                 continue
 
 
-def venv_env(venv: Path) -> dict:
-    """The environment vLLM must run under (LD_PRELOAD etc., from the venv's vllm.env)."""
-    if not (venv / ".fledge-complete").is_file():
-        raise FledgeError(f"{venv}: no finished vLLM venv; run scripts/setup_vllm.sh")
-    env = dict(os.environ)
-    for line in (venv / "vllm.env").read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key:
-            env[key] = value
-    return env
-
-
 def free_port() -> int:
     # Another process could take it before vLLM binds; start() then fails with vLLM's log.
     with socket.socket() as s:
@@ -80,7 +69,7 @@ def start(target: Path, name: str, port: int = 0, max_model_len: int = 1024, dty
           log: Path | None = None, timeout: float = 300.0, venv: Path | None = None) -> Server:
     """Start the server and wait (at most `timeout` s) until it answers /health.
     `log` receives vLLM's output (None: this terminal)."""
-    venv = venv or cache_dir() / "vllm-venv"
+    venv = venv or venv_dir()
     env = venv_env(venv)
     port = port or free_port()
     # `python -m` on the module, not `vllm serve`: the CLI looks up package metadata named

@@ -61,3 +61,18 @@ def tiny_any(request):
 @pytest.fixture(params=ENGINE_FAMILIES)
 def tiny_engine_family(request):
     return make_tiny(request.param)
+
+
+@pytest.fixture(scope="session")
+def vllm_venv():
+    """(python, env) of the vLLM CPU venv. Without it the test skips, unless
+    FLEDGE_REQUIRE_VLLM is set (CI), where it fails instead."""
+    import os
+
+    from fledge.vllm_cpu import venv_dir, venv_env, venv_python, venv_ready
+
+    if not venv_ready():
+        if os.environ.get("FLEDGE_REQUIRE_VLLM"):
+            pytest.fail(f"{venv_dir()}: no vLLM venv but FLEDGE_REQUIRE_VLLM is set; run scripts/setup_vllm.sh")
+        pytest.skip(f"{venv_dir()}: no vLLM venv; run scripts/setup_vllm.sh (or set FLEDGE_REQUIRE_VLLM to fail)")
+    return venv_python(), venv_env()

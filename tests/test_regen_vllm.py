@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
 import sys
 import threading
@@ -22,7 +21,6 @@ import pytest
 
 from fledge.regen import RegenConfig, ServerBackend, regenerate
 from fledge.target import resolve_target
-from fledge.util import cache_dir
 
 SERVE = Path(__file__).resolve().parents[1] / "scripts" / "vllm_serve.py"
 NAME = "smollm2-135m"
@@ -34,13 +32,8 @@ FOLLOW_UP = "Explain in one sentence."
 
 
 @pytest.fixture(scope="module")
-def serve():
+def serve(vllm_venv):
     """scripts/vllm_serve.py as a module (skip or fail if the vLLM venv is absent)."""
-    venv = cache_dir() / "vllm-venv"
-    if not (venv / ".fledge-complete").is_file():
-        if os.environ.get("FLEDGE_REQUIRE_VLLM"):
-            pytest.fail(f"{venv}: no vLLM venv but FLEDGE_REQUIRE_VLLM is set; run scripts/setup_vllm.sh")
-        pytest.skip(f"{venv}: no vLLM venv; run scripts/setup_vllm.sh (or set FLEDGE_REQUIRE_VLLM to fail)")
     spec = importlib.util.spec_from_file_location("vllm_serve", SERVE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up there

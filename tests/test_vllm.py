@@ -9,7 +9,6 @@ venv the vLLM test skips, unless FLEDGE_REQUIRE_VLLM is set (CI), where it fails
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -24,7 +23,7 @@ from fledge.config import DraftConfig
 from fledge.conventions import accept_length
 from fledge.draft import Eagle3Draft
 from fledge.target import resolve_target
-from fledge.util import FledgeError, cache_dir
+from fledge.util import FledgeError
 
 RUNNER = Path(__file__).resolve().parents[1] / "scripts" / "vllm_run.py"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
@@ -37,18 +36,8 @@ AUX_IDS = (4, 11, 25)
 
 
 @pytest.fixture(scope="module")
-def vllm() -> tuple[Path, dict]:
-    """The vLLM venv's python and the environment it runs under (skip or fail if absent)."""
-    venv = cache_dir() / "vllm-venv"
-    if not (venv / ".fledge-complete").is_file():
-        if os.environ.get("FLEDGE_REQUIRE_VLLM"):
-            pytest.fail(f"{venv}: no vLLM venv but FLEDGE_REQUIRE_VLLM is set; run scripts/setup_vllm.sh")
-        pytest.skip(f"{venv}: no vLLM venv; run scripts/setup_vllm.sh (or set FLEDGE_REQUIRE_VLLM to fail)")
-    env = dict(os.environ)
-    for line in (venv / "vllm.env").read_text().splitlines():
-        key, _, value = line.partition("=")
-        env[key] = value
-    return venv / "bin" / "python", env
+def vllm(vllm_venv) -> tuple[Path, dict]:
+    return vllm_venv
 
 
 def run_vllm(python: Path, env: dict, tmp: Path, target: Path, drafter: Path | None = None) -> dict:

