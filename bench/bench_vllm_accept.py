@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fledge.conventions import accept_length
-from fledge.data import load_conversations
+from fledge.bench import first_user_turns
 from fledge.engine.cli import load_drafter
 from fledge.engine.drafters import SpecConfig
 from fledge.engine.generate import SamplingParams
@@ -37,9 +37,8 @@ RUNNER = Path(__file__).resolve().parents[1] / "scripts" / "vllm_run.py"
 
 
 def prompts_text(tokenizer, source: str, n: int) -> list[str]:
-    records, _ = load_conversations(source)
-    firsts = [[m] for r in records for m in r["messages"][:1] if m["role"] == "user"][:n]
-    return [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in firsts]
+    return [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+            for m in first_user_turns(source, n)]
 
 
 def run_vllm(target_dir: Path, drafter: str, prompts: list[str], k: int, max_tokens: int) -> dict:

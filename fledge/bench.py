@@ -301,16 +301,23 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -
     return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev), draft, eos_ids(t.model, t.tokenizer), dev)
 
 
-def load_prompts(source: str | None, n: int, tokenizer) -> list[list[int]]:
-    """First user turns of a conversations source (file or built-in name, default mtbench)."""
+def first_user_turns(source: str | None, n: int) -> list[list[dict]]:
+    """The first user turn of the first n conversations of a source (file or built-in name,
+    default mtbench), each as a one-message chat."""
     from fledge.data import load_conversations
-    from fledge.engine.cli import encode_chat
 
     records, _ = load_conversations(source or "mtbench")
     firsts = [[m] for r in records for m in r["messages"][:1] if m["role"] == "user"][:n]
     if not firsts:
         raise FledgeError(f"{source}: no conversation starts with a user turn")
-    return [encode_chat(tokenizer, m) for m in firsts]
+    return firsts
+
+
+def load_prompts(source: str | None, n: int, tokenizer) -> list[list[int]]:
+    """Token ids of `first_user_turns` in the target's chat template."""
+    from fledge.engine.cli import encode_chat
+
+    return [encode_chat(tokenizer, m) for m in first_user_turns(source, n)]
 
 
 def run_ar(rig: EngineRig, prompts, max_new_tokens: int) -> dict:

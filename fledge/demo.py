@@ -47,16 +47,16 @@ def _compare(target_spec, drafter_dir, prompts, tok, model, new_tokens):
     engine = build_engine_target(model, torch.float32, "cpu")
     params, eos = SamplingParams(max_new_tokens=new_tokens), eos_ids(model, tok)
     chain = SpecConfig(num_steps=4, topk=1, num_draft_tokens=5)
-    drafters = {"eagle3 chain 4": lambda: load_drafter(drafter_dir, chain, model, engine, "cpu", torch.float32),
-                "n-gram chain 4": lambda: NgramDrafter(chain, 3)}
+    # Drafters reset their state at each generate_spec, so one of each serves every prompt.
+    drafters = {"eagle3 chain 4": load_drafter(drafter_dir, chain, model, engine, "cpu", torch.float32),
+                "n-gram chain 4": NgramDrafter(chain, 3)}
     rows, same = {"AR": [0, 0.0, None]}, True
     for p in prompts:
         t = time.perf_counter()
         ref, _ = generate_ar(engine, [p], params, eos)
         rows["AR"][0] += len(ref[0])
         rows["AR"][1] += time.perf_counter() - t
-        for name, make in drafters.items():
-            d = make()
+        for name, d in drafters.items():
             t = time.perf_counter()
             out, stats = generate_spec(engine, d, p, params, eos)
             r = rows.setdefault(name, [0, 0.0, []])

@@ -71,18 +71,21 @@ class EngineBackend:
         self.model = build_engine_target(target.model, dtype, device)
         self.eos = sorted({target.tokenizer.eos_token_id, *_eos_ids(target)} - {None})
 
-    def prompt_len(self, messages) -> int:
-        return len(self._ids(messages))
-
     def _ids(self, messages):
         return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=False)
 
     def answer(self, chats: list[list[dict]], seed: int) -> list[tuple[str, str] | None]:
+        """(text, finish) per chat; a prompt with no room for max_new_tokens is ("", "context"),
+        as a server's 400 is."""
         from fledge.engine.generate import SamplingParams, generate_ar
         ids = [self._ids(c) for c in chats]
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         out: list[tuple[str, str] | None] = [None] * len(ids)
+        room = self.cfg.max_len - self.cfg.max_new_tokens
+        for i, x in enumerate(ids):
+            if len(x) > room:
+                out[i] = ("", "context")
+        order = sorted((i for i in range(len(ids)) if out[i] is None), key=lambda i: len(ids[i]))
         for s in range(0, len(order), self.batch_size):
             rows = order[s:s + self.batch_size]
             params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seed + s)
@@ -139,9 +142,6 @@ class ServerBackend:
         with self._lock:
             self.failures[type(e).__name__] = self.failures.get(type(e).__name__, 0) + 1
 
-    def prompt_len(self, messages) -> int:
-        return 0  # the server enforces its own context length and reports finish_reason
-
     def answer(self, chats, seed):
         with cf.ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(lambda kc: self._one(kc[0], kc[1], seed + kc[0]), enumerate(chats)))
@@ -159,25 +159,20 @@ def _next_chat(s: Sample, max_turns):
     return None
 
 
-def _run_chunk(samples: list[Sample], backend, cfg: RegenConfig, seed: int) -> list[Sample]:
+def _run_chunk(samples: list[Sample], backend, cfg: RegenConfig, seed: int) -> tuple[list[Sample], list[Sample]]:
     active, failed = list(samples), []
     while active:
-        pairs = [(s, _next_chat(s, cfg.max_turns)) for s in active]
-        pairs = [(s, c) for s, c in pairs if c is not None]
-        fits = [(s, c) for s, c in pairs if backend.prompt_len(c) + cfg.max_new_tokens <= cfg.max_len]
-        for s, _ in pairs:
-            if all(s is not f for f, _ in fits):
-                s.finish = "context"
-        if not fits:
+        pairs = [(s, c) for s in active if (c := _next_chat(s, cfg.max_turns)) is not None]
+        if not pairs:
             break
-        answers = backend.answer([c for _, c in fits], seed)
+        answers = backend.answer([c for _, c in pairs], seed)
         active = []
-        for (s, _), a in zip(fits, answers):
+        for (s, _), a in zip(pairs, answers):
             if a is None:
                 failed.append(s)
                 continue
             text, finish = a
-            if finish == "context":
+            if finish == "context":  # the prompt alone fills the context: the conversation ends here
                 s.finish = "context"
                 continue
             s.done.append({"role": "assistant", "content": text})
@@ -187,7 +182,8 @@ def _run_chunk(samples: list[Sample], backend, cfg: RegenConfig, seed: int) -> l
             if finish == "stop":  # a cut-off answer ends the conversation: later turns would not follow it
                 active.append(s)
         seed += 1
-    return [s for s in samples if all(s is not f for f in failed)], failed
+    lost = {id(s) for s in failed}
+    return [s for s in samples if id(s) not in lost], failed
 
 
 def _open_output(path: Path):
