@@ -1,11 +1,14 @@
 """Engine bench: MT-Bench first turns, batch 1, greedy, every decoding method on one target.
 
-    python bench/bench_engine.py --target smollm2-135m [--drafter DIR] [--quick]
+    python bench/bench_engine.py --target smollm2-135m [--drafter DIR [--tree S,K,N ...]] [--compile] [--quick]
 
-Configs: HF generate (eager; static cache, auto-compiled, GPU only), engine AR, oracle chain
-(the engine's ceiling), n-gram, EAGLE-3 chain and tree (with --drafter). Ratios are against
-engine AR from the same run; `match_ar` counts prompts whose output equals engine AR's token
-for token. Prints a table and writes bench/results/engine_<device>.json.
+Configs: HF generate (eager; static cache, auto-compiled, GPU only; --skip-hf leaves them out),
+engine AR, oracle chain (the engine's ceiling), n-gram, EAGLE-3 chain 7 and one row per --tree
+(with --drafter). --compile fuses the engine's pointwise ops for every engine row, the AR
+baseline included. Ratios are against engine AR from the same run; `match_ar` counts prompts
+whose output equals engine AR's token for token (exact in fp32; in bf16 a verify over many
+tokens rounds differently from a 1-token step, so near-ties may flip). Prints a table and
+writes bench/results/engine_<device>.json.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def bench(args) -> dict:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     t = load_target(args.target, dtype=dtype, device=device)
-    target = build_engine_target(t.model, dtype, device)
+    target = build_engine_target(t.model, dtype, device, compile=args.compile)
     eos = eos_ids(t.model, t.tokenizer)
     prompts = load_prompts(args.prompts, args.num_prompts, t.tokenizer)
     params = SamplingParams(0.0, 1.0, args.max_new_tokens, 0)
@@ -101,11 +104,11 @@ def bench(args) -> dict:
     configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(
         target, eos, graphs, lambda p, ar: NgramDrafter(ngram, args.ngram))
     if args.drafter:
-        tree = parse_tree(args.tree)
         eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype)
-        eagle_tree = load_drafter(args.drafter, tree, t.model, target, device, dtype)
         configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_chain)
-        configs[f"eagle3 tree {args.tree}"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_tree)
+        for text in args.tree or ["5,4,16"]:
+            tree = load_drafter(args.drafter, parse_tree(text), t.model, target, device, dtype)
+            configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda p, ar, d=tree: d)
 
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
     ar_out = [ar_runner(target, eos, graphs)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
@@ -132,6 +135,7 @@ def bench(args) -> dict:
         row["vs_engine_ar"] = row["tok_s"] / base
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
+            "compiled_pointwise": args.compile,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
             "results": results}
@@ -155,7 +159,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--drafter", help="EAGLE-3 checkpoint directory (adds the eagle3 chain and tree configs)")
-    p.add_argument("--tree", default="5,4,16", help="EAGLE-3 tree as STEPS,TOPK,NUM_DRAFT_TOKENS")
+    p.add_argument("--tree", action="append", help="EAGLE-3 tree as STEPS,TOPK,NUM_DRAFT_TOKENS (repeatable; default 5,4,16)")
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram prompt lookup matches")
     p.add_argument("--ngram-steps", type=int, default=4, help="tokens the n-gram drafter proposes per round")
     p.add_argument("--prompts", default="mtbench", help="built-in data set or conversations file")
@@ -165,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="10 prompts, 1 repeat (about 3 minutes on an H200)")
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baselines")
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
+    p.add_argument("--compile", action="store_true", help="torch.compile the engine's pointwise ops (target side)")
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--out", help="JSON path (default bench/results/engine_<device>.json)")

@@ -207,15 +207,15 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
             for c in convs for k in range(cfg.n)]
     pending = [s for s in todo if s.id not in have]
     counts = {"total": len(todo), "already_done": len(todo) - len(pending), "written": 0, "failed": 0,
-              "skipped_no_turn": 0, "finish": {}}
+              "skipped_no_turn": 0, "skipped_context": 0, "finish": {}}
     t0 = time.time()
     with _open_output(out) as f, tqdm(total=len(pending), desc="regen", unit="conv") as bar:
         for i in range(0, len(pending), cfg.chunk):
             kept, failed = _run_chunk(pending[i:i + cfg.chunk], backend, cfg, cfg.seed + i)
             counts["failed"] += len(failed)
             for s in kept:
-                if s.turns == 0:
-                    counts["skipped_no_turn"] += 1
+                if s.turns == 0:  # nothing to answer, or the first prompt alone fills the context
+                    counts["skipped_context" if s.finish == "context" else "skipped_no_turn"] += 1
                     continue
                 counts["finish"][s.finish] = counts["finish"].get(s.finish, 0) + 1
                 while s.done[-1]["role"] != "assistant":  # an unanswered user turn trains nothing

@@ -220,6 +220,8 @@ def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
 def setup(cfg: TrainConfig, target) -> Run:
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = torch.device(cfg.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:  # "--device cuda": this rank's GPU
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL starts, so each rank binds its own GPU
     if world > 1 and not dist.is_initialized():

@@ -6,13 +6,16 @@ an HF directory with the source's tokenizer and chat template (so `--target DIR`
         --out runs/smollm2-domain --steps 300 --batch-size 16 --lr 2e-5 --device cuda
 
 A few minutes of work on one GPU, so not resumable: the output directory appears only when
-done (rerun from scratch after a kill).
+done (rerun from scratch after a kill). It holds finetune.json: the arguments, the seconds and
+the loss curve, so the derivation of NEW is documented next to its weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -63,16 +66,26 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     target = load_target(args.target, device=device)
     samples = load_samples(args.data, args.max_len, target.model.config.get_text_config().vocab_size)
-    if not samples:
-        raise FledgeError(f"{args.data}: no sample with trained tokens")
     with atomic_dir(args.out, overwrite=args.overwrite) as tmp:
+        t0 = time.time()
         losses = finetune(target.model, samples, args.steps, args.batch_size, args.lr, device)
+        seconds = time.time() - t0
         target.model.eval().to(torch.bfloat16 if device.type == "cuda" else torch.float32).save_pretrained(tmp)
         target.tokenizer.save_pretrained(tmp)
-    k = max(1, len(losses) // 10)
-    print(f"loss first {k} steps {sum(losses[:k]) / k:.4f}, last {k} {sum(losses[-k:]) / k:.4f}; wrote {args.out}")
+        k = max(1, len(losses) // 10)
+        summary = {"source": args.target, "data": args.data, "samples": len(samples), "steps": args.steps,
+                   "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "seconds": round(seconds, 1),
+                   "epochs": round(args.steps * args.batch_size / len(samples), 2),
+                   "loss_first_tenth": sum(losses[:k]) / k, "loss_last_tenth": sum(losses[-k:]) / k,
+                   "loss_every_tenth": [sum(losses[i:i + k]) / len(losses[i:i + k]) for i in range(0, len(losses), k)]}
+        (tmp / "finetune.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"loss first {k} steps {summary['loss_first_tenth']:.4f}, last {k} {summary['loss_last_tenth']:.4f}; "
+          f"{seconds:.0f}s; wrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except FledgeError as e:
+        raise SystemExit(f"finetune_target: error: {e}") from None

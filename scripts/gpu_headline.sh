@@ -1,39 +1,47 @@
 #!/usr/bin/env bash
-# The headline run: an EAGLE-3 drafter for SmolLM2-135M-Instruct on one offline H200, with its
+# The headline run: an EAGLE-3 drafter for SmolLM2-135M-Instruct on an offline H200, with its
 # figures. Stages are resumable and idempotent; state lives in $WORK (/tmp, kept between
-# back-to-back calls on the same warm machine); small results are copied to $OUT.
+# back-to-back calls on the same warm machine). Each stage packs its small results into
+# $OUT/<stage>.tgz (the device returns at most 8 files); the drafter comes back as tar parts.
 #
-#   here (CPU):  bash scripts/gpu_headline.sh prepare
-#                (runs gpu_stage_gguf.sh prepare first if .gguf/part.* are missing)
+# On a 2-GPU machine the second GPU does side work during the same calls (its results are
+# separate files in the same tgz): regen -> bench/bench_regen.py (engine vs HF batched);
+# train -> scripts/gpu_adapt.sh new; bench -> scripts/gpu_adapt.sh compare. GPU 0's timings
+# are then taken while GPU 1 is busy (separate devices; 32 host cores).
+#
+#   here (CPU):  bash scripts/gpu_headline.sh prepare && bash scripts/gpu_adapt.sh prepare
 #   GPU call 1:  bash scripts/gpu_stage_gguf.sh receive aa && bash scripts/gpu_headline.sh receive
-#                carry: .gguf/part.aa .gguf/gguf-0.19.0-py3-none-any.whl
-#                       .gguf/sharegpt_first_turns.jsonl.gz .gguf/mtbench.jsonl      (~52 MiB)
-#   GPU call 2:  bash scripts/gpu_stage_gguf.sh receive ab && bash scripts/gpu_stage_gguf.sh finish
-#                && bash scripts/gpu_headline.sh regen 360
-#                carry: .gguf/part.ab .gguf/gguf-0.19.0-py3-none-any.whl
-#   GPU call 3:  bash scripts/gpu_headline.sh train 300                    carry: none
-#   GPU call 4:  bash scripts/gpu_headline.sh bench                        carry: none
-#   here after 3: cat <files_at>/drafter.tar.part-* | tar -x -C runs/   (-> runs/smollm2-headline/)
+#                carry: .gguf/part.aa .gguf/gguf-0.19.0-py3-none-any.whl .gguf/sharegpt_first_turns.jsonl.gz
+#                       .gguf/mtbench.jsonl .gguf/adapt_code.jsonl.gz      (~60 MB with the repo's drafter)
+#   GPU calls 2, 3: bash scripts/gpu_stage_gguf.sh receive ab (then ac)   carry: that part + the wheel
+#   GPU call 4:  bash scripts/gpu_stage_gguf.sh receive ad && bash scripts/gpu_stage_gguf.sh finish
+#                && bash scripts/gpu_headline.sh regen 270               carry: .gguf/part.ad + the wheel
+#   GPU call 5:  bash scripts/gpu_headline.sh train 300                    carry: none
+#   GPU call 6:  bash scripts/gpu_headline.sh bench                        carry: none
+#   GPU call 7:  bash scripts/gpu_headline.sh scale                        (2+ GPUs) carry: none
+#   here after 5: cat <files_at>/drafter.tar.part-* | tar -x -C runs/   (-> runs/smollm2-headline/)
+# Calls must follow each other within the machine's 30 s warm window: have every command ready.
 #
 # CPU check of the whole flow (here; a 12-prompt subset replaces firsts.jsonl after `receive`):
 #   export WORK=/tmp/ghw OUT=/tmp/x DEVICE=cpu DTYPE=float32 REGEN_BATCH=4 MAX_NEW=16 TRAIN_BATCH=2 \
-#          PROBE_STEPS=3 EPOCHS=1 TTT_STEPS=2 EVAL_EVERY=2 WORKERS=2 BENCH_PROMPTS=2 BENCH_NEW=8
+#          PROBE_STEPS=3 EPOCHS=1 TTT_STEPS=2 EVAL_EVERY=2 WORKERS=2 BENCH_PROMPTS=2 BENCH_NEW=8 \
+#          SIDE=0 SCALE_STEPS=4 SCALE_BATCH=4 REGEN_BENCH_BATCHES=2 TUNE_PROMPTS=1 TUNE_NEW=8
 #
-# Budget (device time): call 1 ~1 min; call 2 ~1 min convert + 6 min regen + 0.5 min stats;
-# call 3 ~1 min tokenize/vocab + ~1 min probe + 5 min training + ~1 min eval/export;
-# call 4 ~5 min (bench_engine runs HF eager too, ~7.5 s a prompt: hence 24 prompts). ~23 min.
 # A stage cut off by the 10-minute limit resumes when rerun (regen appends; train resumes from
 # its checkpoint with the same planned step count). Every stage prints the device time it used.
 #
-# Knobs (environment), defaults for the H200; the CPU check in the report scales them down:
-#   WORK OUT DEVICE DTYPE  REGEN_BATCH MAX_NEW LIMIT  TRAIN_BATCH MAX_LEN VOCAB_SIZE EPOCHS LR
-#   TTT_STEPS PROBE_STEPS EVAL_EVERY WORKERS  BENCH_PROMPTS BENCH_NEW
+# Knobs (environment), defaults for the H200; the CPU check above scales them down:
+#   WORK OUT DEVICE DTYPE  REGEN_BATCH REGEN_CHUNK MAX_NEW LIMIT  TRAIN_BATCH MAX_LEN VOCAB_SIZE EPOCHS LR
+#   TTT_STEPS PROBE_STEPS EVAL_EVERY WORKERS  BENCH_PROMPTS BENCH_NEW TUNE_PROMPTS TUNE_NEW
+#   SIDE (0: no side work on GPU 1)  SCALE_STEPS SCALE_BATCH (global batch of the scaling runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WORK=${WORK:-/tmp/fledge_headline}
 OUT=${OUT:-$WORK/out}
+RESULTS=$WORK/results
 DEVICE=${DEVICE:-cuda}
+LR=${LR:-3e-4}
 DTYPE=${DTYPE:-bfloat16}
 STAGE=.gguf
 TARGET=smollm2-135m
@@ -45,9 +53,35 @@ fledge() { python3 -m fledge.cli "$@"; }
 data() { python3 scripts/gpu_prepare_data.py "$@"; }
 target_dir() { python3 -c "from fledge.target import resolve_target as r; print(r('$TARGET'))"; }
 report_time() { echo "== gpu_headline $1: ${SECONDS}s device time (this stage)"; }
+gpus() { [[ $DEVICE == cuda ]] && python3 -c "import torch; print(torch.cuda.device_count())" || echo 0; }
+
+# side NAME CMD...: run CMD on GPU 1 in the background (log in the stage's results) when there
+# is a second GPU and SIDE is not 0; `side_wait` collects it. Main work then pins GPU 0.
+SIDE_PID=
+side() {
+    local name=$1; shift
+    if [[ ${SIDE:-1} == 0 || $(gpus) -lt 2 ]]; then echo "side $name: skipped (one GPU or SIDE=0)"; return 0; fi
+    export CUDA_VISIBLE_DEVICES=0
+    (CUDA_VISIBLE_DEVICES=1 "$@" > "$RES/$name.log" 2>&1; echo "$name: exit $?" >> "$RES/$name.log") &
+    SIDE_PID=$!
+    echo "side $name: started on GPU 1 (pid $SIDE_PID)"
+}
+side_wait() {
+    [[ -n $SIDE_PID ]] || return 0
+    wait "$SIDE_PID" || true
+    echo "side work finished: $(tail -qn1 "$RES"/*.log 2>/dev/null | tr '\n' ' ')"
+    SIDE_PID=
+}
+
+# pack STAGE: the stage's results as one file in $OUT.
+pack() {
+    mkdir -p "$OUT"
+    tar -C "$RESULTS" -czf "$OUT/$1.tgz" "$1"
+    ls -l "$OUT"
+}
 
 prepare() {
-    [[ -f $STAGE/part.aa && -f $STAGE/part.ab ]] || bash scripts/gpu_stage_gguf.sh prepare
+    compgen -G "$STAGE/part.*" >/dev/null || bash scripts/gpu_stage_gguf.sh prepare
     local tmp
     tmp=$(mktemp -d)
     fledge prep sharegpt -o "$tmp/sharegpt" --heldout 256
@@ -66,6 +100,7 @@ receive() {
     gunzip -c "$STAGE/sharegpt_first_turns.jsonl.gz" > "$WORK/firsts.jsonl.tmp"
     mv "$WORK/firsts.jsonl.tmp" "$WORK/firsts.jsonl"
     cp "$STAGE/mtbench.jsonl" "$WORK/mtbench.jsonl"
+    if [[ -f $STAGE/adapt_code.jsonl.gz ]]; then cp "$STAGE/adapt_code.jsonl.gz" "$WORK/"; fi
     wc -l "$WORK/firsts.jsonl" "$WORK/mtbench.jsonl"
     report_time receive
 }
@@ -73,28 +108,38 @@ receive() {
 regen() {
     local budget=$1 rc=0
     [[ -f $WORK/firsts.jsonl ]] || { echo "gpu_headline: $WORK/firsts.jsonl missing; run 'receive' first" >&2; exit 2; }
-    mkdir -p "$OUT"
+    RES=$RESULTS/regen && mkdir -p "$RES"
+    side regen_bench python3 bench/bench_regen.py --target "$TARGET" --prompts "$WORK/firsts.jsonl" \
+        --batch-sizes "${REGEN_BENCH_BATCHES:-64,256}" --max-new-tokens "${MAX_NEW:-512}" --out "$RES/regen_bench.json"
     [[ -f $WORK/regen.jsonl ]] && data regen-stats "$WORK/regen.jsonl" "$WORK/regen_before.json" --tokenizer "$(target_dir)" >/dev/null
     local t0=$SECONDS
     # SIGINT at the budget: regen appends whole samples with fsync, so only the in-flight chunk is lost.
+    # A chunk of 8 batches: the engine sorts a chunk by prompt length before batching, so each batch
+    # holds similar lengths and sizes its KV cache to them (in session 2 chunk = batch = 256 cached
+    # up to 2048 slots for most batches). Not yet measured.
     timeout -s INT -k 30 "$budget" python3 -m fledge.cli regen "$WORK/firsts.jsonl" "$WORK/regen.jsonl" \
-        --device "$DEVICE" --dtype "$DTYPE" --batch-size "${REGEN_BATCH:-256}" --chunk "${REGEN_BATCH:-256}" \
+        --device "$DEVICE" --dtype "$DTYPE" --batch-size "${REGEN_BATCH:-256}" --chunk "${REGEN_CHUNK:-2048}" \
         --max-new-tokens "${MAX_NEW:-512}" --max-turns 1 ${LIMIT:+--limit "$LIMIT"} || rc=$?
     case $rc in
         0) echo "regen: every conversation answered" ;;
         124|137) echo "regen: stopped at the ${budget}s budget (rerun to continue)" ;;
         *) echo "gpu_headline: regen failed (exit $rc)" >&2; exit "$rc" ;;
     esac
-    data regen-stats "$WORK/regen.jsonl" "$OUT/regen_stats.json" --tokenizer "$(target_dir)" \
+    data regen-stats "$WORK/regen.jsonl" "$RES/regen_stats.json" --tokenizer "$(target_dir)" \
         --previous "$WORK/regen_before.json" --seconds $((SECONDS - t0))
     rm -f "$WORK/regen_before.json"
+    side_wait
+    pack regen
     report_time regen
 }
 
 train() {
-    local budget=$1 batch=${TRAIN_BATCH:-16} max_len=${MAX_LEN:-2048} probe_steps=${PROBE_STEPS:-30}
+    local budget=$1 batch=${TRAIN_BATCH:-16} max_len=${MAX_LEN:-2048} probe_steps=${PROBE_STEPS:-60}
     [[ -s $WORK/regen.jsonl ]] || { echo "gpu_headline: $WORK/regen.jsonl missing; run 'regen' first" >&2; exit 2; }
-    mkdir -p "$OUT"
+    RES=$RESULTS/train && mkdir -p "$RES"
+    if [[ -f $WORK/adapt_code.jsonl.gz ]]; then
+        side adapt_new timeout -s INT -k 30 "${ADAPT_NEW_SECS:-480}" bash scripts/gpu_adapt.sh new
+    fi
     local tok
     tok=$(target_dir)
     if [[ ! -f $WORK/train.tok.jsonl ]]; then   # regen is final once training starts
@@ -107,13 +152,13 @@ train() {
     [[ -f $WORK/vocab.safetensors ]] || fledge vocab build "$WORK/train.tok.jsonl" --target "$TARGET" \
         --size "${VOCAB_SIZE:-16384}" --heldout "$WORK/heldout.tok.jsonl" -o "$WORK/vocab.safetensors"
     local common=(--target "$TARGET" --data "$WORK/train.tok.jsonl" --vocab "$WORK/vocab.safetensors"
-                  --batch-size "$batch" --max-len "$max_len" --lr "${LR:-1e-4}" --ttt-steps "${TTT_STEPS:-7}"
+                  --batch-size "$batch" --max-len "$max_len" --lr "$LR" --ttt-steps "${TTT_STEPS:-7}"
                   --device "$DEVICE")
     if [[ ! -f $WORK/plan.json ]]; then   # kept: a resumed run must plan the same step count
         local t0=$SECONDS
         rm -rf "$WORK/probe"
         fledge train "${common[@]}" --out "$WORK/probe" --max-steps "$probe_steps" --eval-samples 0 \
-            --log-every $(( (probe_steps + 2) / 3 )) --eval-every 1000000 --save-every 1000000
+            --log-every $(( (probe_steps + 5) / 6 )) --eval-every 1000000 --save-every 1000000
         echo "probe: $((SECONDS - t0))s"
         data plan-steps "$WORK/probe/metrics.jsonl" "$WORK/train.tok.jsonl" "$WORK/plan.json" \
             --batch "$batch" --seconds "$budget" --epochs "${EPOCHS:-3}"
@@ -127,6 +172,8 @@ train() {
     fi
     fledge export "$WORK/run/draft" "$WORK/drafter" --shard-size-mb 15 --overwrite
     bring_home "$tok"
+    side_wait
+    pack train
     report_time train
 }
 
@@ -140,11 +187,11 @@ bring_home() {
 import sys; from pathlib import Path; from safetensors import safe_open
 keys = [k for f in Path(sys.argv[1]).glob('*.safetensors') for k in safe_open(str(f), 'pt').keys()]
 sys.exit('gpu_headline: the drafter holds embed_tokens' if any('embed_tokens' in k for k in keys) else 0)" "$WORK/drafter"
-    rm -f "$OUT"/drafter.tar.part-*
+    mkdir -p "$OUT" && rm -f "$OUT"/drafter.tar.part-*
     tar -C "$WORK" --transform 's,^drafter,smollm2-headline,' -cf - drafter | split -b 15M - "$OUT/drafter.tar.part-"
-    cp "$WORK/run/metrics.jsonl" "$OUT/"
-    [[ -f $WORK/run/curves.png ]] && cp "$WORK/run/curves.png" "$OUT/"
-    python3 - "$WORK" "$OUT/train_summary.json" "$bytes" <<'EOF'
+    cp "$WORK/run/metrics.jsonl" "$RES/"
+    if [[ -f $WORK/run/curves.png ]]; then cp "$WORK/run/curves.png" "$RES/"; fi
+    python3 - "$WORK" "$RES/train_summary.json" "$bytes" <<'EOF'
 import json, sys
 from pathlib import Path
 from fledge.util import atomic_write_json
@@ -155,16 +202,52 @@ atomic_write_json(sys.argv[2], {"tokenize_train": read("train.tok.jsonl.stats.js
                                 "vocab": read("vocab.json"), "plan": read("plan.json"),
                                 "result": read("run/result.json"), "drafter_bytes": int(sys.argv[3])})
 EOF
-    ls -l "$OUT"
 }
 
 bench() {
     [[ -f $WORK/drafter/config.json ]] || { echo "gpu_headline: $WORK/drafter missing; run 'train' first" >&2; exit 2; }
-    mkdir -p "$OUT"
-    python3 bench/bench_engine.py --target "$TARGET" --drafter "$WORK/drafter" --tree 5,4,16 \
-        --prompts "$WORK/mtbench.jsonl" --num-prompts "${BENCH_PROMPTS:-24}" --max-new-tokens "${BENCH_NEW:-256}" \
-        --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log"
+    RES=$RESULTS/bench && mkdir -p "$RES"
+    if [[ -f $WORK/adapt/new/config.json ]]; then
+        side adapt_compare timeout -s INT -k 30 "${ADAPT_CMP_SECS:-420}" bash scripts/gpu_adapt.sh compare
+    fi
+    # HF baselines were measured in an earlier session (bench/results); engine AR is this run's baseline.
+    local trees=(--tree 5,4,16 --tree 7,4,32 --tree 8,8,64)
+    local common=(--target "$TARGET" --drafter "$WORK/drafter" "${trees[@]}" --prompts "$WORK/mtbench.jsonl"
+                  --num-prompts "${BENCH_PROMPTS:-24}" --max-new-tokens "${BENCH_NEW:-256}" --device "$DEVICE"
+                  --dtype "$DTYPE" --skip-hf)
+    python3 bench/bench_engine.py "${common[@]}" --out "$RES/bench_engine.json" 2>&1 | tee "$RES/bench_engine.log"
+    [[ $DEVICE == cuda ]] && python3 bench/bench_engine.py "${common[@]}" --compile --out "$RES/bench_engine_compiled.json" \
+        2>&1 | tee "$RES/bench_engine_compiled.log"
+    fledge tune --target "$TARGET" --drafter "$WORK/drafter" --device "$DEVICE" --dtype "$DTYPE" --validate \
+        --prompts "$WORK/mtbench.jsonl" --num-prompts "${TUNE_PROMPTS:-8}" --max-new-tokens "${TUNE_NEW:-256}" \
+        --json "$RES/tune.json" --png "$RES/tune.png" 2>&1 | tee "$RES/tune.log"
+    side_wait
+    pack bench
     report_time bench
+}
+
+scale() {
+    # Same data, steps and GLOBAL batch on 1 GPU and on N GPUs (DDP, FSDP2): per-GPU target
+    # tokens/s against one GPU, and the loss curves, which must agree within bf16 noise.
+    [[ -f $WORK/vocab.safetensors ]] || { echo "gpu_headline: $WORK/vocab.safetensors missing; run 'train' first" >&2; exit 2; }
+    RES=$RESULTS/scale && mkdir -p "$RES"
+    local n steps=${SCALE_STEPS:-40} gb=${SCALE_BATCH:-32}
+    n=$(gpus); (( n >= 2 )) || n=${SCALE_RANKS:-1}
+    local common=(--target "$TARGET" --data "$WORK/train.tok.jsonl" --vocab "$WORK/vocab.safetensors"
+                  --max-len "${MAX_LEN:-2048}" --lr "$LR" --ttt-steps "${TTT_STEPS:-7}" --max-steps "$steps"
+                  --eval-samples 0 --log-every "${SCALE_LOG_EVERY:-5}" --eval-every 1000000 --save-every 1000000)
+    [[ $DEVICE == cuda ]] || common+=(--device cpu)
+    rm -rf "$WORK/scale" && mkdir -p "$WORK/scale"
+    CUDA_VISIBLE_DEVICES=0 fledge train "${common[@]}" --batch-size "$gb" --out "$WORK/scale/gpu1"
+    for how in ddp fsdp; do
+        torchrun --standalone --nproc-per-node "$n" -m fledge.cli train "${common[@]}" --batch-size $((gb / n)) \
+            --parallel "$how" --out "$WORK/scale/${how}$n"
+    done
+    for d in "$WORK"/scale/*/; do cp "$d/metrics.jsonl" "$RES/$(basename "$d").metrics.jsonl"; done
+    python3 bench/bench_scale.py "$WORK/scale/gpu1" "$WORK/scale/ddp$n" "$WORK/scale/fsdp$n" --ranks "$n" \
+        --out "$RES/scale.json" --png "$RES/scale.png" 2>&1 | tee "$RES/scale.log"
+    pack scale
+    report_time scale
 }
 
 case "${1:-}" in
@@ -173,5 +256,6 @@ case "${1:-}" in
     regen) [[ $# -eq 2 ]] || { echo "usage: $0 regen SECONDS" >&2; exit 2; }; regen "$2" ;;
     train) [[ $# -eq 2 ]] || { echo "usage: $0 train SECONDS" >&2; exit 2; }; train "$2" ;;
     bench) bench ;;
-    *) echo "usage: $0 prepare | receive | regen SECONDS | train SECONDS | bench" >&2; exit 2 ;;
+    scale) scale ;;
+    *) echo "usage: $0 prepare | receive | regen SECONDS | train SECONDS | bench | scale" >&2; exit 2 ;;
 esac

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import multiprocessing as mp
 import os
 import random
 import resource
+import shutil
+import statistics
 import sys
 import time
 from collections import Counter
@@ -85,12 +88,21 @@ def _tokenize_shard(tokenizer_dir: str, conv: str, out: str, max_len: int) -> di
 def tokenize(conv: Path, out: Path, tokenizer_dir: str, max_len: int, workers: int) -> dict:
     """build_training_set on `workers` interleaved shards, concatenated. Each shard resumes on
     its own (build_training_set keeps a .partial); the result is written once, at the end."""
-    lines = conv.read_text(encoding="utf-8").splitlines(keepends=True)
+    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other breaks splitlines() cuts at.
+    lines = [line + "\n" for line in conv.read_text(encoding="utf-8").split("\n") if line.strip()]
     if not lines:
         raise FledgeError(f"{conv}: no conversations to tokenize")
     workers = max(1, min(workers, len(lines)))
     shard_dir = out.with_name(out.name + ".shards")
+    # Shards resume only for the same input split the same way: a finished shard of another
+    # split would duplicate some conversations and drop others.
+    key = {"input_sha": hashlib.sha256("".join(lines).encode()).hexdigest(), "workers": workers,
+           "max_len": max_len, "tokenizer": tokenizer_dir}
+    old = shard_dir / "key.json"
+    if shard_dir.exists() and (not old.exists() or json.loads(old.read_text()) != key):
+        shutil.rmtree(shard_dir)
     shard_dir.mkdir(exist_ok=True)
+    atomic_write_json(shard_dir / "key.json", key)
     jobs = []
     for w in range(workers):
         src, dst = shard_dir / f"{w}.jsonl", shard_dir / f"{w}.tok.jsonl"
@@ -121,11 +133,13 @@ def tokenize(conv: Path, out: Path, tokenizer_dir: str, max_len: int, workers: i
 def plan_steps(probe_metrics: Path, train_tok: Path, batch: int, seconds: float, epochs: int,
                safety: float) -> dict:
     """Steps = budget x measured target tokens/s / tokens per step, capped at `epochs` passes.
-    The probe's last train window is used: the first one pays for warm-up."""
+    Throughput is the median over the probe's windows after the first (which pays for CUDA
+    start-up). Each new padded length costs a first-time slowdown, so windows vary 3x on an
+    H200 (24.8K to 88K tok/s in one run): a single window misplans the budget."""
     rows = [r for _, r in read_jsonl(probe_metrics) if r["kind"] == "train"]
     if not rows:
         raise FledgeError(f"{probe_metrics}: no train records; the probe logged nothing")
-    tok_s = rows[-1]["target_tok_s"]
+    tok_s = statistics.median(r["target_tok_s"] for r in rows[1:] or rows)
     lengths = [len(r["input_ids"]) for _, r in read_jsonl(train_tok)]
     per_step = batch * sum(lengths) / len(lengths)
     per_epoch = len(lengths) // batch

@@ -135,7 +135,7 @@ def test_prompt_too_long_for_server_ends_conversation_without_retry(tmp_path):
     srv.shutdown()
     # One request each: a 400 is not retried. "late" keeps its first answered turn.
     assert srv.RequestHandlerClass.calls == 4 and counts["failed"] == 0
-    assert counts["written"] == 2 and counts["skipped_no_turn"] == 1
+    assert counts["written"] == 2 and counts["skipped_context"] == 1 and counts["skipped_no_turn"] == 0
     out = {r["id"]: r for _, r in read_jsonl(tmp_path / "r.jsonl")}
     assert out["late"]["finish"] == "context" and len(out["late"]["messages"]) == 2
 
@@ -147,5 +147,6 @@ def test_engine_prompt_without_room_ends_the_conversation(tmp_path, tiny_chat_ta
     cfg = RegenConfig(max_new_tokens=4, max_len=64)
     backend = EngineBackend(tiny_chat_target, cfg, batch_size=2, device="cpu", dtype=torch.float32)
     counts = regenerate(tmp_path / "c.jsonl", tmp_path / "r.jsonl", backend, cfg)
-    assert counts["written"] == 1 and counts["skipped_no_turn"] == 1 and counts["failed"] == 0
+    assert counts["written"] == 1 and counts["skipped_context"] == 1
+    assert counts["skipped_no_turn"] == 0 and counts["failed"] == 0
     assert [r["id"] for _, r in read_jsonl(tmp_path / "r.jsonl")] == ["short"]

@@ -1,0 +1,126 @@
+"""Regeneration speed: fledge's batched engine against HF batched `generate`, same batch.
+
+    python bench/bench_regen.py --target smollm2-135m --prompts FIRSTS.jsonl [--batch-sizes 64,256]
+
+For each batch size, the same prompts (the first B of the file, sorted by length as `fledge
+regen` batches them) are answered greedily by both, up to --max-new-tokens each. HF gets the
+batch left-padded (as its generate requires) and runs eagerly with its dynamic cache: the way a
+data pipeline calls it. A row's tokens count up to and including its first end-of-turn token;
+tok/s is those tokens over the wall time of the whole call (prefill included) for both.
+`same_rows` counts rows whose answers are token-identical: batched bf16 on two code paths
+need not agree exactly, so it is shown, not required. Prints a table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fledge.bench import load_prompts
+from fledge.engine.cli import eos_ids, pick_device, pick_dtype
+from fledge.engine.generate import SamplingParams, generate_ar
+from fledge.engine.model import build_engine_target
+from fledge.target import load_target
+from fledge.util import FledgeError, atomic_write_json
+
+
+def now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def cut(row: list[int], eos: set[int]) -> list[int]:
+    """Tokens up to and including the first end-of-turn token."""
+    return next((row[:i + 1] for i, t in enumerate(row) if t in eos), row)
+
+
+def hf_batch(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: int, device):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], attn[b, width - len(p):] = torch.tensor(p), 1
+    t0 = now(device)
+    out = hf.generate(ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new, do_sample=False,
+                      eos_token_id=eos, pad_token_id=pad, disable_compile=True)
+    seconds = now(device) - t0
+    return [cut(r, set(eos)) for r in out[:, width:].tolist()], seconds
+
+
+def engine_batch(engine, prompts, max_new: int, eos: list[int], device):
+    t0 = now(device)
+    rows, _ = generate_ar(engine, prompts, SamplingParams(max_new_tokens=max_new), eos)
+    return rows, now(device) - t0
+
+
+def bench(args) -> dict:
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    t = load_target(args.target, dtype=dtype, device=device)
+    engine = build_engine_target(t.model, dtype, device)
+    eos = eos_ids(t.model, t.tokenizer)
+    pad = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else eos[0]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    prompts = load_prompts(args.prompts, max(sizes), t.tokenizer)
+    if len(prompts) < max(sizes):
+        raise FledgeError(f"{args.prompts}: {len(prompts)} prompts, fewer than batch {max(sizes)}")
+    # Untimed warm-up of both paths (CUDA graph capture, allocator, kernel selection).
+    engine_batch(engine, prompts[:2], 8, eos, device)
+    hf_batch(t.model, prompts[:2], 8, eos, pad, device)
+    results = []
+    for b in sizes:
+        batch = sorted(prompts[:b], key=len)
+        runs = {"engine": engine_batch(engine, batch, args.max_new_tokens, eos, device),
+                "hf": hf_batch(t.model, batch, args.max_new_tokens, eos, pad, device)}
+        row = {"batch": b, "prompt_tokens": sum(map(len, batch))}
+        for name, (rows, seconds) in runs.items():
+            n = sum(map(len, rows))
+            row[name] = {"tokens": n, "seconds": seconds, "tok_s": n / seconds}
+        row["engine_vs_hf"] = row["engine"]["tok_s"] / row["hf"]["tok_s"]
+        row["same_rows"] = sum(x == y for x, y in zip(runs["engine"][0], runs["hf"][0]))
+        results.append(row)
+    name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
+    return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."),
+            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "greedy": True,
+            "hf": "generate, eager, dynamic cache, left padding", "engine": "generate_ar, right padding, CUDA graph",
+            "results": results}
+
+
+def print_table(report: dict) -> None:
+    print(f"{report['device']}  {report['target']}  {report['dtype']}  greedy, up to {report['max_new_tokens']} new tokens")
+    print(f"{'batch':>5} {'HF tok/s':>10} {'engine tok/s':>13} {'engine/HF':>10} {'same rows':>10}")
+    for r in report["results"]:
+        print(f"{r['batch']:>5} {r['hf']['tok_s']:>10.1f} {r['engine']['tok_s']:>13.1f} "
+              f"{r['engine_vs_hf']:>9.2f}x {r['same_rows']:>6}/{r['batch']}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--prompts", default="mtbench", help="built-in data set or conversations JSONL")
+    p.add_argument("--batch-sizes", default="64,256")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--device")
+    p.add_argument("--dtype")
+    p.add_argument("--out", help="JSON path (default bench/results/regen_<device>.json)")
+    args = p.parse_args(argv)
+    try:
+        report = bench(args)
+    except FledgeError as e:
+        print(f"bench_regen: error: {e}", file=sys.stderr)
+        return 2
+    print_table(report)
+    out = args.out or Path(__file__).parent / "results" / f"regen_{report['device']}.json"
+    atomic_write_json(out, report)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The repo's bench scripts: scale-out arithmetic against hand-built metrics, and the regen
+bench end to end on a tiny target (engine vs HF generate, same prompts)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import bench_scale  # noqa: E402
+
+
+def write_run(path: Path, tok_s: list[float], objective: list[float]) -> None:
+    path.mkdir()
+    rows = [{"kind": "train", "step": 5 * (i + 1), "objective": o, "target_tok_s": t}
+            for i, (t, o) in enumerate(zip(tok_s, objective))]
+    rows.insert(2, {"kind": "eval", "step": 10, "objective": 99.0})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_scale_efficiency_and_loss_agreement(tmp_path):
+    rng = random.Random()
+    one = [rng.uniform(1e4, 2e4) for _ in range(6)]
+    two = [rng.uniform(2e4, 4e4) for _ in range(6)]
+    loss = [rng.uniform(1, 5) for _ in range(6)]
+    bumped = [x * (1 + 0.01 * (i == 4)) for i, x in enumerate(loss)]
+    write_run(tmp_path / "gpu1", one, loss)
+    write_run(tmp_path / "ddp2", two, bumped)
+    runs = {p: bench_scale.load_run(tmp_path / p) for p in ("gpu1", "ddp2")}
+    s = bench_scale.summarize(runs, {"gpu1": 1, "ddp2": 2}, skip=2)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert s["gpu1"]["tok_s"] == pytest.approx(mean(one[2:]))
+    assert s["ddp2"]["tok_s_per_gpu"] == pytest.approx(mean(two[2:]) / 2)
+    assert s["ddp2"]["scaling_efficiency"] == pytest.approx(mean(two[2:]) / 2 / mean(one[2:]))
+    assert s["ddp2"]["max_rel_loss_diff_vs_1gpu"] == pytest.approx(0.01)
+    assert s["gpu1"]["max_rel_loss_diff_vs_1gpu"] == 0
+
+
+def test_scale_cli_reports_missing_run(tmp_path, capsys):
+    assert bench_scale.main([str(tmp_path / "nope"), str(tmp_path / "nope2"), "--ranks", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench_scale: error:") and "nope" in err and "\n" not in err
+
+
+@pytest.mark.slow  # loads SmolLM2 and runs HF generate next to the engine
+def test_regen_bench_engine_matches_hf_in_fp32(tmp_path):
+    import bench_regen
+    out = tmp_path / "regen.json"
+    assert bench_regen.main(["--batch-sizes", "3", "--max-new-tokens", "6", "--device", "cpu",
+                             "--dtype", "float32", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    # fp32 on the CPU: right-padded engine and left-padded HF compute the same greedy answers.
+    assert row["batch"] == 3 and row["same_rows"] == 3
+    assert row["engine"]["tokens"] == row["hf"]["tokens"] > 0
+    assert row["engine_vs_hf"] == pytest.approx(row["engine"]["tok_s"] / row["hf"]["tok_s"])
