@@ -461,6 +461,7 @@ def train(cfg: TrainConfig, target) -> dict:
                 bar.set_postfix(loss=f"{new[-1]['objective']:.3f}", acc0=f"{new[-1]['acc'][0]:.2f}",
                                 tok_s=f"{tokens / dt:.0f}")
                 t0, tokens, window = time.perf_counter(), 0, torch.zeros_like(window)
+            paused = time.perf_counter()  # eval and checkpoints are not training: kept out of tok/s
             if done % cfg.eval_every == 0 or done == run.total_steps:
                 last = record("eval", done, evaluate(run), cfg.step_decay) if run.evals else last
                 new += [last] if last else []
@@ -473,6 +474,7 @@ def train(cfg: TrainConfig, target) -> dict:
                     write_curves(out / "curves.png", history)
             if done % cfg.save_every == 0 or done == run.total_steps:
                 save_checkpoint(run, done, key)
+            t0 += time.perf_counter() - paused
             bar.update(1)
     bar.close()
     path = export(run)

