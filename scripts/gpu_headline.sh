@@ -16,6 +16,7 @@
 #   GPU calls 2, 3: bash scripts/gpu_stage_gguf.sh receive ab (then ac)   carry: that part + the wheel
 #   GPU call 4:  bash scripts/gpu_stage_gguf.sh receive ad && bash scripts/gpu_stage_gguf.sh finish
 #                && bash scripts/gpu_headline.sh regen 270               carry: .gguf/part.ad + the wheel
+#                (+ .gguf/regen.jsonl.gz, the set an earlier lease brought home in regen.tgz: no regen)
 #   GPU call 5:  bash scripts/gpu_headline.sh train 300                    carry: none
 #   GPU call 6:  bash scripts/gpu_headline.sh bench                        carry: none
 #   GPU call 7:  bash scripts/gpu_headline.sh scale                        (2+ GPUs) carry: none
@@ -111,6 +112,11 @@ regen() {
     local budget=$1 rc=0
     [[ -f $WORK/firsts.jsonl ]] || { echo "gpu_headline: $WORK/firsts.jsonl missing; run 'receive' first" >&2; exit 2; }
     RES=$RESULTS/regen && mkdir -p "$RES"
+    # A set brought home by an earlier lease (carry .gguf/regen.jsonl.gz with this call; same
+    # target): regen then only resumes, and the side bench still runs.
+    if [[ -f $STAGE/regen.jsonl.gz && ! -f $WORK/regen.jsonl ]]; then
+        gunzip -c "$STAGE/regen.jsonl.gz" > "$WORK/regen.jsonl.tmp" && mv "$WORK/regen.jsonl.tmp" "$WORK/regen.jsonl"
+    fi
     side regen_bench python3 bench/bench_regen.py --target "$TARGET" --prompts "$WORK/firsts.jsonl" \
         --batch-sizes "${REGEN_BENCH_BATCHES:-64,256}" --max-new-tokens "${MAX_NEW:-512}" --out "$RES/regen_bench.json"
     [[ -f $WORK/regen.jsonl ]] && data regen-stats "$WORK/regen.jsonl" "$WORK/regen_before.json" --tokenizer "$(target_dir)" >/dev/null
@@ -130,6 +136,9 @@ regen() {
     data regen-stats "$WORK/regen.jsonl" "$RES/regen_stats.json" --tokenizer "$(target_dir)" \
         --previous "$WORK/regen_before.json" --seconds $((SECONDS - t0))
     rm -f "$WORK/regen_before.json"
+    # The set itself comes home too (~5 MB gzipped): carried back as .gguf/regen.jsonl.gz, it saves
+    # the next lease the regeneration.
+    gzip -c "$WORK/regen.jsonl" > "$RES/regen.jsonl.gz"
     side_wait
     pack regen
     report_time regen
