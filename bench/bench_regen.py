@@ -23,7 +23,7 @@ import torch
 
 from fledge.bench import load_prompts
 from fledge.engine.cli import eos_ids, pick_device, pick_dtype
-from fledge.engine.generate import SamplingParams, generate_ar
+from fledge.engine.generate import SamplingParams, cut_at_eos, generate_ar
 from fledge.engine.model import build_engine_target
 from fledge.target import load_target
 from fledge.util import FledgeError, atomic_write_json
@@ -33,11 +33,6 @@ def now(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def cut(row: list[int], eos: set[int]) -> list[int]:
-    """Tokens up to and including the first end-of-turn token."""
-    return next((row[:i + 1] for i, t in enumerate(row) if t in eos), row)
 
 
 def hf_batch(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: int, device):
@@ -50,7 +45,7 @@ def hf_batch(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: in
     out = hf.generate(ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new, do_sample=False,
                       eos_token_id=eos, pad_token_id=pad, disable_compile=True)
     seconds = now(device) - t0
-    return [cut(r, set(eos)) for r in out[:, width:].tolist()], seconds
+    return [cut_at_eos(r, eos) for r in out[:, width:].tolist()], seconds
 
 
 def engine_batch(engine, prompts, max_new: int, eos: list[int], device):

@@ -159,7 +159,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
         steps += 1
     t3 = _now(device)
 
-    rows = [_cut(r, eos_ids) for r in torch.stack(out, dim=1).tolist()]
+    rows = [cut_at_eos(r, eos_ids) for r in torch.stack(out, dim=1).tolist()]
     n_new = sum(len(r) for r in rows)
     stats = {
         "batch": B, "prompt_tokens": sum(lens), "generated_tokens": n_new, "decode_steps": steps,
@@ -170,7 +170,8 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     return rows, stats
 
 
-def _cut(row: list[int], eos_ids) -> list[int]:
+def cut_at_eos(row: list[int], eos_ids) -> list[int]:
+    """The row up to and including its first end-of-turn token (HF's cut; the whole row if none)."""
     eos_ids = set(eos_ids)
     for i, t in enumerate(row):
         if t in eos_ids:

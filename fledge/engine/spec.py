@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fledge.engine.drafters import DraftInput, SpecConfig
-from fledge.engine.generate import capture_cuda_graph, logits_to_probs, make_causal_mask, sample_token
+from fledge.engine.generate import capture_cuda_graph, cut_at_eos, logits_to_probs, make_causal_mask, sample_token
 from fledge.engine.model import KVCache
 from fledge.engine.stats import Clock, SpecStats
 from fledge.engine.tree import Tree, path_to, tree_mask, verify_greedy, verify_sample
@@ -143,7 +143,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
         marks.append((t_a, t_b, t_c, t_d, t_e, clock.now()))
     t_end = clock.now()
 
-    out = _cut(out[:params.max_new_tokens], eos)
+    out = cut_at_eos(out[:params.max_new_tokens], eos)
     stats.generated_tokens = len(out)
     stats.prefill_ms = clock.ms(t0, t_prefill)
     stats.wall_ms = clock.ms(t0, t_end)
@@ -183,10 +183,3 @@ def _round_functions(target, cache, drafter, device, use_cuda_graph: bool):
         run_observe(tokens, aux.to(drafter.k.dtype), n, next_token, start)
 
     return verify, (lambda root, cache_len, ctx: run_propose(root, cache_len)), observe
-
-
-def _cut(row: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(row):
-        if t in eos:
-            return row[:i + 1]
-    return row
