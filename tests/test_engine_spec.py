@@ -12,7 +12,7 @@ from fledge.draft import Eagle3Draft
 from fledge.engine import HFTarget, SamplingParams, build_engine_target, generate_ar, logits_to_probs, make_causal_mask
 from fledge.engine.drafters import DraftInput, Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.spec import generate_spec, verify_forward
-from fledge.engine.tree import path_to, select_tree, tree_mask, verify_greedy, verify_sample
+from fledge.engine.tree import chain, make_tree, path_to, select_tree, tree_mask, verify_greedy, verify_sample
 from fledge.util import FledgeError
 
 
@@ -153,6 +153,30 @@ def test_greedy_spec_equals_ar(family):
     ar_eos = generate_ar(target, [prompt], GREEDY, eos_ids=eos)[0][0]
     out, _ = generate_spec(target, drafters["oracle"], prompt, GREEDY, eos_ids=eos)
     assert out == ar_eos and out[-1] == eos[0]
+
+
+def test_fused_rounds_equal_phased_rounds():
+    """The fused round (one graph on CUDA) and the phased one (each step apart, timed) are the
+    same algorithm: same tokens, same accepted counts, for device and host drafters."""
+    hf, target, draft = tiny_setup("qwen3", seed=2)
+    prompt = torch.randint(0, 24, (11,), generator=torch.Generator().manual_seed(8)).tolist()
+    ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
+    for drafter in (Eagle3Drafter(draft, SpecConfig(3, 1, 4), target), Eagle3Drafter(draft, SpecConfig(3, 3, 9), target),
+                    OracleDrafter(SpecConfig(5, 1, 6), [prompt + ar[:7]]), NgramDrafter(SpecConfig(3, 1, 4), 2)):
+        fused, fs = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[])
+        phased, ps = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[], phased=True)
+        assert fused == phased == ar and fs.accepted == ps.accepted
+        assert len(fs.round_ms) == fs.steps and fs.summary()["verify_ms_per_step"] is None
+        assert ps.summary()["verify_ms_per_step"] is not None
+
+
+def test_chain_equals_make_tree():
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 3, 7):
+        root, toks = torch.randint(0, 50, (2,), generator=g), torch.randint(0, 50, (2, n), generator=g)
+        a, b = chain(root, toks), make_tree(root, toks, torch.arange(n).expand(2, n))
+        for x, y in zip((a.tokens, a.parents, a.depth, a.anc), (b.tokens, b.parents, b.depth, b.anc)):
+            assert torch.equal(x, y)
 
 
 def test_hf_target_family_spec_equals_ar():

@@ -70,15 +70,19 @@ def _pad_chain(tokens: list[int], n: int, fill: int) -> list[int]:
 
 class OracleDrafter:
     """Proposes the target's own greedy continuation (from a prior AR run): the ceiling of the
-    engine — every draft is accepted under greedy decoding, so accept length = num_steps + 1."""
+    engine — every draft is accepted under greedy decoding, so accept length = num_steps + 1.
+    It reads its sequences on the device by position (the root sits at cache_len), so its
+    rounds fuse into one graph like EAGLE-3's."""
 
     aux_ids = None
-    device_only = False  # reads the host context
+    device_only = True
 
     def __init__(self, spec: SpecConfig, sequences: list[list[int]]):
         if spec.topk != 1:
             raise FledgeError("--oracle drafts a chain: use --topk 1")
-        self.spec, self.sequences = spec, sequences
+        if not sequences or not all(sequences):
+            raise FledgeError("--oracle: every sequence needs at least one token")
+        self.spec, self.sequences, self.seq = spec, sequences, None
 
     def start(self, batch: int, max_len: int) -> None:
         pass
@@ -87,9 +91,13 @@ class OracleDrafter:
         pass
 
     def propose(self, inp: DraftInput) -> Tree:
-        rows = [_pad_chain(seq[len(ctx):len(ctx) + self.spec.num_steps], self.spec.num_steps, ctx[-1])
-                for seq, ctx in zip(self.sequences, inp.context)]
-        return chain(inp.root, torch.tensor(rows, device=inp.root.device))
+        dev = inp.root.device
+        if self.seq is None or self.seq.device != dev:  # rows padded with their last token
+            width = max(map(len, self.sequences))
+            self.seq = torch.tensor([s + s[-1:] * (width - len(s)) for s in self.sequences], device=dev)
+        steps = torch.arange(1, self.spec.num_steps + 1, device=dev)
+        idx = (inp.cache_len[:, None] + steps).clamp(max=self.seq.shape[1] - 1)
+        return chain(inp.root, self.seq.gather(1, idx))
 
 
 class NgramDrafter:

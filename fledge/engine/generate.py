@@ -75,15 +75,27 @@ def prefix_mask(lengths, max_len: int):
     return (torch.arange(max_len, device=lengths.device) < lengths[:, None])[:, None, None]
 
 
+SPAN_QUANTUM = 256  # decode attends to the cache's first k*256 slots, not all of them
+
+
+def attention_span(slots_in_use: int, cache_len: int) -> int:
+    """Cache slots a decode step attends to: the slots in use rounded up to SPAN_QUANTUM, so a
+    long cache costs only what is written of it and a few spans (graphs) cover a whole run."""
+    return min(cache_len, -(-slots_in_use // SPAN_QUANTUM) * SPAN_QUANTUM)
+
+
 # --------------------------------------------------------------------------- CUDA graphs
-def capture_cuda_graph(fn):
+def capture_cuda_graph(fn, reset=None):
     """Capture `fn()` — which must read only static buffers — and return a replay that
     returns fn's (static) output. fn runs a few times on a side stream first, as capture
-    requires; it must therefore be idempotent (a decode step rewrites the same cache slot)."""
+    requires; it must therefore be idempotent (a decode step rewrites the same cache slot), or
+    `reset()` must undo what a run changed (it is called before each of those runs)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
+            if reset is not None:
+                reset()
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -130,28 +142,34 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = torch.tensor(p)
     ids, lengths = ids.to(device), torch.tensor(lens, device=device)
-    pos = torch.arange(max(lens), device=device).expand(B, -1)
-    logits, _ = model(ids, pos, pos, make_causal_mask(torch.zeros_like(lengths), max(lens), cache_len),
-                      cache, logits_idx=(lengths - 1)[:, None])
+    logits, _ = model.prefill(ids, cache, logits_idx=(lengths - 1)[:, None])
     tok = sample_token(logits[:, 0], params, gen)
     t1 = _now(device)
 
     tokens = tok[:, None].clone()  # static input buffers of the decode step: tokens, lengths
+    graphs = use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok
+    steps_by_span: dict = {}
 
-    def step():
-        here = lengths[:, None]
-        out, _ = model(tokens, here, here, make_causal_mask(lengths, 1, cache_len), cache)
-        return out[:, -1]
+    def step_for(span: int):
+        """The decode step attending to the first `span` cache slots (one graph per span)."""
+        if span not in steps_by_span:
+            def step():
+                here = lengths[:, None]
+                out, _ = model(tokens, here, here, make_causal_mask(lengths, 1, span), cache)
+                return out[:, -1]
+            steps_by_span[span] = capture_cuda_graph(step) if graphs else step
+        return steps_by_span[span]
 
-    if use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok:
-        step = capture_cuda_graph(step)
+    for span in range(attention_span(max(lens) + 1, cache_len), attention_span(need, cache_len) + 1, SPAN_QUANTUM):
+        step_for(min(span, cache_len))  # every capture before the clock: none is decode time
     t2 = _now(device)
 
     out, done, steps = [tok], torch.isin(tok, eos), 0
     while steps < params.max_new_tokens - 1:
         if steps % check_every == 0 and bool(done.all()):
             break
-        tok = sample_token(step(), params, gen)
+        # Every row advances one slot a step, so the longest is known on the host: no sync.
+        tok = sample_token(step_for(attention_span(max(lens) + steps + 1, cache_len))(), params, gen)
         out.append(tok)
         done |= torch.isin(tok, eos)
         tokens.copy_(tok[:, None])
@@ -164,6 +182,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     stats = {
         "batch": B, "prompt_tokens": sum(lens), "generated_tokens": n_new, "decode_steps": steps,
         "prefill_ms": 1e3 * (t1 - t0), "capture_ms": 1e3 * (t2 - t1), "decode_ms": 1e3 * (t3 - t2),
+        "spans": sorted(steps_by_span),  # attention spans used (each a CUDA graph on the GPU)
         "tok_s": n_new / max(t3 - t2 + t1 - t0, 1e-9),
         "decode_tok_s": B * steps / max(t3 - t2, 1e-9),  # all rows' decode steps, incl. finished rows
     }

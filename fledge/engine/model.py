@@ -86,19 +86,34 @@ class ModelArgs:
 
 @dataclass
 class KVCache:
-    k: torch.Tensor  # [n_layers, B, n_kv_heads, max_len, head_dim]
-    v: torch.Tensor
+    kv: torch.Tensor  # [n_layers, 2, B, n_kv_heads, max_len, head_dim]: K and V side by side (one write per layer)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, 1]
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[4]
 
     @classmethod
     def allocate(cls, args: ModelArgs, batch: int, max_len: int, dtype, device) -> "KVCache":
-        shape = (args.n_layers, batch, args.n_kv_heads, max_len, args.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        shape = (args.n_layers, 2, batch, args.n_kv_heads, max_len, args.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device))
 
 
-# --------------------------------------------------------------------------- pointwise ops
-# The elementwise pieces of a layer, rounded exactly as HF rounds them (bf16 greedy output then
-# follows HF's token for token). A CUDA-graph decode step at batch 1 is bound by the number of
-# kernels (~2 us each however small), so `Pointwise.compiled()` fuses each into one kernel.
+# --------------------------------------------------------------------------- one layer, as three functions
+# A CUDA-graph decode step at batch 1 is bound by the number of kernels (~2 us each however
+# small), so a layer is written as pure functions of tensors that `LayerFns.compiled()` hands to
+# torch.compile: one compiled graph serves all layers (guards see shapes, not modules), and each
+# function fuses into a few kernels. The residual add of layer i-1's MLP output happens at the
+# start of layer i, where it fuses with the attention norm. The cache write and the attention
+# stay eager between them: compiled in-place writes into a graph input risk a copy of the cache.
+# Eager, every op rounds as HF's does (bf16 greedy output then follows HF's token for token).
 def rms_norm(x, weight, eps: float):
     """Normalised in fp32 (rms_norm's accumulation type), rounded, then scaled in x's dtype."""
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
@@ -109,99 +124,106 @@ def apply_rope(x, cos, sin):
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
-def silu_mul(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int):
+    """Residual add of the previous layer's MLP output (`delta`; None in layer 0), attention
+    norm, q/k/v in one matmul, q/k norm (Qwen3), rope. Returns (x = the stream entering this
+    layer, HF hidden_states[i]; q [B, n_kv, G*T, D]; kv [2, B, n_kv, T, D]).
+
+    GQA without copying K/V: the G query heads sharing a kv head (HF maps q head h to kv head
+    h // G) become G*T query rows of that kv head; masks repeat their rows G times to match."""
+    if delta is not None:
+        x = x + delta
+    B, T, _ = x.shape
+    D = cos.shape[-1]
+    qkv = F.linear(rms_norm(x, norm_w, eps), wqkv, bqkv).view(B, T, n_heads + 2 * n_kv, D)
+    q, k, v = qkv.split([n_heads, n_kv, n_kv], dim=2)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q = q.transpose(1, 2).reshape(B, n_kv, (n_heads // n_kv) * T, D)
+    return x, q, torch.stack([k, v]).transpose(2, 3)
+
+
+def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float):
+    """o_proj and its residual add, then the MLP (gate and up in one matmul). Returns (x after
+    attention, the MLP output: the next layer adds it). `o` is [B, n_heads or n_kv, *, D]."""
+    B, T, _ = x.shape
+    o = o.reshape(B, -1, T, o.shape[-1]).transpose(1, 2).reshape(B, T, -1)
+    x = x + F.linear(o, wo, bo)
+    gate, up = F.linear(rms_norm(x, norm_w, eps), w13, b13).chunk(2, dim=-1)
+    return x, F.linear(F.silu(gate) * up, w2, b2)
+
+
+def final_norm(x, delta, weight, eps: float):
+    return rms_norm(x + delta, weight, eps)
+
+
+def attend_cached(q, kv, cache_kv, slots, bias):
+    """Write this step's K/V (one scatter for both) at `slots` [B, T], then attend over the
+    cache's first S = bias.shape[-1] slots: a decode step reads only the slots in use."""
+    cache_kv.scatter_(3, slots[None, :, None, :, None].expand(kv.shape), kv)
+    S = bias.shape[-1]
+    return F.scaled_dot_product_attention(q, cache_kv[0, :, :, :S], cache_kv[1, :, :, :S], attn_mask=bias)
 
 
 @dataclass(frozen=True)
-class Pointwise:
-    rms_norm: Callable = rms_norm
-    apply_rope: Callable = apply_rope
-    silu_mul: Callable = silu_mul
+class LayerFns:
+    attn_in: Callable = attn_in
+    attn_out: Callable = attn_out
+    final_norm: Callable = final_norm
 
     @classmethod
-    def compiled(cls) -> "Pointwise":
-        # Small pure functions compile quickly and stay capturable; compiling the whole step
-        # was slower at batch >= 64 on an H200 (5.8 vs 2.4 ms/step at batch 64).
-        return cls(*(torch.compile(f, fullgraph=True) for f in (rms_norm, apply_rope, silu_mul)))
+    def compiled(cls) -> "LayerFns":
+        # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
+        # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
+        # back to eager after the eighth.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return cls(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (attn_in, attn_out, final_norm)))
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: Pointwise):
-        super().__init__()
-        self.eps, self.ops = eps, ops
-        self.weight = nn.Parameter(torch.ones(dim))
+    """Holds a norm's weight; the layer functions apply it."""
 
-    def forward(self, x):
-        return self.ops.rms_norm(x, self.weight, self.eps)
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs, ops: Pointwise):
+    def __init__(self, a: ModelArgs):
         super().__init__()
-        self.a, self.ops = a, ops
         # q, k and v in one matmul: decode at batch 1 is launch-bound.
         self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=a.qkv_bias)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
-        self.q_norm = RMSNorm(a.head_dim, a.norm_eps, ops) if a.qk_norm else None
-        self.k_norm = RMSNorm(a.head_dim, a.norm_eps, ops) if a.qk_norm else None
-
-    def forward(self, x, cos, sin, cache_k, cache_v, slots, mask):
-        a, (B, T, _) = self.a, x.shape
-        H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
-        qkv = self.wqkv(x)
-        v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
-        if self.q_norm is None:
-            qk = qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D)
-        else:
-            q, k = qkv[..., :H * D].view(B, T, H, D), qkv[..., H * D:(H + Hkv) * D].view(B, T, Hkv, D)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        qk = self.ops.apply_rope(qk, cos, sin)  # q and k at once
-        q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
-        idx = slots[:, None, :, None].expand(B, Hkv, T, D)
-        cache_k.scatter_(2, idx, k)
-        cache_v.scatter_(2, idx, v)
-        # GQA without copying K/V: the G query heads sharing a kv head (HF maps q head h to kv
-        # head h // G) become G*T query rows; `mask` is additive, its rows already repeated G times.
-        q = q.reshape(B, Hkv, (H // Hkv) * T, D)
-        o = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask)
-        return self.wo(o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
+        self.q_norm = RMSNorm(a.head_dim) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim) if a.qk_norm else None
 
 
 class MLP(nn.Module):
-    def __init__(self, a: ModelArgs, ops: Pointwise):
+    def __init__(self, a: ModelArgs):
         super().__init__()
-        self.ops = ops
         self.w13 = nn.Linear(a.dim, 2 * a.intermediate_size, bias=a.mlp_bias)  # gate and up fused
         self.w2 = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)
 
-    def forward(self, x):
-        return self.w2(self.ops.silu_mul(self.w13(x)))
-
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs, ops: Pointwise):
+    def __init__(self, a: ModelArgs):
         super().__init__()
-        self.attention_norm = RMSNorm(a.dim, a.norm_eps, ops)
-        self.attention = Attention(a, ops)
-        self.ffn_norm = RMSNorm(a.dim, a.norm_eps, ops)
-        self.feed_forward = MLP(a, ops)
-
-    def forward(self, x, cos, sin, cache_k, cache_v, slots, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache_k, cache_v, slots, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        self.attention_norm = RMSNorm(a.dim)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim)
+        self.feed_forward = MLP(a)
 
 
 class Transformer(nn.Module):
     cuda_graph_ok = True  # forward has static shapes and no host syncs
 
-    def __init__(self, args: ModelArgs, ops: Pointwise = Pointwise()):
+    def __init__(self, args: ModelArgs, fns: LayerFns = LayerFns()):
         super().__init__()
-        self.args = args
+        self.args, self.fns = args, fns
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, ops) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Persistent so that `from_hf` loads it (fp32) with the weights; never cast it.
         self.register_buffer("inv_freq", torch.tensor(args.rope_inv_freq, dtype=torch.float32))
@@ -217,39 +239,78 @@ class Transformer(nn.Module):
         cos, sin = freqs.cos() * self.args.rope_scale, freqs.sin() * self.args.rope_scale
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
+    def _check_aux(self, aux_ids):
+        if aux_ids is not None and not all(0 <= i < self.args.n_layers for i in aux_ids):
+            raise FledgeError(f"aux ids {list(aux_ids)} out of range [0, {self.args.n_layers})")
+
+    def _run(self, fns: LayerFns, x, cos, sin, attention, aux_ids, logits_idx, hidden_only=False):
+        """The layer stack; `attention(i, q, kv)` is layer i's attention. Returns (logits [B, K, V]
+        fp32, or with `hidden_only` the final-normed states [B, K, H]; aux [B, T, 3H] or None)."""
+        f, a, delta, captured = fns, self.args, None, {}
+        for i, layer in enumerate(self.layers):
+            at, ff = layer.attention, layer.feed_forward
+            qn, kn = (at.q_norm.weight, at.k_norm.weight) if a.qk_norm else (None, None)
+            x, q, kv = f.attn_in(x, delta, layer.attention_norm.weight, at.wqkv.weight, at.wqkv.bias, qn, kn,
+                                 cos, sin, a.norm_eps, a.n_heads, a.n_kv_heads)
+            if aux_ids is not None and i in aux_ids:
+                captured[i] = x
+            x, delta = f.attn_out(x, attention(i, q, kv), at.wo.weight, at.wo.bias, layer.ffn_norm.weight,
+                                  ff.w13.weight, ff.w13.bias, ff.w2.weight, ff.w2.bias, a.norm_eps)
+        if logits_idx is not None:
+            idx = logits_idx[..., None].expand(-1, -1, x.shape[-1])
+            x, delta = x.gather(1, idx), delta.gather(1, idx)
+        h = f.final_norm(x, delta, self.norm.weight, a.norm_eps)
+        aux = torch.cat([captured[i] for i in aux_ids], dim=-1) if aux_ids is not None else None
+        return (h if hidden_only else self.output(h).float()), aux
+
     def forward(self, input_ids, positions, slots, mask, cache: KVCache, aux_ids=None, logits_idx=None):
-        """input_ids/positions/slots [B, T] long; mask [B, 1, T, max_len] bool (True = may attend).
+        """input_ids/positions/slots [B, T] long; mask [B, 1, T, S] bool (True = may attend) over
+        the cache's first S <= max_len slots.
 
         Returns (logits [B, T, V] fp32, aux [B, T, 3H] or None). `aux` concatenates, in the order
         given, the residual stream entering layer i for i in `aux_ids` (= HF hidden_states[i]).
-        `logits_idx` [B, K] (optional) computes logits only at those T-positions: [B, K, V]
-        (prefill needs one row per prompt, not T x vocab); aux is always for all T.
+        `logits_idx` [B, K] (optional) computes logits only at those T-positions: [B, K, V];
+        aux is always for all T.
         """
-        if aux_ids is not None and not all(0 <= i < self.args.n_layers for i in aux_ids):
-            raise FledgeError(f"aux ids {list(aux_ids)} out of range [0, {self.args.n_layers})")
+        self._check_aux(aux_ids)
         x = self.tok_embeddings(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         # SDPA would turn a bool mask into an additive one in every layer: do it once here, with
-        # the rows repeated once per query head sharing a kv head (see Attention: GQA).
+        # the rows repeated once per query head sharing a kv head (see attn_in: GQA).
         bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         bias = bias.repeat(1, 1, self.args.n_heads // self.args.n_kv_heads, 1)
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            if aux_ids is not None and i in aux_ids:
-                captured[i] = x
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, bias)
-        if logits_idx is not None:
-            x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))
-        logits = self.output(self.norm(x)).float()
-        aux = torch.cat([captured[i] for i in aux_ids], dim=-1) if aux_ids is not None else None
-        return logits, aux
+        return self._run(self.fns, x, cos, sin, lambda i, q, kv: attend_cached(q, kv, cache.kv[i], slots, bias),
+                         aux_ids, logits_idx)
+
+    def prefill(self, input_ids, cache: KVCache | None = None, aux_ids=None, logits_idx=None, hidden_only=False):
+        """A fresh right-padded batch at positions 0..T-1, causal over itself (flash attention,
+        no mask: a row's pads come after its tokens, so no real token sees one). Writes K/V
+        into cache slots [0, T) when `cache` is given (decoding continues from there); without
+        one it is a plain forward, as training's feature pass wants. Returns as `_run`."""
+        self._check_aux(aux_ids)
+        B, T = input_ids.shape
+        if cache is not None and T > cache.max_len:
+            raise FledgeError(f"prefill of {T} tokens > cache of {cache.max_len} slots")
+        x = self.tok_embeddings(input_ids)
+        cos, sin = self.rope(torch.arange(T, device=x.device).expand(B, T), x.dtype)
+        rep = self.args.n_heads // self.args.n_kv_heads
+
+        def attention(i, q, kv):
+            if cache is not None:
+                cache.kv[i][..., :T, :].copy_(kv)
+            k, v = (t.repeat_interleave(rep, dim=1) for t in kv)  # plain heads: flash takes no GQA here
+            return F.scaled_dot_product_attention(q.view(B, -1, T, q.shape[-1]), k, v, is_causal=True)
+
+        # Eager layer functions: prompt lengths vary, and a compile per length would cost more
+        # than the launches it saves in a one-off forward.
+        return self._run(LayerFns(), x, cos, sin, attention, aux_ids, logits_idx, hidden_only)
 
     @classmethod
     def from_hf(cls, hf_model, dtype, device, compile: bool = False) -> "Transformer":
-        """`compile`: fuse the pointwise ops with torch.compile (CUDA; ~20% faster decode)."""
+        """`compile`: the layer functions through torch.compile (see LayerFns)."""
         args = ModelArgs.from_hf_config(hf_model.config)
         with torch.device("meta"):
-            model = cls(args, Pointwise.compiled() if compile else Pointwise())
+            model = cls(args, LayerFns.compiled() if compile else LayerFns())
         model.load_state_dict(_engine_state_dict(hf_model, args, dtype, device), strict=True, assign=True)
         return model.eval()
 
@@ -339,6 +400,14 @@ class HFTarget(nn.Module):
             return convert(mask)
         near = (positions[:, :, None] - positions[:, None, :]) < self.config.sliding_window
         return {"full_attention": convert(mask), "sliding_attention": convert(mask & near[:, None])}
+
+    def prefill(self, input_ids, cache: HFCache, aux_ids=None, logits_idx=None):
+        """A fresh batch at slots and positions 0..T-1, causal (as Transformer.prefill)."""
+        B, T = input_ids.shape
+        pos = torch.arange(T, device=input_ids.device).expand(B, T)
+        cols = torch.arange(cache.ids.shape[1], device=input_ids.device)
+        mask = (cols <= torch.arange(T, device=input_ids.device)[:, None])[None, None].expand(B, 1, T, -1)
+        return self(input_ids, pos, pos, mask, cache, aux_ids, logits_idx)
 
     def forward(self, input_ids, positions, slots, mask, cache: HFCache, aux_ids=None, logits_idx=None):
         B = input_ids.shape[0]

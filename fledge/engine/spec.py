@@ -9,9 +9,11 @@ distributed as AR's (generate.logits_to_probs), via tree.verify_sample.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fledge.engine.drafters import DraftInput, SpecConfig
+from fledge.engine.drafters import DraftInput, SpecConfig, target_dims
 from fledge.engine.generate import capture_cuda_graph, cut_at_eos, logits_to_probs, make_causal_mask, sample_token
 from fledge.engine.model import KVCache
 from fledge.engine.stats import Clock, SpecStats
@@ -81,14 +83,76 @@ def compact(cache, cache_len: torch.Tensor, path: torch.Tensor) -> None:
     cache.mask.scatter_(1, dst[..., None].expand(B, D, cols.numel()), cols <= dst[..., None])
 
 
+@dataclass
+class RoundState:
+    """The static buffers one greedy round reads and writes, so that on CUDA the whole round —
+    verify, accept, KV compaction and, for device drafters, observe and the next propose — is
+    one graph replay, and the host learns the outcome from `result` in one copy."""
+
+    cache_len: torch.Tensor  # [1] tokens in the target cache (the root's position)
+    start: torch.Tensor  # [1] cache_len at the start of the last round
+    tree: Tree  # the tree the next round verifies
+    n: torch.Tensor  # [1] path nodes the last round put in the cache (accepted + 1)
+    path_tokens: torch.Tensor  # [1, path_len]
+    bonus: torch.Tensor  # [1]
+    aux: torch.Tensor | None  # [1, path_len, 3H] the target's aux states on the path
+    result: torch.Tensor  # [path_len + 2] = n, path tokens, bonus
+
+    @classmethod
+    def allocate(cls, spec: SpecConfig, device, aux_width: int | None, aux_dtype) -> "RoundState":
+        N, D = spec.num_draft_tokens, spec.path_len
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
+        tree = Tree(zeros(1, N), zeros(1, N), zeros(1, N), torch.eye(N, dtype=torch.bool, device=device)[None])
+        aux = None if aux_width is None else torch.zeros(1, D, aux_width, dtype=aux_dtype, device=device)
+        return cls(zeros(1), zeros(1), tree, zeros(1) + 1, zeros(1, D), zeros(1), aux, zeros(D + 2))
+
+    def set_tree(self, tree: Tree) -> None:
+        for dst, src in zip((self.tree.tokens, self.tree.parents, self.tree.depth, self.tree.anc),
+                            (tree.tokens, tree.parents, tree.depth, tree.anc)):
+            dst.copy_(src)
+
+
+def fused_round(target, cache, drafter, state: RoundState, use_graph: bool):
+    """One greedy round over `state`, as a graph replay when `use_graph`. Capture runs the round
+    a few times (each from cache_len 0, so it stays inside the cache), so it is built before the
+    prefill, which rewrites everything those runs touched; the caller then sets `state`."""
+    D = drafter.spec.path_len
+
+    def body():
+        tree, start = state.tree, state.cache_len
+        logits, aux = verify_forward(target, cache, tree, start, drafter.aux_ids)
+        best, bonus = verify_greedy(logits, tree)
+        path = path_to(best, tree, D)
+        compact(cache, start, path)
+        n = tree.depth.gather(1, best[:, None])[:, 0] + 1
+        path_tokens = tree.tokens.gather(1, path)
+        if aux is not None:
+            state.aux.copy_(aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1])))
+        state.start.copy_(start)
+        if drafter.device_only:
+            drafter.observe(path_tokens, state.aux, n, bonus, start)
+            state.set_tree(drafter.propose(DraftInput(bonus, start + n, [])))
+        state.n.copy_(n)
+        state.path_tokens.copy_(path_tokens)
+        state.bonus.copy_(bonus)
+        state.result.copy_(torch.cat([n, path_tokens[0], bonus]))
+        state.cache_len.add_(n)
+        return state.result
+
+    return capture_cuda_graph(body, reset=state.cache_len.zero_) if use_graph else body
+
+
 @torch.no_grad()
 def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len: int | None = None,
-                  use_cuda_graph: bool = True):
+                  use_cuda_graph: bool = True, phased: bool = False):
     """One prompt (batch 1). Returns (new tokens, ending at the first eos (included) or at
     max_new_tokens — the same cut as generate_ar; SpecStats).
 
-    On CUDA the verify forward (compact targets) and the EAGLE-3 drafter's propose/observe
-    each replay as a CUDA graph; elsewhere they run eagerly, the same code."""
+    Greedy rounds are fused (`fused_round`: one graph replay and one host sync per round on
+    CUDA); host drafters (n-gram, probes) propose before it and observe after it. `phased`, and
+    sampling, run the round as separate steps instead — verify and the EAGLE-3 drafter's
+    propose/observe each a graph on CUDA, acceptance eager — timing each: SpecStats then
+    splits the round into draft / verify / other."""
     if not prompt:
         raise FledgeError("generate_spec: the prompt is empty")
     spec: SpecConfig = drafter.spec
@@ -96,7 +160,14 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     size = cache_size(len(prompt), params.max_new_tokens, spec, cache_len)
     cache = target.new_cache(1, size)
     drafter.start(1, size)
-    verify, propose, observe = _round_functions(target, cache, drafter, device, use_cuda_graph)
+    graphs = use_cuda_graph and device.type == "cuda"
+    fused = params.temperature == 0 and not phased
+    if fused:
+        aux_width = 3 * target_dims(target)[0] if drafter.aux_ids is not None else None
+        state = RoundState.allocate(spec, device, aux_width, next(target.parameters()).dtype)
+        run_round = fused_round(target, cache, drafter, state, graphs and getattr(target, "cuda_graph_ok", False))
+    else:
+        verify, propose, observe = _round_functions(target, cache, drafter, device, use_cuda_graph)
     gen = torch.Generator(device=device).manual_seed(params.seed)
     clock, stats = Clock(device), SpecStats(spec.num_steps, spec.num_draft_tokens, prompt_tokens=len(prompt))
     eos = set(eos_ids)
@@ -105,53 +176,77 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     ids = torch.tensor([prompt], device=device)
     L = len(prompt)
     cache_len_t = torch.tensor([L], device=device)
-    pos = torch.arange(L, device=device)[None]
-    logits, aux = target(ids, pos, pos, make_causal_mask(torch.zeros_like(cache_len_t), L, size), cache,
-                         aux_ids=drafter.aux_ids, logits_idx=(cache_len_t - 1)[:, None])
+    logits, aux = target.prefill(ids, cache, aux_ids=drafter.aux_ids, logits_idx=(cache_len_t - 1)[:, None])
     root = sample_token(logits[:, 0], params, gen)
     drafter.observe(ids, aux, cache_len_t, root, torch.zeros_like(cache_len_t))
     out = [root.item()]
+    if fused:
+        state.cache_len.fill_(L)
+        if drafter.device_only:
+            state.set_tree(drafter.propose(DraftInput(root, state.cache_len, [])))
     t_prefill = clock.now()
     marks, done = [], out[0] in eos
     while len(out) < params.max_new_tokens and not done:
-        t_a = clock.now()
-        tree = propose(root, cache_len_t, [prompt + out])
-        t_b = clock.now()
-        logits, aux = verify(tree, cache_len_t)
-        if params.temperature == 0:
-            best, bonus = verify_greedy(logits, tree)
+        if fused:
+            if not drafter.device_only:
+                state.set_tree(drafter.propose(DraftInput(root, state.cache_len, [prompt + out])))
+            host = run_round().tolist()  # the round's one host sync
+            if not drafter.device_only:
+                drafter.observe(state.path_tokens, state.aux, state.n, state.bonus, state.start)
+            root = state.bonus
+            marks.append(clock.now())
         else:
-            best, bonus = verify_sample(logits_to_probs(logits, params), tree, gen)
-        t_c = clock.now()
-        path = path_to(best, tree, spec.path_len)
-        compact(cache, cache_len_t, path)
-        n = tree.depth.gather(1, best[:, None])[:, 0] + 1  # path nodes now in the cache
-        path_tokens = tree.tokens.gather(1, path)
-        t_d = clock.now()
-        if aux is not None:
-            aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
-        observe(path_tokens, aux, n, bonus, cache_len_t)
-        t_e = clock.now()
-        host = torch.cat([n, path_tokens[0], bonus]).tolist()  # the round's one host sync
+            host, cache_len_t, root, mark = _phased_round(target, cache, drafter, verify, propose, observe, root,
+                                                          cache_len_t, prompt + out, params, gen, clock)
+            marks.append(mark)
         accepted = host[0] - 1
         new = host[2:2 + accepted] + [host[-1]]
         out += new
         done = any(t in eos for t in new)
         stats.accepted.append(accepted)
-        cache_len_t = cache_len_t + n
-        root = bonus
-        marks.append((t_a, t_b, t_c, t_d, t_e, clock.now()))
     t_end = clock.now()
 
     out = cut_at_eos(out[:params.max_new_tokens], eos)
     stats.generated_tokens = len(out)
     stats.prefill_ms = clock.ms(t0, t_prefill)
     stats.wall_ms = clock.ms(t0, t_end)
-    for a, b, c, d, e, f in marks:
-        stats.draft_ms.append(clock.ms(a, b) + clock.ms(d, e))
-        stats.verify_ms.append(clock.ms(b, c))
-        stats.other_ms.append(clock.ms(c, d) + clock.ms(e, f))
+    prev = t_prefill
+    for m in marks:
+        if fused:
+            stats.round_ms.append(clock.ms(prev, m))
+            prev = m
+        else:
+            a, b, c, d, e, f = m
+            stats.draft_ms.append(clock.ms(a, b) + clock.ms(d, e))
+            stats.verify_ms.append(clock.ms(b, c))
+            stats.other_ms.append(clock.ms(c, d) + clock.ms(e, f))
+            stats.round_ms.append(clock.ms(a, f))
     return out, stats
+
+
+def _phased_round(target, cache, drafter, verify, propose, observe, root, cache_len_t, context, params, gen, clock):
+    """One round as separate steps, each timed: returns (host result, new cache_len, next root, marks)."""
+    spec: SpecConfig = drafter.spec
+    t_a = clock.now()
+    tree = propose(root, cache_len_t, [context])
+    t_b = clock.now()
+    logits, aux = verify(tree, cache_len_t)
+    if params.temperature == 0:
+        best, bonus = verify_greedy(logits, tree)
+    else:
+        best, bonus = verify_sample(logits_to_probs(logits, params), tree, gen)
+    t_c = clock.now()
+    path = path_to(best, tree, spec.path_len)
+    compact(cache, cache_len_t, path)
+    n = tree.depth.gather(1, best[:, None])[:, 0] + 1  # path nodes now in the cache
+    path_tokens = tree.tokens.gather(1, path)
+    t_d = clock.now()
+    if aux is not None:
+        aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
+    observe(path_tokens, aux, n, bonus, cache_len_t)
+    t_e = clock.now()
+    host = torch.cat([n, path_tokens[0], bonus]).tolist()  # the round's one host sync
+    return host, cache_len_t + n, bonus, (t_a, t_b, t_c, t_d, t_e, clock.now())
 
 
 def _round_functions(target, cache, drafter, device, use_cuda_graph: bool):
@@ -175,6 +270,8 @@ def _round_functions(target, cache, drafter, device, use_cuda_graph: bool):
     if not getattr(drafter, "device_only", False):
         return verify, (lambda root, cache_len, ctx: drafter.propose(DraftInput(root, cache_len, ctx))), drafter.observe
     run_propose = static_call(lambda root, cache_len: drafter.propose(DraftInput(root, cache_len, [])), [one, one], graphs)
+    if drafter.aux_ids is None:  # the oracle: nothing to observe
+        return verify, (lambda root, cache_len, ctx: run_propose(root, cache_len)), drafter.observe
     hidden = 3 * drafter.draft.cfg.target_hidden_size
     aux = torch.zeros(1, D, hidden, dtype=drafter.k.dtype, device=device)
     run_observe = static_call(drafter.observe, [ids[:, :D], aux, one + 1, one, one], graphs)

@@ -41,6 +41,7 @@ class SpecStats:
     draft_ms: list[float] = field(default_factory=list)  # propose + observe (draft model work)
     verify_ms: list[float] = field(default_factory=list)  # target forward + accept/reject
     other_ms: list[float] = field(default_factory=list)  # KV compaction, host sync, bookkeeping
+    round_ms: list[float] = field(default_factory=list)  # whole rounds; fused rounds time only these
 
     @property
     def steps(self) -> int:
@@ -75,25 +76,38 @@ class SpecStats:
             out.generated_tokens += r.generated_tokens
             out.prefill_ms += r.prefill_ms
             out.wall_ms += r.wall_ms
-            for name in ("accepted", "draft_ms", "verify_ms", "other_ms"):
+            for name in ("accepted", "draft_ms", "verify_ms", "other_ms", "round_ms"):
                 getattr(out, name).extend(getattr(r, name))
         return out
 
     def summary(self) -> dict:
         per = max(self.steps, 1)
+        phased = bool(self.verify_ms)  # fused rounds (one graph each) cannot be split
+
+        def mean(xs):
+            return sum(xs) / per if phased else None
+
         return {
             "accept_length": self.accept_length(),  # SGLang: (accepted + bonus) per verify step
             "accept_rate": self.accept_rate(),
             "verify_steps": self.steps,
             "generated_tokens": self.generated_tokens,
             "tok_s": self.tok_s(),
-            "draft_ms_per_step": sum(self.draft_ms) / per,
-            "verify_ms_per_step": sum(self.verify_ms) / per,
-            "other_ms_per_step": sum(self.other_ms) / per,
+            "round_ms_per_step": sum(self.round_ms) / per,
+            "draft_ms_per_step": mean(self.draft_ms),
+            "verify_ms_per_step": mean(self.verify_ms),
+            "other_ms_per_step": mean(self.other_ms),
             "prefill_ms": self.prefill_ms,
             "depth_acceptance": self.depth_acceptance(),
             "histogram": self.histogram(),
         }
+
+    @staticmethod
+    def _split(s: dict) -> str:
+        if s["verify_ms_per_step"] is None:
+            return f"round {s['round_ms_per_step']:.2f} ms (fused: one graph, not split)"
+        return (f"draft {s['draft_ms_per_step']:.2f} ms  verify {s['verify_ms_per_step']:.2f} ms  "
+                f"other {s['other_ms_per_step']:.2f} ms")
 
     def report(self) -> str:
         s = self.summary()
@@ -102,8 +116,8 @@ class SpecStats:
         lines = [
             f"accept length {s['accept_length']:.3f} (SGLang: accepted+bonus per verify step)  "
             f"accept rate {s['accept_rate']:.3f}  verify steps {s['verify_steps']}",
-            f"{s['generated_tokens']} tokens  {s['tok_s']:.1f} tok/s  per step: draft {s['draft_ms_per_step']:.2f} ms  "
-            f"verify {s['verify_ms_per_step']:.2f} ms  other {s['other_ms_per_step']:.2f} ms  (prefill {s['prefill_ms']:.1f} ms)",
+            f"{s['generated_tokens']} tokens  {s['tok_s']:.1f} tok/s  per step: {self._split(s)}  "
+            f"(prefill {s['prefill_ms']:.1f} ms)",
             "reached depth: " + "  ".join(f"{d + 1}:{p:.2f}" for d, p in enumerate(s["depth_acceptance"])),
             "tokens per verify step:",
         ]

@@ -46,10 +46,11 @@ def make_tree(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -
 
 
 def chain(root: torch.Tensor, tokens: torch.Tensor) -> Tree:
-    """A chain root → tokens[:, 0] → tokens[:, 1] → ..."""
+    """A chain root → tokens[:, 0] → tokens[:, 1] → ... (make_tree's result, built directly)."""
     B, n = tokens.shape
-    parents = torch.arange(n, device=root.device).expand(B, n)
-    return make_tree(root, tokens, parents)
+    idx = torch.arange(n + 1, device=root.device)
+    anc = (idx[None, :] <= idx[:, None]).expand(B, n + 1, n + 1)
+    return Tree(torch.cat([root[:, None], tokens], dim=1), (idx - 1).clamp(min=0).expand(B, -1), idx.expand(B, -1), anc)
 
 
 def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: int) -> Tree:
