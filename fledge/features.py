@@ -92,9 +92,26 @@ def aux_layer_ids_for(model, aux_layer_ids=None) -> tuple[int, int, int]:
     return validate_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids else default_aux_layer_ids(n)
 
 
+def feature_model(model):
+    """What computes the features: the engine's compact Transformer where the family has one
+    (flash attention, a few kernels a layer: the target pass of a training step costs a
+    fraction of HF eager's), else the HF model itself, read through hooks. Same dtype and
+    device as `model`. Online training and `fledge features` both use it, so they agree."""
+    from fledge.engine.model import COMPACT_FAMILIES, Transformer
+    if not isinstance(model, Transformer) and model.config.get_text_config().model_type in COMPACT_FAMILIES:
+        w = model.get_input_embeddings().weight
+        return Transformer.from_hf(model, w.dtype, w.device)
+    return model
+
+
 def online_features(model, aux_ids, ids, attn):
-    """(aux [B,T,3H], hidden [B,T,H]) from one no-grad target forward."""
+    """(aux [B,T,3H], hidden [B,T,H]) from one no-grad target forward over a right-padded
+    batch (`model` from feature_model; `attn` marks real tokens, which never see a pad)."""
+    from fledge.engine.model import Transformer
     with torch.no_grad():
+        if isinstance(model, Transformer):
+            hidden, aux = model.prefill(ids, aux_ids=aux_ids, hidden_only=True)
+            return aux, hidden
         cap = capture(model, ids, aux_ids, attention_mask=attn)
     return cap.aux, cap.hidden
 
@@ -102,7 +119,7 @@ def online_features(model, aux_ids, ids, attn):
 @dataclass
 class TargetHead:
     """The target's output head, and where its tokens sit in the draft vocab."""
-    weight: torch.Tensor        # [V, H] fp32
+    weight: torch.Tensor        # [V, H] in the target's dtype
     bias: torch.Tensor | None
     softcap: float | None       # Gemma-style final logit soft-capping
     draft_ids: torch.Tensor     # [Vd] target id of each draft id
@@ -114,8 +131,8 @@ class TargetHead:
         v = head.weight.shape[0]
         to_draft = torch.full((v,), -1, dtype=torch.int64)
         to_draft[draft_ids] = torch.arange(draft_ids.numel())
-        bias = None if getattr(head, "bias", None) is None else head.bias.detach().float().to(device)
-        return cls(head.weight.detach().float().to(device), bias,
+        bias = None if getattr(head, "bias", None) is None else head.bias.detach().to(device)
+        return cls(head.weight.detach().to(device), bias,
                    getattr(model.config.get_text_config(), "final_logit_softcapping", None),
                    draft_ids.to(device), to_draft.to(device))
 
@@ -123,11 +140,15 @@ class TargetHead:
     def view(self, hidden: torch.Tensor):
         """(probs [..,Vd] the target's softmax restricted to the draft vocab and renormalised,
         top [..] the draft id of the target's argmax over its FULL vocab, -1 if outside)."""
-        logits = F.linear(hidden.float(), self.weight, self.bias)
+        # In the target's dtype (bf16 on the GPU), as the served target computes its logits: an
+        # fp32 pass over a 49K-152K vocab would cost a large share of a training step. Stored
+        # features are cast back to it, so online and offline see the same numbers.
+        logits = F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        top = self.to_draft[logits.argmax(-1)]  # soft-capping is monotone: same argmax
+        draft = logits[..., self.draft_ids].float()
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        top = self.to_draft[logits.argmax(-1)]
-        return logits[..., self.draft_ids].softmax(-1), top
+            draft = torch.tanh(draft / self.softcap) * self.softcap
+        return draft.softmax(-1), top
 
 
 # --------------------------------------------------------------------------- shards on disk
@@ -142,7 +163,7 @@ def write_features(model, aux_ids, samples: list[Sample], out, meta: dict, dtype
     `meta` identifies the data and target; a directory holding other features is refused."""
     out = Path(out)
     meta = {**meta, "aux_layer_ids": list(aux_ids), "dtype": dtype, "shard_size": shard_size,
-            "num_samples": len(samples), "hidden_size": model.config.get_text_config().hidden_size}
+            "num_samples": len(samples), "hidden_size": model.get_input_embeddings().weight.shape[1]}
     if (out / "meta.json").exists():
         old = json.loads((out / "meta.json").read_text())
         if old != meta:
@@ -151,6 +172,7 @@ def write_features(model, aux_ids, samples: list[Sample], out, meta: dict, dtype
     else:
         atomic_write_json(out / "meta.json", meta)
     todo = [i for i in range(math.ceil(len(samples) / shard_size)) if not _shard_path(out, i).exists()]
+    model = feature_model(model)
     for i in tqdm(todo, desc="features", unit="shard"):
         chunk = samples[i * shard_size:(i + 1) * shard_size]
         aux, hidden = [], []

@@ -37,8 +37,8 @@ from fledge.checkpoint import export_checkpoint, load_checkpoint
 from fledge.config import DraftConfig
 from fledge.conventions import accept_length
 from fledge.draft import Eagle3Draft
-from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, features_meta, load_samples,
-                             online_features, pad_batch)
+from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, feature_model, features_meta,
+                             load_samples, online_features, pad_batch)
 from fledge.util import FledgeError, atomic_dir, atomic_write_text, read_jsonl, save_figure
 from fledge.vocab import load_vocab_ids
 
@@ -181,7 +181,7 @@ class Run:
     cfg: TrainConfig
     model: nn.Module       # TTT, wrapped for DDP (or sharded in place by FSDP2)
     ttt: TTT               # the unwrapped module (state dicts)
-    target: nn.Module
+    target: nn.Module      # what computes the features (features.feature_model)
     target_name: str
     head: TargetHead
     aux_ids: tuple
@@ -254,7 +254,7 @@ def setup(cfg: TrainConfig, target) -> Run:
     warm = max(1, int(cfg.warmup * total))
     cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, cosine(s)))
-    return Run(cfg, wrapped, ttt, model, target.name, TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
+    return Run(cfg, wrapped, ttt, feature_model(model), target.name, TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
                store, train, evals, opt, sched, total, per_epoch, rank, world, device)
 
 

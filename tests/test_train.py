@@ -22,7 +22,7 @@ from conftest import make_tiny
 from fledge.cli import main as cli_main
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
-from fledge.features import (FeatureStore, TargetHead, features_meta, load_samples, online_features,
+from fledge.features import (FeatureStore, TargetHead, feature_model, features_meta, load_samples, online_features,
                              write_features)
 from fledge.target import Target
 from fledge.train import TTT, TrainConfig, train, unroll
@@ -222,6 +222,27 @@ def test_kill9_then_resume_gives_the_same_curve(tmp_path):
     assert curve(tmp_path / "killed") == curve(tmp_path / "ref")
     a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "killed")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_engine_features_match_hf_capture(family):
+    """Training reads the target through the engine's compact model (feature_model): its aux and
+    final states on a right-padded batch equal HF's, hooks and attention mask, at every real token."""
+    from fledge.engine.model import Transformer
+    from fledge.target import capture
+    hf = make_tiny(family, seed=7)
+    lens = [13, 5, 9]
+    ids = torch.zeros(3, 16, dtype=torch.long)
+    attn = torch.zeros(3, 16, dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, :n], attn[b, :n] = torch.randint(0, 301, (n,)), 1
+    model = feature_model(hf)
+    assert isinstance(model, Transformer)
+    aux, hidden = online_features(model, (1, 3, 5), ids, attn)
+    ref = capture(hf, ids, (1, 3, 5), attention_mask=attn)
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(aux[b, :n], ref.aux[b, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hidden[b, :n], ref.hidden[b, :n], atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- online == offline
