@@ -4,8 +4,9 @@
 
 Configs: HF generate (eager; static cache, auto-compiled, GPU only; --skip-hf leaves them out),
 engine AR, oracle chain (the engine's ceiling), n-gram, EAGLE-3 chain 7 and one row per --tree
-(with --drafter). --compile fuses the engine's pointwise ops for every engine row, the AR
-baseline included. Ratios are against engine AR from the same run; `match_ar` counts prompts
+(with --drafter). --compile compiles the engine's layer functions for every engine row, the AR
+baseline included (and adds the uncompiled AR as a row). Ratios are against engine AR from the
+same run — HF rows against engine AR on the same prompts (--hf-prompts runs HF on fewer); `match_ar` counts prompts
 whose output equals engine AR's token for token (exact in fp32; in bf16 a verify over many
 tokens rounds differently from a 1-token step, so near-ties may flip). Prints a table and
 writes bench/results/engine_<device>.json.
@@ -92,12 +93,15 @@ def bench(args) -> dict:
     chain7 = SpecConfig(7, 1, 8)
     graphs = not args.no_cuda_graph
 
-    configs = {}
+    configs, hf_names = {}, set()
+    if args.compile:  # the same engine without torch.compile, to show what compiling buys
+        configs["engine AR (not compiled)"] = ar_runner(build_engine_target(t.model, dtype, device), eos, graphs)
     if not args.skip_hf:  # HF eager costs ~7.5 s a prompt on the H200: skip it to bench all 80
         configs["hf eager"] = hf_runner(t.model, eos, device)
         if device.type == "cuda":
             static_len = -(-(max(map(len, prompts)) + args.max_new_tokens) // 64) * 64
             configs["hf static (compiled)"] = hf_runner(t.model, eos, device, static_len)
+        hf_names = {n for n in configs if n.startswith("hf ")}
     configs["engine AR"] = ar_runner(target, eos, graphs)
     configs["oracle chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: OracleDrafter(chain7, [p + ar]))
     ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
@@ -112,45 +116,53 @@ def bench(args) -> dict:
 
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
     ar_out = [ar_runner(target, eos, graphs)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
-    results = {}
+    n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
+    results, per_prompt = {}, {}
     for name, run in configs.items():
         warm = SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0)
         run(prompts[0], warm, ar_out[0][:16])  # compile / capture / allocator warm-up, untimed
-        tokens, seconds, matches, stats = 0, 0.0, 0, []
+        todo = list(zip(prompts, ar_out))[:n_hf if name in hf_names else None]
+        timed, matches, stats = [], 0, []
         for rep in range(args.repeats):
-            for p, ar in tqdm(list(zip(prompts, ar_out)), desc=f"{name} [{rep + 1}/{args.repeats}]", leave=False):
+            for i, (p, ar) in enumerate(tqdm(todo, desc=f"{name} [{rep + 1}/{args.repeats}]", leave=False)):
                 out, s, st = run(p, params, ar)
-                tokens, seconds = tokens + len(out), seconds + s
+                timed.append((i, len(out), s))
                 matches += rep == 0 and out == ar
                 if st is not None:
                     stats.append(st)
-        row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "match_ar": matches}
+        per_prompt[name] = timed
+        tokens, seconds = sum(x[1] for x in timed), sum(x[2] for x in timed)
+        row = {"prompts": len(todo), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "match_ar": matches}
         if stats:
             s = SpecStats.merge(stats).summary()
-            row.update({k: s[k] for k in ("accept_length", "accept_rate", "draft_ms_per_step", "verify_ms_per_step",
-                                          "other_ms_per_step", "depth_acceptance", "histogram")})
+            row.update({k: s[k] for k in ("accept_length", "accept_rate", "round_ms_per_step", "draft_ms_per_step",
+                                          "verify_ms_per_step", "other_ms_per_step", "depth_acceptance", "histogram")})
         results[name] = row
     base = results["engine AR"]["tok_s"]
-    for row in results.values():
-        row["vs_engine_ar"] = row["tok_s"] / base
+    ar_sub = [x for x in per_prompt["engine AR"] if x[0] < n_hf]  # engine AR on the prompts HF ran
+    base_hf = sum(x[1] for x in ar_sub) / sum(x[2] for x in ar_sub)
+    for name, row in results.items():
+        row["vs_engine_ar"] = row["tok_s"] / (base_hf if name in hf_names else base)
+        if name in hf_names:
+            row["engine_ar_same_prompts_tok_s"] = base_hf
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
-            "compiled_pointwise": args.compile,
+            "compiled_layers": args.compile, "hf_prompts": n_hf if hf_names else 0,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
             "results": results}
 
 
 def print_table(report: dict) -> None:
-    head = ["config", "tok/s", "vs AR", "match AR", "accept len", "draft ms", "verify ms", "other ms"]
+    head = ["config", "prompts", "tok/s", "vs AR", "match AR", "accept len", "round ms"]
     rows = [head]
     for name, r in report["results"].items():
-        spec = [f"{r['accept_length']:.2f}", f"{r['draft_ms_per_step']:.2f}", f"{r['verify_ms_per_step']:.2f}",
-                f"{r['other_ms_per_step']:.2f}"] if "accept_length" in r else ["-"] * 4
-        rows.append([name, f"{r['tok_s']:.1f}", f"{r['vs_engine_ar']:.2f}x", f"{r['match_ar']}/{report['prompts']}", *spec])
+        spec = [f"{r['accept_length']:.2f}", f"{r['round_ms_per_step']:.3f}"] if "accept_length" in r else ["-"] * 2
+        rows.append([name, str(r["prompts"]), f"{r['tok_s']:.1f}", f"{r['vs_engine_ar']:.2f}x",
+                     f"{r['match_ar']}/{r['prompts']}", *spec])
     widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
     print(f"{report['device']}  {report['target']}  {report['dtype']}  {report['prompts']} prompts x "
-          f"{report['max_new_tokens']} new tokens, batch 1, greedy")
+          f"{report['max_new_tokens']} new tokens, batch 1, greedy (HF rows: vs engine AR on the same prompts)")
     for row in rows:
         print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
 
@@ -168,8 +180,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="10 prompts, 1 repeat (about 3 minutes on an H200)")
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baselines")
+    p.add_argument("--hf-prompts", type=int, help="run the HF baselines on the first N prompts only (default all)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
-    p.add_argument("--compile", action="store_true", help="torch.compile the engine's pointwise ops (target side)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the engine's layer functions (target side); adds an uncompiled AR row")
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--out", help="JSON path (default bench/results/engine_<device>.json)")

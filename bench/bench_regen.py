@@ -6,7 +6,9 @@ For each batch size, the same prompts (the first B of the file, sorted by length
 regen` batches them) are answered greedily by both, up to --max-new-tokens each. HF gets the
 batch left-padded (as its generate requires) and runs eagerly with its dynamic cache: the way a
 data pipeline calls it. A row's tokens count up to and including its first end-of-turn token;
-tok/s is those tokens over the wall time of the whole call (prefill included) for both.
+tok/s is those tokens over the wall time of the whole call (prefill included) for both;
+`decode_tok_s` is the engine's decode steps times the batch (finished rows included) over decode
+time, the rate a continuously refilled batch would approach.
 `same_rows` counts rows whose answers are token-identical: batched bf16 on two code paths
 need not agree exactly, so it is shown, not required. Prints a table; writes JSON.
 """
@@ -50,49 +52,59 @@ def hf_batch(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: in
 
 def engine_batch(engine, prompts, max_new: int, eos: list[int], device):
     t0 = now(device)
-    rows, _ = generate_ar(engine, prompts, SamplingParams(max_new_tokens=max_new), eos)
-    return rows, now(device) - t0
+    rows, stats = generate_ar(engine, prompts, SamplingParams(max_new_tokens=max_new), eos)
+    return rows, now(device) - t0, stats
 
 
 def bench(args) -> dict:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     t = load_target(args.target, dtype=dtype, device=device)
-    engine = build_engine_target(t.model, dtype, device)
+    engine = build_engine_target(t.model, dtype, device, compile=args.compile)
     eos = eos_ids(t.model, t.tokenizer)
     pad = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else eos[0]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    prompts = load_prompts(args.prompts, max(sizes), t.tokenizer)
-    if len(prompts) < max(sizes):
-        raise FledgeError(f"{args.prompts}: {len(prompts)} prompts, fewer than batch {max(sizes)}")
-    # Untimed warm-up of both paths (CUDA graph capture, allocator, kernel selection).
-    engine_batch(engine, prompts[:2], 8, eos, device)
+    engine_only = [int(b) for b in args.engine_only.split(",")] if args.engine_only else []
+    prompts = load_prompts(args.prompts, max(sizes + engine_only), t.tokenizer)
+    if len(prompts) < max(sizes + engine_only):
+        raise FledgeError(f"{args.prompts}: {len(prompts)} prompts, fewer than batch {max(sizes + engine_only)}")
+    # Untimed warm-up of both paths (CUDA graph capture, allocator, kernel selection, compiles).
+    for b in sorted(set(sizes + engine_only)):
+        engine_batch(engine, sorted(prompts[:b], key=len), 8, eos, device)
     hf_batch(t.model, prompts[:2], 8, eos, pad, device)
     results = []
-    for b in sizes:
+    for b in sorted(set(sizes + engine_only)):
         batch = sorted(prompts[:b], key=len)
-        runs = {"engine": engine_batch(engine, batch, args.max_new_tokens, eos, device),
-                "hf": hf_batch(t.model, batch, args.max_new_tokens, eos, pad, device)}
-        row = {"batch": b, "prompt_tokens": sum(map(len, batch))}
-        for name, (rows, seconds) in runs.items():
-            n = sum(map(len, rows))
-            row[name] = {"tokens": n, "seconds": seconds, "tok_s": n / seconds}
-        row["engine_vs_hf"] = row["engine"]["tok_s"] / row["hf"]["tok_s"]
-        row["same_rows"] = sum(x == y for x, y in zip(runs["engine"][0], runs["hf"][0]))
+        rows, seconds, st = engine_batch(engine, batch, args.max_new_tokens, eos, device)
+        n = sum(map(len, rows))
+        row = {"batch": b, "prompt_tokens": sum(map(len, batch)),
+               "engine": {"tokens": n, "seconds": seconds, "tok_s": n / seconds,
+                          "decode_tok_s": st["decode_tok_s"], "decode_steps": st["decode_steps"],
+                          "prefill_ms": st["prefill_ms"], "spans": st["spans"]}}
+        if b in sizes:
+            hf_rows, hf_s = hf_batch(t.model, batch, args.max_new_tokens, eos, pad, device)
+            hn = sum(map(len, hf_rows))
+            row["hf"] = {"tokens": hn, "seconds": hf_s, "tok_s": hn / hf_s}
+            row["engine_vs_hf"] = row["engine"]["tok_s"] / row["hf"]["tok_s"]
+            row["same_rows"] = sum(x == y for x, y in zip(rows, hf_rows))
         results.append(row)
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."),
             "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "greedy": True,
-            "hf": "generate, eager, dynamic cache, left padding", "engine": "generate_ar, right padding, CUDA graph",
+            "hf": "generate, eager, dynamic cache, left padding", "engine": "generate_ar, right padding, CUDA graph per attention span",
+            "compiled_layers": args.compile,
             "results": results}
 
 
 def print_table(report: dict) -> None:
-    print(f"{report['device']}  {report['target']}  {report['dtype']}  greedy, up to {report['max_new_tokens']} new tokens")
-    print(f"{'batch':>5} {'HF tok/s':>10} {'engine tok/s':>13} {'engine/HF':>10} {'same rows':>10}")
+    print(f"{report['device']}  {report['target']}  {report['dtype']}  greedy, up to {report['max_new_tokens']} new tokens"
+          f"{'  (engine compiled)' if report.get('compiled_layers') else ''}")
+    print(f"{'batch':>5} {'HF tok/s':>10} {'engine tok/s':>13} {'engine/HF':>10} {'same rows':>10} {'decode tok/s':>13}")
     for r in report["results"]:
-        print(f"{r['batch']:>5} {r['hf']['tok_s']:>10.1f} {r['engine']['tok_s']:>13.1f} "
-              f"{r['engine_vs_hf']:>9.2f}x {r['same_rows']:>6}/{r['batch']}")
+        hf = r.get("hf")
+        print(f"{r['batch']:>5} {hf['tok_s'] if hf else float('nan'):>10.1f} {r['engine']['tok_s']:>13.1f} "
+              f"{r.get('engine_vs_hf', float('nan')):>9.2f}x {(str(r['same_rows']) if hf else '-'):>6}/{r['batch']} "
+              f"{r['engine']['decode_tok_s']:>13.1f}")
 
 
 def main(argv=None) -> int:
@@ -100,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--prompts", default="mtbench", help="built-in data set or conversations JSONL")
     p.add_argument("--batch-sizes", default="64,256")
+    p.add_argument("--engine-only", help="further batch sizes run on the engine alone (HF at 512+ costs minutes)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the engine's layer functions")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--device")
     p.add_argument("--dtype")

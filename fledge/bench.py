@@ -339,8 +339,10 @@ def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str):
     from fledge.engine.spec import generate_spec
     from fledge.engine.stats import SpecStats
 
-    generate_spec(rig.target, drafter, prompts[0], SamplingParams(max_new_tokens=8), rig.eos)  # warm-up
-    runs = [generate_spec(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos)[1]
+    # Phased rounds: the cost model splits a round into draft, verify and the rest, which a
+    # fused round (one graph) cannot report; tune models and validates that engine.
+    generate_spec(rig.target, drafter, prompts[0], SamplingParams(max_new_tokens=8), rig.eos, phased=True)  # warm-up
+    runs = [generate_spec(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos, phased=True)[1]
             for p in tqdm(prompts, desc=desc, leave=False)]
     stats = SpecStats.merge(runs)
     decode_tok_s = 1e3 * (stats.generated_tokens - len(runs)) / max(stats.wall_ms - stats.prefill_ms, 1e-9)

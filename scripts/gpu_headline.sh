@@ -9,31 +9,34 @@
 # train -> scripts/gpu_adapt.sh new; bench -> scripts/gpu_adapt.sh compare. GPU 0's timings
 # are then taken while GPU 1 is busy (separate devices; 32 host cores).
 #
-#   here (CPU):  bash scripts/gpu_headline.sh prepare && bash scripts/gpu_adapt.sh prepare
+#   here (CPU):  PARTS=2 bash scripts/gpu_headline.sh prepare
+#                (two ~47 MiB parts fit a call only while drafters/ is moved out of the work tree:
+#                 nothing in the stages reads it; put it back, or the new drafter in, afterwards)
 #   GPU call 1:  bash scripts/gpu_stage_gguf.sh receive aa && bash scripts/gpu_headline.sh receive
 #                carry: .gguf/part.aa .gguf/gguf-0.19.0-py3-none-any.whl .gguf/sharegpt_first_turns.jsonl.gz
-#                       .gguf/mtbench.jsonl .gguf/adapt_code.jsonl.gz      (~60 MB with the repo's drafter)
-#   GPU calls 2, 3: bash scripts/gpu_stage_gguf.sh receive ab (then ac)   carry: that part + the wheel
-#   GPU call 4:  bash scripts/gpu_stage_gguf.sh receive ad && bash scripts/gpu_stage_gguf.sh finish
-#                && bash scripts/gpu_headline.sh regen 270               carry: .gguf/part.ad + the wheel
+#                       .gguf/mtbench.jsonl
+#   GPU call 2:  bash scripts/gpu_stage_gguf.sh receive ab && bash scripts/gpu_stage_gguf.sh finish
+#                && bash scripts/gpu_headline.sh regen 300                carry: .gguf/part.ab + the wheel
 #                (+ .gguf/regen.jsonl.gz, the set an earlier lease brought home in regen.tgz: no regen)
-#   GPU call 5:  bash scripts/gpu_headline.sh train 300                    carry: none
-#   GPU call 6:  bash scripts/gpu_headline.sh bench                        carry: none
-#   GPU call 7:  bash scripts/gpu_headline.sh scale                        (2+ GPUs) carry: none
-#   here after 5: cat <files_at>/drafter.tar.part-* | tar -x -C runs/   (-> runs/smollm2-headline/)
+#   GPU call 3:  bash scripts/gpu_headline.sh train 420                    carry: none
+#   GPU call 4:  bash scripts/gpu_headline.sh bench                        carry: none
+#   GPU call 5:  bash scripts/gpu_headline.sh scale                        (2+ GPUs) carry: none
+#   here after 3: cat <files_at>/drafter.tar.part-* | tar -x -C runs/   (-> runs/smollm2-headline/)
 # Calls must follow each other within the machine's 30 s warm window: have every command ready.
 #
 # CPU check of the whole flow (here; a 12-prompt subset replaces firsts.jsonl after `receive`):
 #   export WORK=/tmp/ghw OUT=/tmp/x DEVICE=cpu DTYPE=float32 REGEN_BATCH=4 MAX_NEW=16 TRAIN_BATCH=2 \
 #          PROBE_STEPS=3 EPOCHS=1 TTT_STEPS=2 EVAL_EVERY=2 WORKERS=2 BENCH_PROMPTS=2 BENCH_NEW=8 \
-#          SIDE=0 SCALE_STEPS=4 SCALE_BATCH=4 SCALE_SKIP=1 REGEN_BENCH_BATCHES=2 TUNE_PROMPTS=1 TUNE_NEW=8
+#          SIDE=0 SCALE_STEPS=4 SCALE_BATCH=4 SCALE_SKIP=1 REGEN_BENCH_BATCHES=2 REGEN_BENCH_ENGINE_ONLY=3 \
+#          REGEN_BENCH_NEW=8 HF_PROMPTS=1 LIMIT=12
 #
 # A stage cut off by the 10-minute limit resumes when rerun (regen appends; train resumes from
 # its checkpoint with the same planned step count). Every stage prints the device time it used.
 #
 # Knobs (environment), defaults for the H200; the CPU check above scales them down:
 #   WORK OUT DEVICE DTYPE  REGEN_BATCH REGEN_CHUNK MAX_NEW LIMIT  TRAIN_BATCH MAX_LEN VOCAB_SIZE EPOCHS LR
-#   TTT_STEPS PROBE_STEPS EVAL_EVERY WORKERS  BENCH_PROMPTS BENCH_NEW TUNE_PROMPTS TUNE_NEW
+#   TTT_STEPS PROBE_STEPS EVAL_EVERY WORKERS  BENCH_PROMPTS BENCH_NEW HF_PROMPTS FP32_PROMPTS
+#   REGEN_BENCH_BATCHES REGEN_BENCH_ENGINE_ONLY REGEN_BENCH_NEW  SAMPLED (0: no sampled regen pass)
 #   SIDE (0: no side work on GPU 1)  SCALE_STEPS SCALE_BATCH (global batch of the scaling runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +45,7 @@ WORK=${WORK:-/tmp/fledge_headline}
 OUT=${OUT:-$WORK/out}
 RESULTS=$WORK/results
 DEVICE=${DEVICE:-cuda}
-LR=${LR:-3e-4}
+LR=${LR:-5e-4}
 DTYPE=${DTYPE:-bfloat16}
 STAGE=.gguf
 TARGET=smollm2-135m
@@ -126,7 +129,7 @@ regen() {
     # holds similar lengths and sizes its KV cache to them (in session 2 chunk = batch = 256 cached
     # up to 2048 slots for most batches). Not yet measured.
     timeout -s INT -k 30 "$budget" python3 -m fledge.cli regen "$WORK/firsts.jsonl" "$WORK/regen.jsonl" \
-        --device "$DEVICE" --dtype "$DTYPE" --batch-size "${REGEN_BATCH:-256}" --chunk "${REGEN_CHUNK:-2048}" \
+        --device "$DEVICE" --dtype "$DTYPE" --batch-size "${REGEN_BATCH:-512}" --chunk "${REGEN_CHUNK:-2048}" \
         --max-new-tokens "${MAX_NEW:-512}" --max-turns 1 ${LIMIT:+--limit "$LIMIT"} || rc=$?
     case $rc in
         0) echo "regen: every conversation answered" ;;
@@ -136,6 +139,19 @@ regen() {
     data regen-stats "$WORK/regen.jsonl" "$RES/regen_stats.json" --tokenizer "$(target_dir)" \
         --previous "$WORK/regen_before.json" --seconds $((SECONDS - t0))
     rm -f "$WORK/regen_before.json"
+    # What the budget leaves goes to a second, sampled answer per prompt (T=0.7): more of the
+    # target's own text to train on, from the same prompts (held-out prompts stay held out).
+    local left=$((budget - (SECONDS - t0))) t1=$SECONDS
+    if (( left > 45 )) && [[ ${SAMPLED:-1} != 0 && $rc == 0 ]]; then
+        rc=0
+        timeout -s INT -k 30 "$left" python3 -m fledge.cli regen "$WORK/firsts.jsonl" "$WORK/regen_s.jsonl" \
+            --device "$DEVICE" --dtype "$DTYPE" --batch-size "${REGEN_BATCH:-512}" --chunk "${REGEN_CHUNK:-2048}" \
+            --max-new-tokens "${MAX_NEW:-512}" --max-turns 1 --temperature 0.7 --seed 1 ${LIMIT:+--limit "$LIMIT"} || rc=$?
+        case $rc in 0|124|137) ;; *) echo "gpu_headline: sampled regen failed (exit $rc)" >&2; exit "$rc" ;; esac
+        data regen-stats "$WORK/regen_s.jsonl" "$RES/regen_sampled_stats.json" --tokenizer "$(target_dir)" \
+            --seconds $((SECONDS - t1))
+        gzip -c "$WORK/regen_s.jsonl" > "$RES/regen_s.jsonl.gz"
+    fi
     # The set itself comes home too (~5 MB gzipped): carried back as .gguf/regen.jsonl.gz, it saves
     # the next lease the regeneration.
     gzip -c "$WORK/regen.jsonl" > "$RES/regen.jsonl.gz"
@@ -145,7 +161,7 @@ regen() {
 }
 
 train() {
-    local budget=$1 batch=${TRAIN_BATCH:-16} max_len=${MAX_LEN:-2048} probe_steps=${PROBE_STEPS:-100}
+    local budget=$1 batch=${TRAIN_BATCH:-64} max_len=${MAX_LEN:-2048} probe_steps=${PROBE_STEPS:-60}
     [[ -s $WORK/regen.jsonl ]] || { echo "gpu_headline: $WORK/regen.jsonl missing; run 'regen' first" >&2; exit 2; }
     RES=$RESULTS/train && mkdir -p "$RES"
     if [[ -f $WORK/adapt_code.jsonl.gz ]]; then
@@ -154,7 +170,9 @@ train() {
     local tok
     tok=$(target_dir)
     if [[ ! -f $WORK/train.tok.jsonl ]]; then   # regen is final once training starts
-        data split "$WORK/regen.jsonl" "$WORK/train.jsonl" "$WORK/heldout.jsonl"
+        cat "$WORK/regen.jsonl" > "$WORK/regen_all.jsonl"
+        [[ -f $WORK/regen_s.jsonl ]] && cat "$WORK/regen_s.jsonl" >> "$WORK/regen_all.jsonl"
+        data split "$WORK/regen_all.jsonl" "$WORK/train.jsonl" "$WORK/heldout.jsonl"
         data tokenize "$WORK/heldout.jsonl" "$WORK/heldout.tok.jsonl" --tokenizer "$tok" --max-len "$max_len" \
             --workers "${WORKERS:-$(nproc)}"
         data tokenize "$WORK/train.jsonl" "$WORK/train.tok.jsonl" --tokenizer "$tok" --max-len "$max_len" \
@@ -162,6 +180,8 @@ train() {
     fi
     [[ -f $WORK/vocab.safetensors ]] || fledge vocab build "$WORK/train.tok.jsonl" --target "$TARGET" \
         --size "${VOCAB_SIZE:-16384}" --heldout "$WORK/heldout.tok.jsonl" -o "$WORK/vocab.safetensors"
+    # Batches change shape every step: expandable segments keep the allocator from fragmenting.
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     local common=(--target "$TARGET" --data "$WORK/train.tok.jsonl" --vocab "$WORK/vocab.safetensors"
                   --batch-size "$batch" --max-len "$max_len" --lr "$LR" --ttt-steps "${TTT_STEPS:-7}"
                   --device "$DEVICE")
@@ -172,7 +192,7 @@ train() {
             --log-every $(( (probe_steps + 9) / 10 )) --eval-every 1000000 --save-every 1000000
         echo "probe: $((SECONDS - t0))s"
         data plan-steps "$WORK/probe/metrics.jsonl" "$WORK/train.tok.jsonl" "$WORK/plan.json" \
-            --batch "$batch" --seconds "$budget" --epochs "${EPOCHS:-3}"
+            --batch "$batch" --seconds "$budget" --epochs "${EPOCHS:-12}"
     fi
     local steps t1=$SECONDS
     steps=$(python3 -c "import json; print(json.load(open('$WORK/plan.json'))['max_steps'])")
@@ -221,22 +241,30 @@ bench() {
     if [[ -f $WORK/adapt/new/config.json ]]; then
         side adapt_compare timeout -s INT -k 30 "${ADAPT_CMP_SECS:-420}" bash scripts/gpu_adapt.sh compare
     fi
-    # HF baselines were measured in an earlier session (bench/results); engine AR is this run's baseline.
+    # Engine rows on BENCH_PROMPTS, HF baselines on the first HF_PROMPTS of them (HF eager costs
+    # ~7.5 s a prompt); every ratio is against engine AR on the same prompts, in this run.
     local trees=(--tree 5,4,16 --tree 7,4,32 --tree 8,8,64)
-    local common=(--target "$TARGET" --drafter "$WORK/drafter" "${trees[@]}" --prompts "$WORK/mtbench.jsonl"
-                  --num-prompts "${BENCH_PROMPTS:-24}" --max-new-tokens "${BENCH_NEW:-256}" --device "$DEVICE"
-                  --dtype "$DTYPE" --skip-hf)
-    python3 bench/bench_engine.py "${common[@]}" --out "$RES/bench_engine.json" 2>&1 | tee "$RES/bench_engine.log"
-    [[ $DEVICE == cuda ]] && python3 bench/bench_engine.py "${common[@]}" --compile --out "$RES/bench_engine_compiled.json" \
-        2>&1 | tee "$RES/bench_engine_compiled.log"
+    local engine=(--target "$TARGET" --drafter "$WORK/drafter" "${trees[@]}" --prompts "$WORK/mtbench.jsonl"
+                  --num-prompts "${BENCH_PROMPTS:-24}" --max-new-tokens "${BENCH_NEW:-256}" --device "$DEVICE" --dtype "$DTYPE"
+                  --hf-prompts "${HF_PROMPTS:-8}" --out "$RES/bench_engine.json")
+    # Compiled layers where CUDA is; should compiling fail there, the same bench without it.
+    set -o pipefail
+    if [[ $DEVICE == cuda ]]; then
+        python3 bench/bench_engine.py "${engine[@]}" --compile 2>&1 | tee "$RES/bench_engine.log" \
+            || python3 bench/bench_engine.py "${engine[@]}" 2>&1 | tee "$RES/bench_engine_uncompiled.log"
+    else
+        python3 bench/bench_engine.py "${engine[@]}" 2>&1 | tee "$RES/bench_engine.log"
+    fi
+    # Batched AR for regeneration against HF batched generate at the same batch (HF at 256 only:
+    # at 512 it would cost minutes), then larger batches on the engine alone.
+    python3 bench/bench_regen.py --target "$TARGET" --prompts "$WORK/firsts.jsonl" --batch-sizes "${REGEN_BENCH_BATCHES:-256}" \
+        --engine-only "${REGEN_BENCH_ENGINE_ONLY:-512,1024}" --max-new-tokens "${REGEN_BENCH_NEW:-256}" \
+        --device "$DEVICE" --dtype "$DTYPE" --out "$RES/bench_regen.json" 2>&1 | tee "$RES/bench_regen.log"
     # fp32 with CUDA graphs: every row must match AR (session 2 saw trees match 5-7/24 in bf16 and
     # traced it to bf16 rounding on the CPU; this settles it on the GPU path itself).
     [[ $DEVICE == cuda ]] && python3 bench/bench_engine.py --target "$TARGET" --drafter "$WORK/drafter" \
-        --tree 5,4,16 --tree 8,8,64 --prompts "$WORK/mtbench.jsonl" --num-prompts 8 --max-new-tokens 256 \
+        --tree 5,4,16 --tree 8,8,64 --prompts "$WORK/mtbench.jsonl" --num-prompts "${FP32_PROMPTS:-8}" --max-new-tokens 256 \
         --device cuda --dtype float32 --skip-hf --out "$RES/bench_engine_fp32.json" 2>&1 | tee "$RES/bench_engine_fp32.log"
-    fledge tune --target "$TARGET" --drafter "$WORK/drafter" --device "$DEVICE" --dtype "$DTYPE" --validate \
-        --prompts "$WORK/mtbench.jsonl" --num-prompts "${TUNE_PROMPTS:-8}" --max-new-tokens "${TUNE_NEW:-256}" \
-        --json "$RES/tune.json" --png "$RES/tune.png" 2>&1 | tee "$RES/tune.log"
     side_wait
     pack bench
     report_time bench
