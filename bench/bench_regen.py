@@ -25,7 +25,7 @@ import torch
 
 from fledge.bench import load_prompts
 from fledge.engine.cli import eos_ids, pick_device, pick_dtype
-from fledge.engine.generate import SamplingParams, cut_at_eos, generate_ar
+from fledge.engine.generate import ROW_GROUP, SamplingParams, cut_at_eos, generate_ar
 from fledge.engine.model import build_engine_target
 from fledge.target import load_target
 from fledge.util import FledgeError, atomic_write_json
@@ -50,10 +50,17 @@ def hf_batch(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: in
     return [cut_at_eos(r, eos) for r in out[:, width:].tolist()], seconds
 
 
-def engine_batch(engine, prompts, max_new: int, eos: list[int], device):
+def engine_batch(engine, prompts, max_new: int, eos: list[int], device, row_group: int = ROW_GROUP):
     t0 = now(device)
-    rows, stats = generate_ar(engine, prompts, SamplingParams(max_new_tokens=max_new), eos)
+    rows, stats = generate_ar(engine, prompts, SamplingParams(max_new_tokens=max_new), eos, row_group=row_group)
     return rows, now(device) - t0, stats
+
+
+def engine_row(rows, seconds, st) -> dict:
+    n = sum(map(len, rows))
+    return {"tokens": n, "seconds": seconds, "tok_s": n / seconds, "decode_tok_s": st["decode_tok_s"],
+            "decode_steps": st["decode_steps"], "prefill_ms": st["prefill_ms"], "row_groups": st["row_groups"],
+            "spans": st["spans"]}
 
 
 def bench(args) -> dict:
@@ -63,24 +70,31 @@ def bench(args) -> dict:
     engine = build_engine_target(t.model, dtype, device, compile=args.compile)
     eos = eos_ids(t.model, t.tokenizer)
     pad = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else eos[0]
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     engine_only = [int(b) for b in args.engine_only.split(",")] if args.engine_only else []
-    prompts = load_prompts(args.prompts, max(sizes + engine_only), t.tokenizer)
+    # As `fledge regen` does: a prompt with no room for the answer in --max-len is left out.
+    prompts = [p for p in load_prompts(args.prompts, 2 * max(sizes + engine_only), t.tokenizer)
+               if len(p) + args.max_new_tokens <= args.max_len]
+    prompts = prompts[:max(sizes + engine_only)]
     if len(prompts) < max(sizes + engine_only):
         raise FledgeError(f"{args.prompts}: {len(prompts)} prompts, fewer than batch {max(sizes + engine_only)}")
     # Untimed warm-up of both paths (CUDA graph capture, allocator, kernel selection, compiles).
     for b in sorted(set(sizes + engine_only)):
         engine_batch(engine, sorted(prompts[:b], key=len), 8, eos, device)
-    hf_batch(t.model, prompts[:2], 8, eos, pad, device)
+        if args.compare_one_group:
+            engine_batch(engine, sorted(prompts[:b], key=len), 8, eos, device, row_group=b)
+    if sizes:
+        hf_batch(t.model, prompts[:2], 8, eos, pad, device)
     results = []
     for b in sorted(set(sizes + engine_only)):
         batch = sorted(prompts[:b], key=len)
         rows, seconds, st = engine_batch(engine, batch, args.max_new_tokens, eos, device)
-        n = sum(map(len, rows))
-        row = {"batch": b, "prompt_tokens": sum(map(len, batch)),
-               "engine": {"tokens": n, "seconds": seconds, "tok_s": n / seconds,
-                          "decode_tok_s": st["decode_tok_s"], "decode_steps": st["decode_steps"],
-                          "prefill_ms": st["prefill_ms"], "spans": st["spans"]}}
+        row = {"batch": b, "prompt_tokens": sum(map(len, batch)), "engine": engine_row(rows, seconds, st)}
+        if args.compare_one_group:  # the same engine with the whole batch as one group (one span)
+            one_rows, one_s, one_st = engine_batch(engine, batch, args.max_new_tokens, eos, device, row_group=b)
+            row["engine_one_group"] = engine_row(one_rows, one_s, one_st)
+            row["grouped_vs_one_group"] = row["engine"]["tok_s"] / row["engine_one_group"]["tok_s"]
+            row["same_rows_one_group"] = sum(x == y for x, y in zip(rows, one_rows))
         if b in sizes:
             hf_rows, hf_s = hf_batch(t.model, batch, args.max_new_tokens, eos, pad, device)
             hn = sum(map(len, hf_rows))
@@ -91,7 +105,7 @@ def bench(args) -> dict:
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."),
             "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "greedy": True,
-            "hf": "generate, eager, dynamic cache, left padding", "engine": "generate_ar, right padding, CUDA graph per attention span",
+            "hf": "generate, eager, dynamic cache, left padding", "engine": f"generate_ar, right padding, length-sorted row groups of {ROW_GROUP}, CUDA graph per span tuple",
             "compiled_layers": args.compile,
             "results": results}
 
@@ -99,12 +113,14 @@ def bench(args) -> dict:
 def print_table(report: dict) -> None:
     print(f"{report['device']}  {report['target']}  {report['dtype']}  greedy, up to {report['max_new_tokens']} new tokens"
           f"{'  (engine compiled)' if report.get('compiled_layers') else ''}")
-    print(f"{'batch':>5} {'HF tok/s':>10} {'engine tok/s':>13} {'engine/HF':>10} {'same rows':>10} {'decode tok/s':>13}")
+    nan = float("nan")
+    print(f"{'batch':>5} {'HF tok/s':>10} {'engine tok/s':>13} {'engine/HF':>10} {'same rows':>10} {'decode tok/s':>13}"
+          f" {'1-group tok/s':>14}")
     for r in report["results"]:
-        hf = r.get("hf")
-        print(f"{r['batch']:>5} {hf['tok_s'] if hf else float('nan'):>10.1f} {r['engine']['tok_s']:>13.1f} "
-              f"{r.get('engine_vs_hf', float('nan')):>9.2f}x {(str(r['same_rows']) if hf else '-'):>6}/{r['batch']} "
-              f"{r['engine']['decode_tok_s']:>13.1f}")
+        hf, one = r.get("hf"), r.get("engine_one_group")
+        print(f"{r['batch']:>5} {hf['tok_s'] if hf else nan:>10.1f} {r['engine']['tok_s']:>13.1f} "
+              f"{r.get('engine_vs_hf', nan):>9.2f}x {(str(r['same_rows']) if hf else '-'):>6}/{r['batch']} "
+              f"{r['engine']['decode_tok_s']:>13.1f} {one['tok_s'] if one else nan:>14.1f}")
 
 
 def main(argv=None) -> int:
@@ -114,7 +130,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default="64,256")
     p.add_argument("--engine-only", help="further batch sizes run on the engine alone (HF at 512+ costs minutes)")
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's layer functions")
+    p.add_argument("--compare-one-group", action="store_true",
+                   help="also run each batch as one row group (one attention span, one prefill): what grouping buys")
     p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-len", type=int, default=2048, help="prompt + answer must fit (as fledge regen's --max-len)")
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--out", help="JSON path (default bench/results/regen_<device>.json)")

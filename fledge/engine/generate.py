@@ -76,6 +76,12 @@ def prefix_mask(lengths, max_len: int):
 
 
 SPAN_QUANTUM = 256  # decode attends to the cache's first k*256 slots, not all of them
+ROW_GROUP = 128  # rows of a length-sorted batch that prefill together and share a span
+
+
+def row_groups(batch: int, size: int = ROW_GROUP) -> list[tuple[int, int]]:
+    """Consecutive (first, end) row ranges of at most `size` rows covering the batch."""
+    return [(r, min(batch, r + size)) for r in range(0, batch, size)]
 
 
 def attention_span(slots_in_use: int, cache_len: int) -> int:
@@ -118,12 +124,13 @@ def _now(device) -> float:
 # --------------------------------------------------------------------------- generation
 @torch.no_grad()
 def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids, cache_len=None,
-                use_cuda_graph=True, check_every: int = 16):
+                use_cuda_graph=True, check_every: int = 16, row_group: int = ROW_GROUP):
     """Generate for a batch of prompts. Returns (per-row new tokens, each ending at its first eos
     (included, as HF does) or at max_new_tokens; stats dict).
 
     `check_every`: finished rows are checked every this many steps (a host sync), so up to
     that many extra steps may run after the last row ends; their tokens are discarded.
+    `row_group`: rows per group of the length-sorted batch (see below).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise FledgeError("generate_ar: every prompt needs at least one token")
@@ -137,12 +144,20 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     gen = torch.Generator(device=device).manual_seed(params.seed)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
 
+    # Rows sorted by length, in groups of neighbours: each group prefills padded to its own
+    # longest prompt and decodes over its own span, so one long prompt does not make the whole
+    # batch compute and read its length. Row b of the output is still prompts[b].
+    order = sorted(range(B), key=lambda b: lens[b])
+    slens = [lens[b] for b in order]
+    groups = row_groups(B, row_group) if getattr(model, "row_groups_ok", False) else [(0, B)]
+
     t0 = _now(device)
     ids = torch.zeros(B, max(lens), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = torch.tensor(p)
-    ids, lengths = ids.to(device), torch.tensor(lens, device=device)
-    logits, _ = model.prefill(ids, cache, logits_idx=(lengths - 1)[:, None])
+    for r, b in enumerate(order):
+        ids[r, :lens[b]] = torch.tensor(prompts[b])
+    ids, lengths = ids.to(device), torch.tensor(slens, device=device)
+    logits = torch.cat([model.prefill(ids[r0:r1, :max(slens[r0:r1])], cache, logits_idx=(lengths[r0:r1] - 1)[:, None],
+                                      rows=(r0, r1))[0] for r0, r1 in groups])
     tok = sample_token(logits[:, 0], params, gen)
     t1 = _now(device)
 
@@ -150,26 +165,30 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     graphs = use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok
     steps_by_span: dict = {}
 
-    def step_for(span: int):
-        """The decode step attending to the first `span` cache slots (one graph per span)."""
-        if span not in steps_by_span:
+    def spans_at(step: int) -> tuple[int, ...]:
+        # Every row advances one slot a step, so each group's longest is known on the host: no sync.
+        return tuple(attention_span(max(slens[r0:r1]) + step + 1, cache_len) for r0, r1 in groups)
+
+    def step_for(spans: tuple[int, ...]):
+        """The decode step whose group g attends to its first spans[g] slots (one graph each)."""
+        if spans not in steps_by_span:
             def step():
                 here = lengths[:, None]
-                out, _ = model(tokens, here, here, make_causal_mask(lengths, 1, span), cache)
+                masks = tuple(make_causal_mask(lengths[r0:r1], 1, S) for (r0, r1), S in zip(groups, spans))
+                out, _ = model(tokens, here, here, masks if len(masks) > 1 else masks[0], cache)
                 return out[:, -1]
-            steps_by_span[span] = capture_cuda_graph(step) if graphs else step
-        return steps_by_span[span]
+            steps_by_span[spans] = capture_cuda_graph(step) if graphs else step
+        return steps_by_span[spans]
 
-    for span in range(attention_span(max(lens) + 1, cache_len), attention_span(need, cache_len) + 1, SPAN_QUANTUM):
-        step_for(min(span, cache_len))  # every capture before the clock: none is decode time
+    for spans in dict.fromkeys(spans_at(s) for s in range(params.max_new_tokens)):
+        step_for(spans)  # every capture before the clock: none is decode time
     t2 = _now(device)
 
     out, done, steps = [tok], torch.isin(tok, eos), 0
     while steps < params.max_new_tokens - 1:
         if steps % check_every == 0 and bool(done.all()):
             break
-        # Every row advances one slot a step, so the longest is known on the host: no sync.
-        tok = sample_token(step_for(attention_span(max(lens) + steps + 1, cache_len))(), params, gen)
+        tok = sample_token(step_for(spans_at(steps))(), params, gen)
         out.append(tok)
         done |= torch.isin(tok, eos)
         tokens.copy_(tok[:, None])
@@ -177,12 +196,16 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
         steps += 1
     t3 = _now(device)
 
-    rows = [cut_at_eos(r, eos_ids) for r in torch.stack(out, dim=1).tolist()]
+    sorted_rows = [cut_at_eos(r, eos_ids) for r in torch.stack(out, dim=1).tolist()]
+    rows = [None] * B
+    for r, b in enumerate(order):
+        rows[b] = sorted_rows[r]
     n_new = sum(len(r) for r in rows)
     stats = {
         "batch": B, "prompt_tokens": sum(lens), "generated_tokens": n_new, "decode_steps": steps,
         "prefill_ms": 1e3 * (t1 - t0), "capture_ms": 1e3 * (t2 - t1), "decode_ms": 1e3 * (t3 - t2),
-        "spans": sorted(steps_by_span),  # attention spans used (each a CUDA graph on the GPU)
+        "row_groups": len(groups),
+        "spans": sorted(steps_by_span),  # per-group attention spans captured (each a CUDA graph on the GPU)
         "tok_s": n_new / max(t3 - t2 + t1 - t0, 1e-9),
         "decode_tok_s": B * steps / max(t3 - t2, 1e-9),  # all rows' decode steps, incl. finished rows
     }

@@ -158,12 +158,18 @@ def final_norm(x, delta, weight, eps: float):
     return rms_norm(x + delta, weight, eps)
 
 
-def attend_cached(q, kv, cache_kv, slots, bias):
-    """Write this step's K/V (one scatter for both) at `slots` [B, T], then attend over the
-    cache's first S = bias.shape[-1] slots: a decode step reads only the slots in use."""
+def attend_cached(q, kv, cache_kv, slots, biases):
+    """Write this step's K/V (one scatter for both) at `slots` [B, T], then attend: `biases`
+    cover consecutive groups of rows, each over the cache's first S = bias.shape[-1] slots, so
+    a decode step reads only the slots its group uses (see Transformer.forward)."""
     cache_kv.scatter_(3, slots[None, :, None, :, None].expand(kv.shape), kv)
-    S = bias.shape[-1]
-    return F.scaled_dot_product_attention(q, cache_kv[0, :, :, :S], cache_kv[1, :, :, :S], attn_mask=bias)
+    outs, r0 = [], 0
+    for bias in biases:
+        r1, S = r0 + bias.shape[0], bias.shape[-1]
+        outs.append(F.scaled_dot_product_attention(q[r0:r1], cache_kv[0, r0:r1, :, :S], cache_kv[1, r0:r1, :, :S],
+                                                   attn_mask=bias))
+        r0 = r1
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 @dataclass(frozen=True)
@@ -263,9 +269,12 @@ class Transformer(nn.Module):
         aux = torch.cat([captured[i] for i in aux_ids], dim=-1) if aux_ids is not None else None
         return (h if hidden_only else self.output(h).float()), aux
 
+    row_groups_ok = True  # forward takes per-group masks, prefill a row range (see generate_ar)
+
     def forward(self, input_ids, positions, slots, mask, cache: KVCache, aux_ids=None, logits_idx=None):
         """input_ids/positions/slots [B, T] long; mask [B, 1, T, S] bool (True = may attend) over
-        the cache's first S <= max_len slots.
+        the cache's first S <= max_len slots — or a tuple of such masks for consecutive groups of
+        rows, each with its own S (a batch sorted by length then reads what each group uses).
 
         Returns (logits [B, T, V] fp32, aux [B, T, 3H] or None). `aux` concatenates, in the order
         given, the residual stream entering layer i for i in `aux_ids` (= HF hidden_states[i]).
@@ -277,16 +286,20 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         # SDPA would turn a bool mask into an additive one in every layer: do it once here, with
         # the rows repeated once per query head sharing a kv head (see attn_in: GQA).
-        bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-        bias = bias.repeat(1, 1, self.args.n_heads // self.args.n_kv_heads, 1)
-        return self._run(self.fns, x, cos, sin, lambda i, q, kv: attend_cached(q, kv, cache.kv[i], slots, bias),
+        rep = self.args.n_heads // self.args.n_kv_heads
+        biases = [torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill_(~m, float("-inf")).repeat(1, 1, rep, 1)
+                  for m in (mask if isinstance(mask, tuple) else (mask,))]
+        return self._run(self.fns, x, cos, sin, lambda i, q, kv: attend_cached(q, kv, cache.kv[i], slots, biases),
                          aux_ids, logits_idx)
 
-    def prefill(self, input_ids, cache: KVCache | None = None, aux_ids=None, logits_idx=None, hidden_only=False):
+    def prefill(self, input_ids, cache: KVCache | None = None, aux_ids=None, logits_idx=None, hidden_only=False,
+                rows: tuple[int, int] | None = None):
         """A fresh right-padded batch at positions 0..T-1, causal over itself (flash attention,
         no mask: a row's pads come after its tokens, so no real token sees one). Writes K/V
-        into cache slots [0, T) when `cache` is given (decoding continues from there); without
-        one it is a plain forward, as training's feature pass wants. Returns as `_run`."""
+        into cache slots [0, T) when `cache` is given (decoding continues from there) — of cache
+        rows `rows` = (first, end) when given, so groups of similar length prefill apart and
+        pad less; without a cache it is a plain forward, as training's feature pass wants.
+        Returns as `_run`."""
         self._check_aux(aux_ids)
         B, T = input_ids.shape
         if cache is not None and T > cache.max_len:
@@ -295,9 +308,11 @@ class Transformer(nn.Module):
         cos, sin = self.rope(torch.arange(T, device=x.device).expand(B, T), x.dtype)
         rep = self.args.n_heads // self.args.n_kv_heads
 
+        r0, r1 = rows or (0, B)
+
         def attention(i, q, kv):
             if cache is not None:
-                cache.kv[i][..., :T, :].copy_(kv)
+                cache.kv[i][:, r0:r1, :, :T].copy_(kv)
             k, v = (t.repeat_interleave(rep, dim=1) for t in kv)  # plain heads: flash takes no GQA here
             return F.scaled_dot_product_attention(q.view(B, -1, T, q.shape[-1]), k, v, is_causal=True)
 
@@ -374,6 +389,7 @@ class HFTarget(nn.Module):
     (DeepSeek-V3/Kimi-K2, Gemma3). Not CUDA-graph capturable."""
 
     cuda_graph_ok = False
+    row_groups_ok = False
 
     def __init__(self, hf_model):
         super().__init__()
@@ -401,9 +417,12 @@ class HFTarget(nn.Module):
         near = (positions[:, :, None] - positions[:, None, :]) < self.config.sliding_window
         return {"full_attention": convert(mask), "sliding_attention": convert(mask & near[:, None])}
 
-    def prefill(self, input_ids, cache: HFCache, aux_ids=None, logits_idx=None):
-        """A fresh batch at slots and positions 0..T-1, causal (as Transformer.prefill)."""
+    def prefill(self, input_ids, cache: HFCache, aux_ids=None, logits_idx=None, rows=None):
+        """A fresh batch at slots and positions 0..T-1, causal (as Transformer.prefill; whole
+        batches only: `rows`, if given, must be all of the cache's)."""
         B, T = input_ids.shape
+        if rows is not None and tuple(rows) != (0, cache.ids.shape[0]):
+            raise FledgeError("HFTarget prefills whole batches (row_groups_ok is False)")
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
         cols = torch.arange(cache.ids.shape[1], device=input_ids.device)
         mask = (cols <= torch.arange(T, device=input_ids.device)[:, None])[None, None].expand(B, 1, T, -1)
