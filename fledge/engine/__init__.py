@@ -1,9 +1,11 @@
 """fledge's engine: the lab bench that runs a target and a drafter exactly.
 
-model.py: the target (compact Transformer or HFTarget) with an explicit, CUDA-graph-friendly
-forward; generate.py: autoregressive baseline, sampling, masks, CUDA-graph capture; tree.py,
-spec.py: EAGLE-2 trees, verification in one forward, acceptance, KV compaction; drafters.py:
-EAGLE-3, oracle and n-gram behind one interface; stats.py: what every run prints.
+model.py: the target (compact Transformer, its layers as three compilable functions, or
+HFTarget) with an explicit, CUDA-graph-friendly forward and a flash prefill; generate.py:
+autoregressive baseline (length-sorted row groups, attention spans), sampling, masks, CUDA-graph
+capture; tree.py, spec.py: EAGLE-2 trees, verification in one forward, acceptance, KV compaction,
+greedy rounds fused into one graph; drafters.py: EAGLE-3, oracle and n-gram behind one
+interface; stats.py: what every run prints.
 """
 
 from fledge.engine.generate import (SamplingParams, capture_cuda_graph, generate_ar, logits_to_probs,

@@ -7,8 +7,12 @@ rows accept different numbers of tokens — and a batched row computes what it c
 Pad tokens in the prefill write slots >= len_b; each is overwritten by that row's next real
 token before any mask lets a query see it.
 
-On CUDA the decode step is one CUDA graph over static buffers (tokens, lengths); the mask and
-positions are derived from `lengths` inside the graph, so a step allocates nothing on the host.
+A batch is sorted by prompt length and cut into groups of ROW_GROUP neighbouring rows: each
+group prefills padded only to its own longest prompt, and a decode step attends, group by
+group, only to the cache slots that group uses (its span, rounded up to SPAN_QUANTUM). On CUDA
+the decode step is one CUDA graph per tuple of spans, over static buffers (tokens, lengths);
+the masks and positions are derived from `lengths` inside the graph, so a step allocates
+nothing on the host, and every graph is captured before the clock starts.
 """
 
 from __future__ import annotations

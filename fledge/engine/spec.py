@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fledge.engine.drafters import DraftInput, SpecConfig, target_dims
-from fledge.engine.generate import capture_cuda_graph, cut_at_eos, logits_to_probs, make_causal_mask, sample_token
+from fledge.engine.generate import capture_cuda_graph, cut_at_eos, logits_to_probs, sample_token
 from fledge.engine.model import KVCache
 from fledge.engine.stats import Clock, SpecStats
 from fledge.engine.tree import Tree, path_to, tree_mask, verify_greedy, verify_sample
