@@ -136,12 +136,12 @@ def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: flo
     B, T, _ = x.shape
     D = cos.shape[-1]
     qkv = F.linear(rms_norm(x, norm_w, eps), wqkv, bqkv).view(B, T, n_heads + 2 * n_kv, D)
-    q, k, v = qkv.split([n_heads, n_kv, n_kv], dim=2)
+    qk, v = qkv[:, :, :n_heads + n_kv], qkv[:, :, n_heads + n_kv:]
     if q_norm_w is not None:
-        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    q = q.transpose(1, 2).reshape(B, n_kv, (n_heads // n_kv) * T, D)
-    return x, q, torch.stack([k, v]).transpose(2, 3)
+        qk = torch.cat([rms_norm(qk[:, :, :n_heads], q_norm_w, eps), rms_norm(qk[:, :, n_heads:], k_norm_w, eps)], dim=2)
+    qk = apply_rope(qk, cos, sin)  # q and k at once: eager, that is half the rope kernels
+    q = qk[:, :, :n_heads].transpose(1, 2).reshape(B, n_kv, (n_heads // n_kv) * T, D)
+    return x, q, torch.stack([qk[:, :, n_heads:], v]).transpose(2, 3)
 
 
 def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float):
