@@ -360,3 +360,22 @@ def test_smollm2_greedy_spec_equals_ar():
     tree = generate_spec(target, Eagle3Drafter(draft, SpecConfig(3, 2, 6), target), prompt, params, [])
     assert oracle[0] == ar and ngram[0] == ar and tree[0] == ar
     assert oracle[1].accept_length() > 7
+
+
+def test_cli_generate_fused_and_phased_agree(tmp_path, capsys):
+    """`fledge generate` end to end on a tiny target directory: the n-gram drafter's fused and
+    phased rounds write the same tokens; only the phased report splits draft / verify / other."""
+    import json
+
+    from fledge.cli import main
+    from test_target import save_tiny_dir
+    save_tiny_dir(tmp_path / "t")
+    outs = {}
+    for mode in ("fused", "phased"):
+        args = ["generate", "--target", str(tmp_path / "t"), "--prompt", "a b a b a b", "--ngram", "2",
+                "--num-steps", "3", "--max-new-tokens", "12", "--json", str(tmp_path / f"{mode}.json")]
+        assert main(args + (["--phased"] if mode == "phased" else [])) == 0
+        outs[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+    assert outs["fused"]["output_ids"] == outs["phased"]["output_ids"]
+    assert outs["fused"]["verify_ms_per_step"] is None and outs["phased"]["verify_ms_per_step"] is not None
+    assert "verify" in capsys.readouterr().out

@@ -97,7 +97,7 @@ def run_generate(args) -> int:
         out, summary = rows[0], ar
         report = f"AR: {ar['generated_tokens']} tokens  {ar['tok_s']:.1f} tok/s  (prefill {ar['prefill_ms']:.1f} ms)"
     else:
-        out, stats = generate_spec(target, drafter, prompt, params, eos)
+        out, stats = generate_spec(target, drafter, prompt, params, eos, phased=args.phased)
         summary, report = stats.summary(), stats.report()
     print(t.tokenizer.decode(out, skip_special_tokens=False))
     print("-" * 60)
@@ -132,4 +132,6 @@ def add_cli(sub) -> None:
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--json", help="also write the output ids and stats here")
+    p.add_argument("--phased", action="store_true",
+                   help="run each round's steps apart and time them (draft / verify / other ms) instead of one fused graph")
     p.set_defaults(func=run_generate)
