@@ -154,14 +154,15 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     order = sorted(range(B), key=lambda b: lens[b])
     slens = [lens[b] for b in order]
     groups = row_groups(B, row_group) if getattr(model, "row_groups_ok", False) else [(0, B)]
+    longest = [slens[r1 - 1] for _, r1 in groups]  # sorted: a group's last row is its longest
 
     t0 = _now(device)
     ids = torch.zeros(B, max(lens), dtype=torch.long)
     for r, b in enumerate(order):
         ids[r, :lens[b]] = torch.tensor(prompts[b])
     ids, lengths = ids.to(device), torch.tensor(slens, device=device)
-    logits = torch.cat([model.prefill(ids[r0:r1, :max(slens[r0:r1])], cache, logits_idx=(lengths[r0:r1] - 1)[:, None],
-                                      rows=(r0, r1))[0] for r0, r1 in groups])
+    logits = torch.cat([model.prefill(ids[r0:r1, :w], cache, logits_idx=(lengths[r0:r1] - 1)[:, None], rows=(r0, r1))[0]
+                        for (r0, r1), w in zip(groups, longest)])
     tok = sample_token(logits[:, 0], params, gen)
     t1 = _now(device)
 
@@ -171,7 +172,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
 
     def spans_at(step: int) -> tuple[int, ...]:
         # Every row advances one slot a step, so each group's longest is known on the host: no sync.
-        return tuple(attention_span(max(slens[r0:r1]) + step + 1, cache_len) for r0, r1 in groups)
+        return tuple(attention_span(w + step + 1, cache_len) for w in longest)
 
     def step_for(spans: tuple[int, ...]):
         """The decode step whose group g attends to its first spans[g] slots (one graph each)."""

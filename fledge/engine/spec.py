@@ -83,6 +83,16 @@ def compact(cache, cache_len: torch.Tensor, path: torch.Tensor) -> None:
     cache.mask.scatter_(1, dst[..., None].expand(B, D, cols.numel()), cols <= dst[..., None])
 
 
+def keep_path(cache, tree: Tree, best: torch.Tensor, start: torch.Tensor, aux, length: int):
+    """After verification: move the accepted path root → best into the cache (compact) and
+    return (n = its nodes, accepted + 1; its tokens [B, length]; its aux states or None)."""
+    path = path_to(best, tree, length)
+    compact(cache, start, path)
+    n = tree.depth.gather(1, best[:, None])[:, 0] + 1
+    aux = None if aux is None else aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
+    return n, tree.tokens.gather(1, path), aux
+
+
 @dataclass
 class RoundState:
     """The static buffers one greedy round reads and writes, so that on CUDA the whole round —
@@ -122,12 +132,9 @@ def fused_round(target, cache, drafter, state: RoundState, use_graph: bool):
         tree, start = state.tree, state.cache_len
         logits, aux = verify_forward(target, cache, tree, start, drafter.aux_ids)
         best, bonus = verify_greedy(logits, tree)
-        path = path_to(best, tree, D)
-        compact(cache, start, path)
-        n = tree.depth.gather(1, best[:, None])[:, 0] + 1
-        path_tokens = tree.tokens.gather(1, path)
+        n, path_tokens, aux = keep_path(cache, tree, best, start, aux, D)
         if aux is not None:
-            state.aux.copy_(aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1])))
+            state.aux.copy_(aux)
         state.start.copy_(start)
         if drafter.device_only:
             drafter.observe(path_tokens, state.aux, n, bonus, start)
@@ -236,13 +243,8 @@ def _phased_round(target, cache, drafter, verify, propose, observe, root, cache_
     else:
         best, bonus = verify_sample(logits_to_probs(logits, params), tree, gen)
     t_c = clock.now()
-    path = path_to(best, tree, spec.path_len)
-    compact(cache, cache_len_t, path)
-    n = tree.depth.gather(1, best[:, None])[:, 0] + 1  # path nodes now in the cache
-    path_tokens = tree.tokens.gather(1, path)
+    n, path_tokens, aux = keep_path(cache, tree, best, cache_len_t, aux, spec.path_len)
     t_d = clock.now()
-    if aux is not None:
-        aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
     observe(path_tokens, aux, n, bonus, cache_len_t)
     t_e = clock.now()
     host = torch.cat([n, path_tokens[0], bonus]).tolist()  # the round's one host sync
