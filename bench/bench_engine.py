@@ -5,7 +5,8 @@
 Configs: HF generate (eager; static cache, auto-compiled, GPU only; --skip-hf leaves them out),
 engine AR, oracle chain (the engine's ceiling), n-gram, EAGLE-3 chain 7 and one row per --tree
 (with --drafter). --compile compiles the engine's layer functions for every engine row, the AR
-baseline included (and adds the uncompiled AR as a row). Ratios are against engine AR from the
+baseline included, and the drafter; it adds AR rows uncompiled, with the matmul decode attention
+at batch 1, and with SDPA pinned to its mem-efficient kernel (variants, not baselines). Ratios are against engine AR from the
 same run — HF rows against engine AR on the same prompts (--hf-prompts runs HF on fewer); `match_ar` counts prompts
 whose output equals engine AR's token for token (exact in fp32; in bf16 a verify over many
 tokens rounds differently from a 1-token step, so near-ties may flip). Prints a table and
@@ -15,12 +16,14 @@ writes bench/results/engine_<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 from transformers import StaticCache
 
@@ -28,7 +31,7 @@ from fledge.bench import load_prompts
 from fledge.engine.cli import eos_ids, load_drafter, pick_device, pick_dtype
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
-from fledge.engine.model import build_engine_target
+from fledge.engine.model import LayerFns, build_engine_target
 from fledge.engine.spec import generate_spec
 from fledge.engine.stats import SpecStats
 from fledge.target import load_target
@@ -60,9 +63,11 @@ def hf_runner(hf, eos, device, static_len: int | None = None):
     return run
 
 
-def ar_runner(target, eos, graphs: bool):
+def ar_runner(target, eos, graphs: bool, sdpa_backend=None):
+    """Engine AR; `sdpa_backend` pins SDPA to one kernel family (graphs capture the choice)."""
     def run(prompt, params, _ar):
-        rows, st = generate_ar(target, [prompt], params, eos, use_cuda_graph=graphs)
+        with sdpa_kernel([sdpa_backend]) if sdpa_backend is not None else contextlib.nullcontext():
+            rows, st = generate_ar(target, [prompt], params, eos, use_cuda_graph=graphs)
         return rows[0], (st["prefill_ms"] + st["decode_ms"]) / 1e3, None
     return run
 
@@ -93,26 +98,33 @@ def bench(args) -> dict:
     chain7 = SpecConfig(7, 1, 8)
     graphs = not args.no_cuda_graph
 
+    # Run order = the order below: the baseline and the drafters first, then the references and
+    # the AR variants, so that a run cut short (a device call's limit) loses the least.
     configs, hf_names = {}, set()
-    if args.compile:  # the same engine without torch.compile, to show what compiling buys
-        configs["engine AR (not compiled)"] = ar_runner(build_engine_target(t.model, dtype, device), eos, graphs)
+    configs["engine AR"] = ar_runner(target, eos, graphs)
+    if args.drafter:
+        eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype, args.compile)
+        configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_chain)
+        for text in args.tree or ["5,4,16"]:
+            tree = load_drafter(args.drafter, parse_tree(text), t.model, target, device, dtype, args.compile)
+            configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda p, ar, d=tree: d)
+    configs["oracle chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: OracleDrafter(chain7, [p + ar]))
+    ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
+    configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(
+        target, eos, graphs, lambda p, ar: NgramDrafter(ngram, args.ngram))
     if not args.skip_hf:  # HF eager costs ~7.5 s a prompt on the H200: skip it to bench all 80
         configs["hf eager"] = hf_runner(t.model, eos, device)
         if device.type == "cuda":
             static_len = -(-(max(map(len, prompts)) + args.max_new_tokens) // 64) * 64
             configs["hf static (compiled)"] = hf_runner(t.model, eos, device, static_len)
         hf_names = {n for n in configs if n.startswith("hf ")}
-    configs["engine AR"] = ar_runner(target, eos, graphs)
-    configs["oracle chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: OracleDrafter(chain7, [p + ar]))
-    ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
-    configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(
-        target, eos, graphs, lambda p, ar: NgramDrafter(ngram, args.ngram))
-    if args.drafter:
-        eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype)
-        configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_chain)
-        for text in args.tree or ["5,4,16"]:
-            tree = load_drafter(args.drafter, parse_tree(text), t.model, target, device, dtype)
-            configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda p, ar, d=tree: d)
+    if args.compile:  # the same engine without torch.compile, to show what compiling buys
+        configs["engine AR (not compiled)"] = ar_runner(build_engine_target(t.model, dtype, device), eos, graphs)
+        # and with the matmul decode attention at batch 1 too (by default only from 64 rows)
+        matmul = build_engine_target(t.model, dtype, device, fns=LayerFns.compiled(decode_attention_min_rows=1))
+        configs["engine AR (matmul decode attention)"] = ar_runner(matmul, eos, graphs)
+        if device.type == "cuda":  # cuDNN's flash kernel is SDPA's pick here; mem-efficient for comparison
+            configs["engine AR (mem-efficient SDPA)"] = ar_runner(target, eos, graphs, SDPBackend.EFFICIENT_ATTENTION)
 
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
     ar_out = [ar_runner(target, eos, graphs)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
@@ -138,6 +150,8 @@ def bench(args) -> dict:
             row.update({k: s[k] for k in ("accept_length", "accept_rate", "round_ms_per_step", "draft_ms_per_step",
                                           "verify_ms_per_step", "other_ms_per_step", "depth_acceptance", "histogram")})
         results[name] = row
+        if args.out:  # so far, in case the run is cut off (a device call's time limit): kept until the final write
+            atomic_write_json(args.out, {"partial": True, "results": results})
     base = results["engine AR"]["tok_s"]
     ar_sub = [x for x in per_prompt["engine AR"] if x[0] < n_hf]  # engine AR on the prompts HF ran
     base_hf = sum(x[1] for x in ar_sub) / sum(x[2] for x in ar_sub)
@@ -183,7 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--hf-prompts", type=int, help="run the HF baselines on the first N prompts only (default all)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the engine's layer functions (target side); adds an uncompiled AR row")
+                   help="torch.compile the engine's layer functions and the drafter's halves; adds an uncompiled AR row")
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--out", help="JSON path (default bench/results/engine_<device>.json)")

@@ -8,7 +8,9 @@ batch left-padded (as its generate requires) and runs eagerly with its dynamic c
 data pipeline calls it. A row's tokens count up to and including its first end-of-turn token;
 tok/s is those tokens over the wall time of the whole call (prefill included) for both;
 `decode_tok_s` is the engine's decode steps times the batch (finished rows included) over decode
-time, the rate a continuously refilled batch would approach.
+time, the rate a continuously refilled batch would approach. `--stream N` measures that: N
+prompts through B rows, each row refilled when it ends (engine/stream.py, what `fledge regen`
+runs); its tok/s is every answer token over the wall time, prefills and graph captures included.
 `same_rows` counts rows whose answers are token-identical: batched bf16 on two code paths
 need not agree exactly, so it is shown, not required. Prints a table; writes JSON.
 """
@@ -27,6 +29,7 @@ from fledge.bench import load_prompts
 from fledge.engine.cli import eos_ids, pick_device, pick_dtype
 from fledge.engine.generate import ROW_GROUP, SamplingParams, cut_at_eos, generate_ar
 from fledge.engine.model import build_engine_target
+from fledge.engine.stream import generate_stream
 from fledge.target import load_target
 from fledge.util import FledgeError, atomic_write_json
 
@@ -73,16 +76,19 @@ def bench(args) -> dict:
     sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     engine_only = [int(b) for b in args.engine_only.split(",")] if args.engine_only else []
     # As `fledge regen` does: a prompt with no room for the answer in --max-len is left out.
-    prompts = [p for p in load_prompts(args.prompts, 2 * max(sizes + engine_only), t.tokenizer)
+    need = max(sizes + engine_only + [args.stream])
+    prompts = [p for p in load_prompts(args.prompts, 2 * need, t.tokenizer)
                if len(p) + args.max_new_tokens <= args.max_len]
-    prompts = prompts[:max(sizes + engine_only)]
-    if len(prompts) < max(sizes + engine_only):
-        raise FledgeError(f"{args.prompts}: {len(prompts)} prompts, fewer than batch {max(sizes + engine_only)}")
+    prompts = prompts[:need]
+    if len(prompts) < need:
+        raise FledgeError(f"{args.prompts}: {len(prompts)} prompts, fewer than the {need} asked for")
     # Untimed warm-up of both paths (CUDA graph capture, allocator, kernel selection, compiles).
     for b in sorted(set(sizes + engine_only)):
         engine_batch(engine, sorted(prompts[:b], key=len), 8, eos, device)
         if args.compare_one_group:
             engine_batch(engine, sorted(prompts[:b], key=len), 8, eos, device, row_group=b)
+        if args.stream:
+            generate_stream(engine, prompts[:args.stream], SamplingParams(max_new_tokens=8), eos, rows=b)
     if sizes:
         hf_batch(t.model, prompts[:2], 8, eos, pad, device)
     results = []
@@ -95,11 +101,20 @@ def bench(args) -> dict:
             row["engine_one_group"] = engine_row(one_rows, one_s, one_st)
             row["grouped_vs_one_group"] = row["engine"]["tok_s"] / row["engine_one_group"]["tok_s"]
             row["same_rows_one_group"] = sum(x == y for x, y in zip(rows, one_rows))
+        if args.stream:  # a stream of prompts through b rows, each refilled when it ends (regen's way)
+            t0 = now(device)
+            _, sst = generate_stream(engine, prompts[:args.stream], SamplingParams(max_new_tokens=args.max_new_tokens), eos, rows=b)
+            sec = now(device) - t0
+            row["engine_stream"] = {"prompts": args.stream, "tokens": sst["generated_tokens"], "seconds": sec,
+                                    "tok_s": sst["generated_tokens"] / sec, "decode_steps": sst["decode_steps"],
+                                    "graphs": sst["graphs"]}
         if b in sizes:
             hf_rows, hf_s = hf_batch(t.model, batch, args.max_new_tokens, eos, pad, device)
             hn = sum(map(len, hf_rows))
             row["hf"] = {"tokens": hn, "seconds": hf_s, "tok_s": hn / hf_s}
             row["engine_vs_hf"] = row["engine"]["tok_s"] / row["hf"]["tok_s"]
+            if args.stream:
+                row["stream_vs_hf"] = row["engine_stream"]["tok_s"] / row["hf"]["tok_s"]
             row["same_rows"] = sum(x == y for x, y in zip(rows, hf_rows))
         results.append(row)
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
@@ -115,12 +130,12 @@ def print_table(report: dict) -> None:
           f"{'  (engine compiled)' if report.get('compiled_layers') else ''}")
     nan = float("nan")
     print(f"{'batch':>5} {'HF tok/s':>10} {'engine tok/s':>13} {'engine/HF':>10} {'same rows':>10} {'decode tok/s':>13}"
-          f" {'1-group tok/s':>14}")
+          f" {'1-group tok/s':>14} {'stream tok/s':>13}")
     for r in report["results"]:
-        hf, one = r.get("hf"), r.get("engine_one_group")
+        hf, one, st = r.get("hf"), r.get("engine_one_group"), r.get("engine_stream")
         print(f"{r['batch']:>5} {hf['tok_s'] if hf else nan:>10.1f} {r['engine']['tok_s']:>13.1f} "
               f"{r.get('engine_vs_hf', nan):>9.2f}x {(str(r['same_rows']) if hf else '-'):>6}/{r['batch']} "
-              f"{r['engine']['decode_tok_s']:>13.1f} {one['tok_s'] if one else nan:>14.1f}")
+              f"{r['engine']['decode_tok_s']:>13.1f} {one['tok_s'] if one else nan:>14.1f} {st['tok_s'] if st else nan:>13.1f}")
 
 
 def main(argv=None) -> int:
@@ -132,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's layer functions")
     p.add_argument("--compare-one-group", action="store_true",
                    help="also run each batch as one row group (one attention span, one prefill): what grouping buys")
+    p.add_argument("--stream", type=int, default=0, metavar="N",
+                   help="also stream N prompts through each batch size's rows, refilling rows as they end")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-len", type=int, default=2048, help="prompt + answer must fit (as fledge regen's --max-len)")
     p.add_argument("--device")

@@ -74,6 +74,9 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--shapes", default="1x512,256x512,256x2048,1024x512", help="BATCHxSPAN, comma-separated")
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's layer functions")
+    p.add_argument("--mode", help="torch.compile mode for --compile (e.g. max-autotune-no-cudagraphs)")
+    p.add_argument("--random", action="store_true",
+                   help="SmolLM2-135M's shapes with random weights (bench/random_target.py): no model download")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--dtype", default="bfloat16")
@@ -86,12 +89,18 @@ def main(argv=None) -> int:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         dev = torch.device("cuda")
         dtype = pick_dtype(args.dtype, dev)
-        model = build_engine_target(load_target(args.target, dtype=dtype, device=dev).model, dtype, dev, compile=args.compile)
+        if args.random:
+            from random_target import smollm2_random
+            hf = smollm2_random(dtype, dev)
+        else:
+            hf = load_target(args.target, dtype=dtype, device=dev).model
+        model = build_engine_target(hf, dtype, dev, compile=(args.mode or True) if args.compile else False)
     except (FledgeError, ValueError) as e:
         print(f"profile_decode: error: {e}", file=sys.stderr)
         return 2
-    report = {"device": re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower()), "target": args.target,
-              "dtype": args.dtype, "compiled_layers": args.compile, "shapes": []}
+    report = {"device": re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower()),
+              "target": "smollm2-135m shapes, random weights" if args.random else args.target,
+              "dtype": args.dtype, "compiled_layers": args.compile, "compile_mode": args.mode, "shapes": []}
     with torch.no_grad():
         for batch, span in shapes:
             step = decode_step(model, batch, span)

@@ -63,12 +63,13 @@ class Sample:
 # ----------------------------------------------------------------------------- back-ends
 class EngineBackend:
     """fledge's batched engine. Chats are tokenized with the target's chat template and
-    batched by similar length (right padding wastes less when lengths are close)."""
+    batched by similar length (right padding wastes less when lengths are close); on the
+    compact engine they stream through `batch_size` rows, each refilled when it ends."""
 
-    def __init__(self, target, cfg: RegenConfig, batch_size: int, device: str, dtype):
+    def __init__(self, target, cfg: RegenConfig, batch_size: int, device: str, dtype, compile: bool = False):
         from fledge.engine.model import build_engine_target
         self.tok, self.cfg, self.batch_size = target.tokenizer, cfg, batch_size
-        self.model = build_engine_target(target.model, dtype, device)
+        self.model = build_engine_target(target.model, dtype, device, compile=compile)
         self.eos = sorted({target.tokenizer.eos_token_id, *_eos_ids(target)} - {None})
 
     def _ids(self, messages):
@@ -86,6 +87,14 @@ class EngineBackend:
             if len(x) > room:
                 out[i] = ("", "context")
         order = sorted((i for i in range(len(ids)) if out[i] is None), key=lambda i: len(ids[i]))
+        if order and getattr(self.model, "row_groups_ok", False):  # continuous batching (engine/stream.py)
+            from fledge.engine.stream import generate_stream
+            params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seed)
+            gen, _ = generate_stream(self.model, [ids[i] for i in order], params, self.eos, rows=self.batch_size)
+            for i, g in zip(order, gen):
+                ended = bool(g) and g[-1] in self.eos
+                out[i] = (self.tok.decode(g[:-1] if ended else g), "stop" if ended else "length")
+            return out
         for s in range(0, len(order), self.batch_size):
             rows = order[s:s + self.batch_size]
             params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seed + s)
@@ -252,6 +261,8 @@ def add_cli(sub):
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--limit", type=int, help="only the first N conversations")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="local engine: torch.compile its layers (and the matmul decode attention at many rows)")
     p.set_defaults(func=_cli)
 
 
@@ -266,7 +277,7 @@ def _cli(args):
         from fledge.target import load_target
         dtype = getattr(torch, args.dtype)
         target = load_target(args.target, dtype=dtype, device=args.device)
-        backend = EngineBackend(target, cfg, args.batch_size, args.device, dtype)
+        backend = EngineBackend(target, cfg, args.batch_size, args.device, dtype, args.compile)
     counts = regenerate(args.conversations, args.out, backend, cfg, args.limit)
     print(json.dumps(counts, indent=2))
     return 0 if counts["failed"] == 0 else 1

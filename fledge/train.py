@@ -53,6 +53,7 @@ class TrainConfig:
     target: str = "smollm2-135m"
     vocab: str | None = None          # d2t/t2d file (`fledge vocab`); None: draft vocab = target vocab
     init: str | None = None           # warm start from an exported drafter directory
+    head_init: bool = False           # a fresh draft's lm_head/norm start as the target's (Eagle3Draft.init_head_from)
     features: str | None = None       # offline feature directory; None: run the target online
     eval_data: str | None = None      # held-out set; None: `eval_samples` split off the training set
     eval_samples: int = 64
@@ -214,7 +215,10 @@ def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
     else:
         ids = torch.arange(tcfg.vocab_size)
     dcfg = DraftConfig.from_target(tcfg, draft_vocab_size=ids.numel(), aux_layer_ids=cfg.aux_layers)
-    return Eagle3Draft.from_target(dcfg, model, ids)
+    draft = Eagle3Draft.from_target(dcfg, model, ids)
+    if cfg.head_init:
+        draft.init_head_from(model)
+    return draft
 
 
 def setup(cfg: TrainConfig, target) -> Run:
@@ -516,5 +520,7 @@ def add_cli(sub) -> None:
         p.add_argument(f"--{name}", type=typ, help=f"default {getattr(TrainConfig, name.replace('-', '_'))}")
     p.add_argument("--parallel", choices=["ddp", "fsdp"])
     p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
+    p.add_argument("--head-init", dest="head_init", action="store_true", default=None,
+                   help="a fresh draft's lm_head and norm start as the target's (slower early on SmolLM2: see draft.py)")
     p.add_argument("--device")
     p.set_defaults(func=run_train)

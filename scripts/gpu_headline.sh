@@ -16,27 +16,31 @@
 #                carry: .gguf/part.aa .gguf/gguf-0.19.0-py3-none-any.whl .gguf/sharegpt_first_turns.jsonl.gz
 #                       .gguf/mtbench.jsonl
 #   GPU call 2:  bash scripts/gpu_stage_gguf.sh receive ab && bash scripts/gpu_stage_gguf.sh finish
-#                && bash scripts/gpu_headline.sh regen 300                carry: .gguf/part.ab + the wheel
-#                (+ .gguf/regen.jsonl.gz, the set an earlier lease brought home in regen.tgz: no regen)
-#   GPU call 3:  bash scripts/gpu_headline.sh train 420                    carry: none
-#   GPU call 4:  bash scripts/gpu_headline.sh bench                        carry: none
+#                && bash scripts/gpu_headline.sh regen 150                carry: .gguf/part.ab + the wheel
+#                (or, with sets an earlier lease brought home in regen.tgz carried as .gguf/regen.jsonl.gz,
+#                 .gguf/regen_s.jsonl.gz [, .gguf/regen_s2.jsonl.gz]: `restore` instead of `regen`, or
+#                 `regen N` to resume them and spend N seconds on the passes not yet done)
+#   GPU call 3:  bash scripts/gpu_headline.sh train 420                    carry: none (timeout_s 600)
+#   GPU call 4:  bash scripts/gpu_headline.sh bench engine                 carry: none
+#   GPU call 4b: bash scripts/gpu_headline.sh bench batched                carry: none
 #   GPU call 5:  bash scripts/gpu_headline.sh scale                        (2+ GPUs) carry: none
 #   here after 3: cat <files_at>/drafter.tar.part-* | tar -x -C runs/   (-> runs/smollm2-headline/)
 # Calls must follow each other within the machine's 30 s warm window: have every command ready.
 #
-# CPU check of the whole flow (here; a 12-prompt subset replaces firsts.jsonl after `receive`):
+# CPU check of the whole flow (here; after `receive`, replace firsts.jsonl by ~12 lines, some with a
+# -heldout source and some without: its first lines are all held-out):
 #   export WORK=/tmp/ghw OUT=/tmp/x DEVICE=cpu DTYPE=float32 REGEN_BATCH=4 MAX_NEW=16 TRAIN_BATCH=2 \
 #          PROBE_STEPS=3 EPOCHS=1 TTT_STEPS=2 EVAL_EVERY=2 WORKERS=2 BENCH_PROMPTS=2 BENCH_NEW=8 \
 #          SIDE=0 SCALE_STEPS=4 SCALE_BATCH=4 SCALE_SKIP=1 REGEN_BENCH_BATCHES=2 REGEN_BENCH_ENGINE_ONLY=3 \
-#          REGEN_BENCH_NEW=8 HF_PROMPTS=1 LIMIT=12
+#          REGEN_BENCH_NEW=8 REGEN_BENCH_STREAM=5 HF_PROMPTS=1
 #
 # A stage cut off by the 10-minute limit resumes when rerun (regen appends; train resumes from
 # its checkpoint with the same planned step count). Every stage prints the device time it used.
 #
 # Knobs (environment), defaults for the H200; the CPU check above scales them down:
 #   WORK OUT DEVICE DTYPE  REGEN_BATCH REGEN_CHUNK MAX_NEW LIMIT  TRAIN_BATCH MAX_LEN VOCAB_SIZE EPOCHS LR
-#   TTT_STEPS PROBE_STEPS EVAL_EVERY WORKERS  BENCH_PROMPTS BENCH_NEW HF_PROMPTS FP32_PROMPTS
-#   REGEN_BENCH_BATCHES REGEN_BENCH_ENGINE_ONLY REGEN_BENCH_NEW  SAMPLED (0: no sampled regen pass)
+#   TTT_STEPS PROBE_STEPS EVAL_EVERY WORKERS INIT  BENCH_PROMPTS BENCH_NEW HF_PROMPTS FP32_PROMPTS
+#   REGEN_BENCH_BATCHES REGEN_BENCH_ENGINE_ONLY REGEN_BENCH_NEW REGEN_BENCH_STREAM  SAMPLED (0: no sampled regen pass)
 #   SIDE (0: no side work on GPU 1)  SCALE_STEPS SCALE_BATCH (global batch of the scaling runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -111,57 +115,76 @@ receive() {
     report_time receive
 }
 
+# regen_pass NAME BUDGET [ARGS...]: answer every first turn into $WORK/NAME.jsonl (resuming), stopped
+# by SIGINT at BUDGET seconds (regen appends whole samples with fsync: only the in-flight chunk is
+# lost). The compiled engine first; should compiling fail, the same pass resumes uncompiled.
+regen_pass() {
+    local name=$1 budget=$2 rc=0 t0=$SECONDS; shift 2
+    local run=(python3 -m fledge.cli regen "$WORK/firsts.jsonl" "$WORK/$name.jsonl" --device "$DEVICE" --dtype "$DTYPE"
+               --batch-size "${REGEN_BATCH:-1024}" --chunk "${REGEN_CHUNK:-4096}" --max-new-tokens "${MAX_NEW:-512}"
+               --max-turns 1 ${LIMIT:+--limit "$LIMIT"} "$@")
+    [[ -f $WORK/$name.jsonl ]] && data regen-stats "$WORK/$name.jsonl" "$WORK/${name}_before.json" --tokenizer "$(target_dir)" >/dev/null
+    if [[ $DEVICE == cuda ]]; then
+        timeout -s INT -k 30 "$budget" "${run[@]}" --compile || rc=$?
+        if [[ $rc != 0 && $rc != 124 && $rc != 137 ]]; then
+            echo "regen $name: compiled engine failed (exit $rc); resuming uncompiled" >&2
+            rc=0
+            timeout -s INT -k 30 $((budget - (SECONDS - t0))) "${run[@]}" || rc=$?
+        fi
+    else
+        timeout -s INT -k 30 "$budget" "${run[@]}" || rc=$?
+    fi
+    case $rc in
+        0) echo "regen $name: every conversation answered" ;;
+        124|137) echo "regen $name: stopped at the ${budget}s budget (rerun to continue)" ;;
+        *) echo "gpu_headline: regen $name failed (exit $rc)" >&2; exit "$rc" ;;
+    esac
+    local prev=()
+    [[ -f $WORK/${name}_before.json ]] && prev=(--previous "$WORK/${name}_before.json")
+    data regen-stats "$WORK/$name.jsonl" "$RES/${name}_stats.json" --tokenizer "$(target_dir)" "${prev[@]}" \
+        --seconds $((SECONDS - t0))
+    rm -f "$WORK/${name}_before.json"
+    gzip -c "$WORK/$name.jsonl" > "$RES/$name.jsonl.gz"   # comes home: a later lease carries it back
+    return 0
+}
+
+# Sets an earlier lease brought home (carry .gguf/<set>.jsonl.gz with this call; same target):
+# unpacked into $WORK, where regen passes resume them and train reads them.
+restore() {
+    local set
+    mkdir -p "$WORK"
+    for set in regen regen_s regen_s2; do
+        if [[ -f $STAGE/$set.jsonl.gz && ! -f $WORK/$set.jsonl ]]; then
+            gunzip -c "$STAGE/$set.jsonl.gz" > "$WORK/$set.jsonl.tmp" && mv "$WORK/$set.jsonl.tmp" "$WORK/$set.jsonl"
+        fi
+    done
+    wc -l "$WORK"/regen*.jsonl 2>/dev/null || echo "restore: no sets carried"
+}
+
 regen() {
-    local budget=$1 rc=0
+    local budget=$1 t0=$SECONDS set
     [[ -f $WORK/firsts.jsonl ]] || { echo "gpu_headline: $WORK/firsts.jsonl missing; run 'receive' first" >&2; exit 2; }
     RES=$RESULTS/regen && mkdir -p "$RES"
-    # A set brought home by an earlier lease (carry .gguf/regen.jsonl.gz with this call; same
-    # target): regen then only resumes, and the side bench still runs.
-    if [[ -f $STAGE/regen.jsonl.gz && ! -f $WORK/regen.jsonl ]]; then
-        gunzip -c "$STAGE/regen.jsonl.gz" > "$WORK/regen.jsonl.tmp" && mv "$WORK/regen.jsonl.tmp" "$WORK/regen.jsonl"
-    fi
+    restore
     side regen_bench python3 bench/bench_regen.py --target "$TARGET" --prompts "$WORK/firsts.jsonl" \
         --batch-sizes "${REGEN_BENCH_BATCHES:-64,256}" --max-new-tokens "${MAX_NEW:-512}" --out "$RES/regen_bench.json"
-    [[ -f $WORK/regen.jsonl ]] && data regen-stats "$WORK/regen.jsonl" "$WORK/regen_before.json" --tokenizer "$(target_dir)" >/dev/null
-    local t0=$SECONDS
-    # SIGINT at the budget: regen appends whole samples with fsync, so only the in-flight chunk is lost.
-    # A chunk of 8 batches: the engine sorts a chunk by prompt length before batching, so each batch
-    # holds similar lengths and sizes its KV cache to them (in session 2 chunk = batch = 256 cached
-    # up to 2048 slots for most batches). Not yet measured.
-    timeout -s INT -k 30 "$budget" python3 -m fledge.cli regen "$WORK/firsts.jsonl" "$WORK/regen.jsonl" \
-        --device "$DEVICE" --dtype "$DTYPE" --batch-size "${REGEN_BATCH:-512}" --chunk "${REGEN_CHUNK:-2048}" \
-        --max-new-tokens "${MAX_NEW:-512}" --max-turns 1 ${LIMIT:+--limit "$LIMIT"} || rc=$?
-    case $rc in
-        0) echo "regen: every conversation answered" ;;
-        124|137) echo "regen: stopped at the ${budget}s budget (rerun to continue)" ;;
-        *) echo "gpu_headline: regen failed (exit $rc)" >&2; exit "$rc" ;;
-    esac
-    data regen-stats "$WORK/regen.jsonl" "$RES/regen_stats.json" --tokenizer "$(target_dir)" \
-        --previous "$WORK/regen_before.json" --seconds $((SECONDS - t0))
-    rm -f "$WORK/regen_before.json"
-    # What the budget leaves goes to a second, sampled answer per prompt (T=0.7): more of the
-    # target's own text to train on, from the same prompts (held-out prompts stay held out).
-    local left=$((budget - (SECONDS - t0))) t1=$SECONDS
-    if (( left > 45 )) && [[ ${SAMPLED:-1} != 0 && $rc == 0 ]]; then
-        rc=0
-        timeout -s INT -k 30 "$left" python3 -m fledge.cli regen "$WORK/firsts.jsonl" "$WORK/regen_s.jsonl" \
-            --device "$DEVICE" --dtype "$DTYPE" --batch-size "${REGEN_BATCH:-512}" --chunk "${REGEN_CHUNK:-2048}" \
-            --max-new-tokens "${MAX_NEW:-512}" --max-turns 1 --temperature 0.7 --seed 1 ${LIMIT:+--limit "$LIMIT"} || rc=$?
-        case $rc in 0|124|137) ;; *) echo "gpu_headline: sampled regen failed (exit $rc)" >&2; exit "$rc" ;; esac
-        data regen-stats "$WORK/regen_s.jsonl" "$RES/regen_sampled_stats.json" --tokenizer "$(target_dir)" \
-            --seconds $((SECONDS - t1))
-        gzip -c "$WORK/regen_s.jsonl" > "$RES/regen_s.jsonl.gz"
-    fi
-    # The set itself comes home too (~5 MB gzipped): carried back as .gguf/regen.jsonl.gz, it saves
-    # the next lease the regeneration.
-    gzip -c "$WORK/regen.jsonl" > "$RES/regen.jsonl.gz"
+    # Greedy answers first (what the engine is benchmarked on); what the budget leaves goes to
+    # answers sampled at T=0.7 (seeds 1 and 2): more of the target's own text from the same
+    # prompts (held-out prompts stay held out).
+    regen_pass regen "$budget"
+    local left
+    for set in regen_s:1 regen_s2:2; do
+        left=$((budget - (SECONDS - t0)))
+        (( left > 45 )) && [[ ${SAMPLED:-1} != 0 ]] || break
+        regen_pass "${set%:*}" "$left" --temperature 0.7 --seed "${set#*:}"
+    done
     side_wait
     pack regen
     report_time regen
 }
 
 train() {
-    local budget=$1 batch=${TRAIN_BATCH:-64} max_len=${MAX_LEN:-2048} probe_steps=${PROBE_STEPS:-60}
+    local budget=$1 batch=${TRAIN_BATCH:-64} max_len=${MAX_LEN:-2048} probe_steps=${PROBE_STEPS:-60}   # 30 measured 46K tok/s, still warming up (the run then did 128K): half the budget went unused
     [[ -s $WORK/regen.jsonl ]] || { echo "gpu_headline: $WORK/regen.jsonl missing; run 'regen' first" >&2; exit 2; }
     RES=$RESULTS/train && mkdir -p "$RES"
     if [[ -f $WORK/adapt_code.jsonl.gz ]]; then
@@ -171,7 +194,7 @@ train() {
     tok=$(target_dir)
     if [[ ! -f $WORK/train.tok.jsonl ]]; then   # regen is final once training starts
         cat "$WORK/regen.jsonl" > "$WORK/regen_all.jsonl"
-        [[ -f $WORK/regen_s.jsonl ]] && cat "$WORK/regen_s.jsonl" >> "$WORK/regen_all.jsonl"
+        for f in "$WORK"/regen_s.jsonl "$WORK"/regen_s2.jsonl; do [[ -f $f ]] && cat "$f" >> "$WORK/regen_all.jsonl"; done
         data split "$WORK/regen_all.jsonl" "$WORK/train.jsonl" "$WORK/heldout.jsonl"
         data tokenize "$WORK/heldout.jsonl" "$WORK/heldout.tok.jsonl" --tokenizer "$tok" --max-len "$max_len" \
             --workers "${WORKERS:-$(nproc)}"
@@ -182,7 +205,11 @@ train() {
         --size "${VOCAB_SIZE:-16384}" --heldout "$WORK/heldout.tok.jsonl" -o "$WORK/vocab.safetensors"
     # Batches change shape every step: expandable segments keep the allocator from fragmenting.
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-    local common=(--target "$TARGET" --data "$WORK/train.tok.jsonl" --vocab "$WORK/vocab.safetensors"
+    # INIT=<drafter dir>: a warm start (a further cycle of the recipe from that drafter, which
+    # brings its own vocab: the one built above is then only reported).
+    local start=(--vocab "$WORK/vocab.safetensors")
+    [[ -n ${INIT:-} ]] && start=(--init "$INIT")
+    local common=(--target "$TARGET" --data "$WORK/train.tok.jsonl" "${start[@]}"
                   --batch-size "$batch" --max-len "$max_len" --lr "$LR" --ttt-steps "${TTT_STEPS:-7}"
                   --device "$DEVICE")
     if [[ ! -f $WORK/plan.json ]]; then   # kept: a resumed run must plan the same step count
@@ -235,50 +262,57 @@ atomic_write_json(sys.argv[2], {"tokenize_train": read("train.tok.jsonl.stats.js
 EOF
 }
 
+# bench [engine|batched|all]: the batch-1 engine bench, then the batched and fp32 ones; apart,
+# each fits a 10-minute call (compiling every verify width and drafter shape takes minutes).
 bench() {
+    local part=${1:-all}
     [[ -f $WORK/drafter/config.json ]] || { echo "gpu_headline: $WORK/drafter missing; run 'train' first" >&2; exit 2; }
     RES=$RESULTS/bench && mkdir -p "$RES"
+    local failed=()
+    [[ $part == batched ]] || bench_engine_part
+    [[ $part == engine ]] || bench_batched_part
+    side_wait
+    pack bench
+    report_time "bench $part"
+    (( ${#failed[@]} == 0 )) || { echo "gpu_headline: bench parts failed: ${failed[*]}" >&2; exit 1; }
+}
+
+bench_engine_part() {
     if [[ -f $WORK/adapt/new/config.json ]]; then
         side adapt_compare timeout -s INT -k 30 "${ADAPT_CMP_SECS:-420}" bash scripts/gpu_adapt.sh compare
     fi
     # Engine rows on BENCH_PROMPTS, HF baselines on the first HF_PROMPTS of them (HF eager costs
     # ~7.5 s a prompt); every ratio is against engine AR on the same prompts, in this run.
-    local trees=(--tree 5,4,16 --tree 7,4,32 --tree 8,8,64)
+    local trees=(--tree 5,4,16 --tree 8,8,64)
     local engine=(--target "$TARGET" --drafter "$WORK/drafter" "${trees[@]}" --prompts "$WORK/mtbench.jsonl"
                   --num-prompts "${BENCH_PROMPTS:-24}" --max-new-tokens "${BENCH_NEW:-256}" --device "$DEVICE" --dtype "$DTYPE"
-                  --hf-prompts "${HF_PROMPTS:-8}" --out "$RES/bench_engine.json")
-    # Compiled layers where CUDA is; should compiling fail there, the same bench without it.
-    # A failing part is reported and the others still run: the stage packs what it has.
-    local failed=()
-    if [[ $DEVICE == cuda ]]; then
-        python3 bench/bench_engine.py "${engine[@]}" --compile 2>&1 | tee "$RES/bench_engine.log" \
-            || python3 bench/bench_engine.py "${engine[@]}" 2>&1 | tee "$RES/bench_engine_uncompiled.log" || failed+=(engine)
-    else
-        python3 bench/bench_engine.py "${engine[@]}" 2>&1 | tee "$RES/bench_engine.log" || failed+=(engine)
-    fi
+                  --hf-prompts "${HF_PROMPTS:-4}" --out "$RES/bench_engine.json")
+    # Compiled layers and drafters where CUDA is (COMPILE=0: not). Cut at BENCH_ENGINE_SECS so that
+    # the stage still packs inside a 10-minute call: bench_engine keeps its JSON current after
+    # every config, so a cut run still brings home the rows it finished.
+    local compile=()
+    [[ $DEVICE == cuda && ${COMPILE:-1} != 0 ]] && compile=(--compile)
+    timeout -s INT -k 10 "${BENCH_ENGINE_SECS:-480}" python3 bench/bench_engine.py "${engine[@]}" "${compile[@]}" 2>&1 \
+        | tee "$RES/bench_engine.log" || failed+=(engine)
+}
+
+bench_batched_part() {
     # Batched AR for regeneration against HF batched generate at the same batch (HF at 256 only:
-    # at 512 it would cost minutes), then larger batches on the engine alone; each also as one
-    # row group, to show what grouping buys.
+    # at 512 it would cost minutes), then larger batches on the engine alone; and a stream of
+    # prompts through each batch size's rows, refilled as they end (what `fledge regen` runs).
+    local compiled=()
+    [[ $DEVICE == cuda ]] && compiled=(--compile)   # compiled layers and, from 64 rows, the matmul decode attention
     python3 bench/bench_regen.py --target "$TARGET" --prompts "$WORK/firsts.jsonl" --batch-sizes "${REGEN_BENCH_BATCHES:-256}" \
-        --engine-only "${REGEN_BENCH_ENGINE_ONLY:-512,1024}" --max-new-tokens "${REGEN_BENCH_NEW:-256}" --compare-one-group \
-        --device "$DEVICE" --dtype "$DTYPE" --out "$RES/bench_regen.json" 2>&1 | tee "$RES/bench_regen.log" || failed+=(regen)
-    if [[ $DEVICE == cuda ]]; then
+        --engine-only "${REGEN_BENCH_ENGINE_ONLY:-512,1024}" --max-new-tokens "${REGEN_BENCH_NEW:-256}" \
+        --stream "${REGEN_BENCH_STREAM:-2048}" "${compiled[@]}" --device "$DEVICE" --dtype "$DTYPE" --out "$RES/bench_regen.json" 2>&1 | tee "$RES/bench_regen.log" \
+        || failed+=(regen)
+    if [[ $DEVICE == cuda ]] && (( ${FP32_PROMPTS:-4} > 0 )); then
         # fp32 with CUDA graphs: every row must match AR (bf16 trees match only some: rounding).
         python3 bench/bench_engine.py --target "$TARGET" --drafter "$WORK/drafter" \
-            --tree 5,4,16 --tree 8,8,64 --prompts "$WORK/mtbench.jsonl" --num-prompts "${FP32_PROMPTS:-8}" --max-new-tokens 256 \
+            --tree 5,4,16 --prompts "$WORK/mtbench.jsonl" --num-prompts "${FP32_PROMPTS:-4}" --max-new-tokens 256 \
             --device cuda --dtype float32 --skip-hf --out "$RES/bench_engine_fp32.json" 2>&1 \
             | tee "$RES/bench_engine_fp32.log" || failed+=(fp32)
-        # Where a decode step's time goes, compiled (the AR baseline) and not.
-        for c in "" --compile; do
-            python3 bench/profile_decode.py --target "$TARGET" --shapes 1x512,256x512,256x2048,1024x512 $c \
-                --out "$RES/profile_decode${c:+_compiled}.json" 2>&1 | tee "$RES/profile_decode${c:+_compiled}.log" \
-                || failed+=("profile$c")
-        done
     fi
-    side_wait
-    pack bench
-    report_time bench
-    (( ${#failed[@]} == 0 )) || { echo "gpu_headline: bench parts failed: ${failed[*]}" >&2; exit 1; }
 }
 
 scale() {
@@ -310,7 +344,8 @@ case "${1:-}" in
     receive) receive ;;
     regen) [[ $# -eq 2 ]] || { echo "usage: $0 regen SECONDS" >&2; exit 2; }; regen "$2" ;;
     train) [[ $# -eq 2 ]] || { echo "usage: $0 train SECONDS" >&2; exit 2; }; train "$2" ;;
-    bench) bench ;;
+    restore) restore ;;
+    bench) bench "${2:-all}" ;;
     scale) scale ;;
-    *) echo "usage: $0 prepare | receive | regen SECONDS | train SECONDS | bench | scale" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare | receive | restore | regen SECONDS | train SECONDS | bench [engine|batched] | scale" >&2; exit 2 ;;
 esac

@@ -51,10 +51,11 @@ def test_regen_bench_engine_matches_hf_in_fp32(tmp_path):
     import bench_regen
     out = tmp_path / "regen.json"
     assert bench_regen.main(["--batch-sizes", "3", "--max-new-tokens", "6", "--device", "cpu",
-                             "--dtype", "float32", "--compare-one-group", "--out", str(out)]) == 0
+                             "--dtype", "float32", "--compare-one-group", "--stream", "5", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["results"][0]
     assert row["same_rows_one_group"] == 3  # grouping is an optimisation: same answers
     # fp32 on the CPU: right-padded engine and left-padded HF compute the same greedy answers.
     assert row["batch"] == 3 and row["same_rows"] == 3
     assert row["engine"]["tokens"] == row["hf"]["tokens"] > 0
     assert row["engine_vs_hf"] == pytest.approx(row["engine"]["tok_s"] / row["hf"]["tok_s"])
+    assert row["engine_stream"]["prompts"] == 5 and row["engine_stream"]["tokens"] > row["engine"]["tokens"]

@@ -103,3 +103,17 @@ def test_served_parameter_names_and_frozen_embedding():
     assert torch.equal(d.embed_tokens.weight, target.get_input_embeddings().weight)
     assert d.lm_head.weight.shape[0] == 100 and d.t2d.sum() == 100
     assert torch.equal(d.target_ids(), d.t2d.nonzero().flatten())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_head_init_takes_the_targets_output_side(family):
+    """lm_head = the target's output rows of the draft vocab; norm = the target's final norm as
+    a plain RMSNorm weight (Gemma stores weight - 1): after the copy, the draft's norm + head on
+    any state give the target's own logits at the draft vocab."""
+    target, d = _draft(4, family)
+    with torch.no_grad():
+        target.get_decoder().norm.weight.normal_(0, 0.5)  # fresh norms are all ones (zeros in Gemma)
+    d.init_head_from(target)
+    x = torch.randn(3, d.cfg.hidden_size)
+    want = target.lm_head(target.get_decoder().norm(x))[:, d.target_ids()]
+    torch.testing.assert_close(d.logits(x), want, rtol=1e-4, atol=1e-4)

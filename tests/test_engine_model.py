@@ -113,6 +113,40 @@ def test_row_groups_and_spans_change_nothing(monkeypatch):
         assert generate_ar(model, [p], params, [])[0][0] == row
 
 
+def test_decode_attention_equals_sdpa():
+    """The matmul decode attention is SDPA's math: fresh random q/k/v, a random key mask."""
+    from fledge.engine.model import decode_attention
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(5, 3, *shape, generator=g) for shape in ((4, 16), (40, 16), (40, 16)))
+    keep = torch.rand(5, 1, 4, 40, generator=g) < 0.6
+    keep[..., 0] = True  # no row without a key
+    bias = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    torch.testing.assert_close(decode_attention(q, k, v, bias), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # torch.compile on the CPU
+def test_compiled_batched_decode_equals_eager():
+    """Compiled layers, with row groups large enough for the matmul decode attention: every
+    row equals the eager engine's (fp32)."""
+    import dataclasses
+
+    from fledge.engine.model import LayerFns
+    hf = make_tiny("llama", seed=6)
+    eager = build_engine_target(hf, torch.float32, "cpu")
+    fns, calls = LayerFns.compiled(decode_attention_min_rows=4), []
+
+    def counted(*a):
+        calls.append(a[0].shape[0])
+        return fns.decode_attention(*a)
+    compiled = build_engine_target(hf, torch.float32, "cpu", fns=dataclasses.replace(fns, decode_attention=counted))
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 301, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (12,), generator=g)]
+    params = SamplingParams(max_new_tokens=12)
+    assert generate_ar(compiled, prompts, params, [], row_group=6)[0] == generate_ar(eager, prompts, params, [], row_group=6)[0]
+    assert calls and set(calls) == {6}  # both groups of 6 rows, every decode step and layer
+
+
 def test_generation_stops_at_eos_per_row():
     model = build_engine_target(make_tiny("llama", seed=2), torch.float32, "cpu")
     prompts = [torch.randint(0, 301, (n,)).tolist() for n in (5, 8)]
@@ -172,3 +206,26 @@ def test_smollm2_real_weights_match_hf():
     rows, _ = generate_ar(model, [prompt], SamplingParams(max_new_tokens=32), eos_ids=[])
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert rows[0] == ref[0, len(prompt):].tolist()
+
+
+def test_stream_refills_rows_and_equals_solo_generation(monkeypatch):
+    """Continuous batching: 11 prompts through 4 rows in groups of 2, rows ending at an eos
+    mid-run and refilled, spans growing (quantum shrunk): each answer equals that prompt
+    generated alone; every prompt is answered once; a sampled stream respects the limits."""
+    from fledge.engine import generate
+    from fledge.engine.stream import generate_stream
+    hf = make_tiny("llama", seed=7)
+    model = build_engine_target(hf, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 301, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (11,), generator=g)]
+    params = SamplingParams(max_new_tokens=10)
+    monkeypatch.setattr(generate, "SPAN_QUANTUM", 8)
+    solo = [generate_ar(model, [p], params, [])[0][0] for p in prompts]
+    eos = [solo[0][3], solo[5][1]]  # some rows end early, at different steps
+    solo = [generate_ar(model, [p], params, eos)[0][0] for p in prompts]
+    assert len({len(s) for s in solo}) > 1
+    out, stats = generate_stream(model, prompts, params, eos, rows=4, refill_every=2, row_group=2)
+    assert out == solo
+    assert stats["generated_tokens"] == sum(map(len, solo)) and stats["rows"] == 4
+    sampled, _ = generate_stream(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=7), eos, rows=3)
+    assert all(1 <= len(s) <= 7 and all(t not in eos for t in s[:-1]) for s in sampled)

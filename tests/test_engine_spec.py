@@ -170,6 +170,21 @@ def test_fused_rounds_equal_phased_rounds():
         assert ps.summary()["verify_ms_per_step"] is not None
 
 
+@pytest.mark.slow  # torch.compile on the CPU: ~1 minute on 2 cores
+def test_compiled_engine_equals_eager():
+    """torch.compile of the target's layer functions and the drafter's halves changes nothing
+    (fp32): AR tokens, and the drafter's accepted counts, chain and tree."""
+    hf, target, draft = tiny_setup("llama", seed=3)
+    compiled = build_engine_target(hf, torch.float32, "cpu", compile=True)
+    prompt = torch.randint(0, 24, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
+    assert generate_ar(compiled, [prompt], GREEDY, eos_ids=[])[0][0] == ar
+    for spec in (SpecConfig(3, 1, 4), SpecConfig(3, 3, 9)):
+        eager, es = generate_spec(target, Eagle3Drafter(draft, spec, target), prompt, GREEDY, eos_ids=[])
+        comp, cs = generate_spec(compiled, Eagle3Drafter(draft, spec, compiled, compile=True), prompt, GREEDY, eos_ids=[])
+        assert comp == eager == ar and cs.accepted == es.accepted and sum(es.accepted) > 0
+
+
 def test_chain_equals_make_tree():
     g = torch.Generator().manual_seed(4)
     for n in (1, 3, 7):

@@ -52,11 +52,13 @@ def spec_config(num_steps: int, topk: int, num_draft_tokens: int | None) -> Spec
     return SpecConfig(num_steps, topk, num_draft_tokens)
 
 
-def load_drafter(path: str, spec: SpecConfig, hf_model, engine_target, device, dtype) -> Eagle3Drafter:
+def load_drafter(path: str, spec: SpecConfig, hf_model, engine_target, device, dtype,
+                 compile: bool = False) -> Eagle3Drafter:
+    """`compile`: the draft's halves through torch.compile (see Eagle3Drafter)."""
     from fledge.checkpoint import load_checkpoint
 
     draft = load_checkpoint(path, embed_from=hf_model).eval().cast(device, dtype)
-    return Eagle3Drafter(draft, spec, engine_target)
+    return Eagle3Drafter(draft, spec, engine_target, compile)
 
 
 def _messages(args) -> list[dict]:
@@ -80,11 +82,11 @@ def run_generate(args) -> int:
     spec = spec_config(args.num_steps, args.topk, args.num_draft_tokens)
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, args.seed)
     t = load_target(args.target, dtype=dtype, device=device)
-    target = build_engine_target(t.model, dtype, device)
+    target = build_engine_target(t.model, dtype, device, compile=args.compile)
     prompt = encode_chat(t.tokenizer, _messages(args))
     eos = eos_ids(t.model, t.tokenizer)
     if args.drafter:
-        drafter = load_drafter(args.drafter, spec, t.model, target, device, dtype)
+        drafter = load_drafter(args.drafter, spec, t.model, target, device, dtype, args.compile)
     elif args.oracle:
         greedy = SamplingParams(0.0, 1.0, args.max_new_tokens, args.seed)
         drafter = OracleDrafter(spec, [prompt + generate_ar(target, [prompt], greedy, eos)[0][0]])
@@ -132,6 +134,8 @@ def add_cli(sub) -> None:
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--json", help="also write the output ids and stats here")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target's layer functions and the drafter's halves (CUDA; slow start)")
     p.add_argument("--phased", action="store_true",
                    help="run each round's steps apart and time them (draft / verify / other ms) instead of one fused graph")
     p.set_defaults(func=run_generate)

@@ -73,6 +73,14 @@ def make_causal_mask(starts, T: int, max_len: int):
     return (torch.arange(max_len, device=starts.device) <= q_slot[:, :, None])[:, None]
 
 
+def decode_logits(model, tokens, lengths, groups, spans, cache):
+    """One decode step of every row: tokens [B, 1] at slot and position lengths[b]; row group g
+    (consecutive rows (r0, r1)) attends to the cache's first spans[g] slots. Returns [B, V]."""
+    here = lengths[:, None]
+    masks = tuple(make_causal_mask(lengths[r0:r1], 1, S) for (r0, r1), S in zip(groups, spans))
+    return model(tokens, here, here, masks if len(masks) > 1 else masks[0], cache)[0][:, -1]
+
+
 def prefix_mask(lengths, max_len: int):
     """[B, 1, 1, max_len] bool: the committed slots [0, lengths[b]) of each row (the part of a
     tree mask every draft token shares)."""
@@ -95,18 +103,20 @@ def attention_span(slots_in_use: int, cache_len: int) -> int:
 
 
 # --------------------------------------------------------------------------- CUDA graphs
-def capture_cuda_graph(fn, reset=None):
+def capture_cuda_graph(fn, reset=None, warmup: int = 3):
     """Capture `fn()` — which must read only static buffers — and return a replay that
-    returns fn's (static) output. fn runs a few times on a side stream first, as capture
+    returns fn's (static) output. fn runs `warmup` times on a side stream first, as capture
     requires; it must therefore be idempotent (a decode step rewrites the same cache slot), or
     `reset()` must undo what a run changed (it is called before each of those runs)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for _ in range(warmup):
             if reset is not None:
                 reset()
             fn()
+        if reset is not None:  # capture only records: what the warm-up changed is undone here
+            reset()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -166,9 +176,22 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     tok = sample_token(logits[:, 0], params, gen)
     t1 = _now(device)
 
-    tokens = tok[:, None].clone()  # static input buffers of the decode step: tokens, lengths
+    # Static buffers of the decode step. Greedy, the step also takes its argmax, records it in
+    # column `col` of `new`, marks rows that ended and advances the row lengths: one graph
+    # replay a step and no other launch. Sampling (a host-side generator) stays outside it.
+    greedy = params.temperature == 0
+    tokens, col = tok[:, None].clone(), torch.ones(1, dtype=torch.long, device=device)
+    new = torch.zeros(B, params.max_new_tokens + 1, dtype=torch.long, device=device)  # + a column capture may write
+    new[:, 0] = tok
+    done = torch.isin(tok, eos)
+    start = (tokens.clone(), lengths.clone(), done.clone())
     graphs = use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok
     steps_by_span: dict = {}
+
+    def reset():
+        for buf, value in zip((tokens, lengths, done), start):
+            buf.copy_(value)
+        col.fill_(1)
 
     def spans_at(step: int) -> tuple[int, ...]:
         # Every row advances one slot a step, so each group's longest is known on the host: no sync.
@@ -178,30 +201,40 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
         """The decode step whose group g attends to its first spans[g] slots (one graph each)."""
         if spans not in steps_by_span:
             def step():
-                here = lengths[:, None]
-                masks = tuple(make_causal_mask(lengths[r0:r1], 1, S) for (r0, r1), S in zip(groups, spans))
-                out, _ = model(tokens, here, here, masks if len(masks) > 1 else masks[0], cache)
-                return out[:, -1]
-            steps_by_span[spans] = capture_cuda_graph(step) if graphs else step
+                logits = decode_logits(model, tokens, lengths, groups, spans, cache)
+                if not greedy:
+                    return logits
+                t = logits.argmax(dim=-1)
+                new.index_copy_(1, col, t[:, None])
+                done.logical_or_((t[:, None] == eos).any(-1))  # isin may sort (and sync) for long eos lists
+                tokens.copy_(t[:, None])
+                lengths.add_(1)
+                col.add_(1)
+                return None
+            # After the first capture one warm-up run suffices (it compiles a new shape, if any):
+            # at 1,024 rows each run is a full decode step, and a run meets up to ~16 span tuples.
+            steps_by_span[spans] = capture_cuda_graph(step, reset, 1 if steps_by_span else 3) if graphs else step
         return steps_by_span[spans]
 
     for spans in dict.fromkeys(spans_at(s) for s in range(params.max_new_tokens)):
         step_for(spans)  # every capture before the clock: none is decode time
     t2 = _now(device)
 
-    out, done, steps = [tok], torch.isin(tok, eos), 0
+    steps = 0
     while steps < params.max_new_tokens - 1:
         if steps % check_every == 0 and bool(done.all()):
             break
-        tok = sample_token(step_for(spans_at(steps))(), params, gen)
-        out.append(tok)
-        done |= torch.isin(tok, eos)
-        tokens.copy_(tok[:, None])
-        lengths.add_(1)
+        logits = step_for(spans_at(steps))()
+        if not greedy:
+            tok = sample_token(logits, params, gen)
+            new[:, steps + 1] = tok
+            done |= torch.isin(tok, eos)
+            tokens.copy_(tok[:, None])
+            lengths.add_(1)
         steps += 1
     t3 = _now(device)
 
-    sorted_rows = [cut_at_eos(r, eos_ids) for r in torch.stack(out, dim=1).tolist()]
+    sorted_rows = [cut_at_eos(r, eos_ids) for r in new[:, :steps + 1].tolist()]
     rows = [None] * B
     for r, b in enumerate(order):
         rows[b] = sorted_rows[r]

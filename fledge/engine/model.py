@@ -10,12 +10,14 @@ step can be captured in a CUDA graph. Causal, padded and tree masks are all just
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from fledge.util import FledgeError
@@ -158,16 +160,43 @@ def final_norm(x, delta, weight, eps: float):
     return rms_norm(x + delta, weight, eps)
 
 
-def attend_cached(q, kv, cache_kv, slots, biases):
+# cuDNN's SDPA kernel builds an execution plan for every new shape: ~40 ms per new prompt length
+# on the H200, against ~0.2 ms for the flash and mem-efficient kernels (bench/sdpa_first_call.py).
+# Attention whose shape changes with every request (a prompt's prefill, the drafter's pass over
+# it) therefore runs without it; fixed-shape steps, captured once, keep SDPA's own choice.
+ONE_OFF_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def one_off_attention():
+    """Context for attention of a shape seen once (see ONE_OFF_SDPA)."""
+    return sdpa_kernel(list(ONE_OFF_SDPA))
+
+
+def decode_attention(q, k, v, bias):
+    """SDPA's math as two batched matmuls and a softmax, for decode steps of many rows: compiled,
+    it read K/V at ~3.2-3.3 TB/s on the H200 at 256-1024 rows, where SDPA's masked kernel read
+    ~2.1 (bench/results/attn_decode.json). Eager it would not pay (the scores make extra passes)."""
+    s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + bias
+    return s.softmax(-1).to(v.dtype) @ v
+
+
+DECODE_ATTENTION_MIN_ROWS = 64  # default: a row group this large decodes through LayerFns.decode_attention
+
+
+def attend_cached(q, kv, cache_kv, slots, biases, matmul_attention=None, min_rows: int = DECODE_ATTENTION_MIN_ROWS):
     """Write this step's K/V (one scatter for both) at `slots` [B, T], then attend: `biases`
     cover consecutive groups of rows, each over the cache's first S = bias.shape[-1] slots, so
-    a decode step reads only the slots its group uses (see Transformer.forward)."""
+    a decode step reads only the slots its group uses (see Transformer.forward). A group of
+    `min_rows` or more goes through `matmul_attention` when one is given."""
     cache_kv.scatter_(3, slots[None, :, None, :, None].expand(kv.shape), kv)
     outs, r0 = [], 0
     for bias in biases:
         r1, S = r0 + bias.shape[0], bias.shape[-1]
-        outs.append(F.scaled_dot_product_attention(q[r0:r1], cache_kv[0, r0:r1, :, :S], cache_kv[1, r0:r1, :, :S],
-                                                   attn_mask=bias))
+        k, v = cache_kv[0, r0:r1, :, :S], cache_kv[1, r0:r1, :, :S]
+        if matmul_attention is not None and r1 - r0 >= min_rows:
+            outs.append(matmul_attention(q[r0:r1], k, v, bias))
+        else:
+            outs.append(F.scaled_dot_product_attention(q[r0:r1], k, v, attn_mask=bias))
         r0 = r1
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -177,14 +206,24 @@ class LayerFns:
     attn_in: Callable = attn_in
     attn_out: Callable = attn_out
     final_norm: Callable = final_norm
+    decode_attention: Callable | None = None  # compiled only: see decode_attention
+    decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS
 
     @classmethod
-    def compiled(cls) -> "LayerFns":
+    def compiled(cls, mode: str | None = None, decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS) -> "LayerFns":
+        """`mode`: torch.compile's (e.g. "max-autotune-no-cudagraphs": Triton GEMM templates
+        with fused epilogues, autotuned per shape; the engine captures its own graphs).
+        `decode_attention_min_rows`: row groups from this size decode through the matmul
+        attention (1: every decode step)."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
         # back to eager after the eighth.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        return cls(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (attn_in, attn_out, final_norm)))
+        fns = (torch.compile(f, fullgraph=True, dynamic=False, mode=mode) for f in (attn_in, attn_out, final_norm))
+        # Dynamic: decode attention meets every (rows, span) pair of a run; its kernels are a
+        # matmul library call and a softmax either way.
+        return cls(*fns, decode_attention=torch.compile(decode_attention, fullgraph=True, dynamic=True),
+                   decode_attention_min_rows=decode_attention_min_rows)
 
 
 class RMSNorm(nn.Module):
@@ -289,17 +328,18 @@ class Transformer(nn.Module):
         rep = self.args.n_heads // self.args.n_kv_heads
         biases = [torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill_(~m, float("-inf")).repeat(1, 1, rep, 1)
                   for m in (mask if isinstance(mask, tuple) else (mask,))]
-        return self._run(self.fns, x, cos, sin, lambda i, q, kv: attend_cached(q, kv, cache.kv[i], slots, biases),
-                         aux_ids, logits_idx)
+        matmul, rows = self.fns.decode_attention if input_ids.shape[1] == 1 else None, self.fns.decode_attention_min_rows
+        return self._run(self.fns, x, cos, sin,
+                         lambda i, q, kv: attend_cached(q, kv, cache.kv[i], slots, biases, matmul, rows), aux_ids, logits_idx)
 
     def prefill(self, input_ids, cache: KVCache | None = None, aux_ids=None, logits_idx=None, hidden_only=False,
-                rows: tuple[int, int] | None = None):
+                rows: tuple[int, int] | torch.Tensor | None = None):
         """A fresh right-padded batch at positions 0..T-1, causal over itself (flash attention,
         no mask: a row's pads come after its tokens, so no real token sees one). Writes K/V
         into cache slots [0, T) when `cache` is given (decoding continues from there) — of cache
-        rows `rows` = (first, end) when given, so groups of similar length prefill apart and
-        pad less; without a cache it is a plain forward, as training's feature pass wants.
-        Returns as `_run`."""
+        rows `rows` = (first, end), or a tensor of row indices (continuous batching refills
+        the rows that ended), when given; without a cache it is a plain forward, as training's
+        feature pass wants. Returns as `_run`."""
         self._check_aux(aux_ids)
         B, T = input_ids.shape
         if cache is not None and T > cache.max_len:
@@ -308,24 +348,30 @@ class Transformer(nn.Module):
         cos, sin = self.rope(torch.arange(T, device=x.device).expand(B, T), x.dtype)
         rep = self.args.n_heads // self.args.n_kv_heads
 
-        r0, r1 = rows or (0, B)
+        where = rows if isinstance(rows, torch.Tensor) else slice(*(rows or (0, B)))
 
         def attention(i, q, kv):
             if cache is not None:
-                cache.kv[i][:, r0:r1, :, :T].copy_(kv)
+                cache.kv[i][:, where, :, :T] = kv
             k, v = (t.repeat_interleave(rep, dim=1) for t in kv)  # plain heads: flash takes no GQA here
             return F.scaled_dot_product_attention(q.view(B, -1, T, q.shape[-1]), k, v, is_causal=True)
 
         # Eager layer functions: prompt lengths vary, and a compile per length would cost more
-        # than the launches it saves in a one-off forward.
-        return self._run(LayerFns(), x, cos, sin, attention, aux_ids, logits_idx, hidden_only)
+        # than the launches it saves in a one-off forward. So would a cuDNN plan per length when
+        # decoding follows (a request); training's feature pass meets its few padded lengths
+        # again and again, and keeps SDPA's choice.
+        with one_off_attention() if cache is not None else contextlib.nullcontext():
+            return self._run(LayerFns(), x, cos, sin, attention, aux_ids, logits_idx, hidden_only)
 
     @classmethod
-    def from_hf(cls, hf_model, dtype, device, compile: bool = False) -> "Transformer":
-        """`compile`: the layer functions through torch.compile (see LayerFns)."""
+    def from_hf(cls, hf_model, dtype, device, compile: bool | str = False, fns: LayerFns | None = None) -> "Transformer":
+        """`compile`: the layer functions through torch.compile (see LayerFns); a string is
+        torch.compile's mode. `fns`, if given, are the layer functions (compile is then ignored)."""
         args = ModelArgs.from_hf_config(hf_model.config)
+        if fns is None:
+            fns = LayerFns.compiled(compile if isinstance(compile, str) else None) if compile else LayerFns()
         with torch.device("meta"):
-            model = cls(args, LayerFns.compiled() if compile else LayerFns())
+            model = cls(args, fns)
         model.load_state_dict(_engine_state_dict(hf_model, args, dtype, device), strict=True, assign=True)
         return model.eval()
 
@@ -452,13 +498,13 @@ class HFTarget(nn.Module):
         return logits, aux
 
 
-def build_engine_target(hf_model, dtype, device, compile: bool = False):
+def build_engine_target(hf_model, dtype, device, compile: bool | str = False, fns: LayerFns | None = None):
     """The engine's view of a loaded HF model: the compact Transformer where fledge has one
-    (`compile`: see `Transformer.from_hf`), else HFTarget (which moves `hf_model` itself to
-    dtype/device)."""
+    (`compile`, `fns`: see `Transformer.from_hf`), else HFTarget (which moves `hf_model` itself
+    to dtype/device)."""
     family = hf_model.config.get_text_config().model_type
     if family in COMPACT_FAMILIES:
-        return Transformer.from_hf(hf_model, dtype, device, compile)
+        return Transformer.from_hf(hf_model, dtype, device, compile, fns)
     if family in HF_FAMILIES or hf_model.config.model_type in HF_FAMILIES:
         return HFTarget(hf_model.to(device=device, dtype=dtype))
     raise FledgeError(f"model_type {family!r}: no engine implementation "

@@ -275,10 +275,10 @@ def _round_functions(target, cache, drafter, device, use_cuda_graph: bool):
     if drafter.aux_ids is None:  # the oracle: nothing to observe
         return verify, (lambda root, cache_len, ctx: run_propose(root, cache_len)), drafter.observe
     hidden = 3 * drafter.draft.cfg.target_hidden_size
-    aux = torch.zeros(1, D, hidden, dtype=drafter.k.dtype, device=device)
+    aux = torch.zeros(1, D, hidden, dtype=drafter.kv.dtype, device=device)
     run_observe = static_call(drafter.observe, [ids[:, :D], aux, one + 1, one, one], graphs)
 
     def observe(tokens, aux, n, next_token, start):
-        run_observe(tokens, aux.to(drafter.k.dtype), n, next_token, start)
+        run_observe(tokens, aux.to(drafter.kv.dtype), n, next_token, start)
 
     return verify, (lambda root, cache_len, ctx: run_propose(root, cache_len)), observe

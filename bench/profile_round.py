@@ -1,0 +1,109 @@
+"""What a speculative round costs, apart from acceptance: the AR step against fused rounds and
+phased ones (draft / verify / other), with the drafter eager and compiled.
+
+SmolLM2-135M's shapes with random weights for the target and a random EAGLE-3 drafter
+(bench/random_target.py), so no download: a random drafter is almost never accepted, and that
+does not matter here — a round's cost does not depend on what it accepts, only its yield does.
+From these, the speed-up a drafter would give is accept_length * AR ms / round ms.
+
+    python bench/profile_round.py [--tree 5,4,16 ...] [--compile] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from fledge.config import DraftConfig
+from fledge.draft import Eagle3Draft
+from fledge.engine.drafters import Eagle3Drafter, SpecConfig
+from fledge.engine.generate import SamplingParams, generate_ar
+from fledge.engine.model import build_engine_target
+from fledge.engine.spec import generate_spec
+from fledge.util import atomic_write_json
+from random_target import smollm2_random
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tree", action="append", help="STEPS,TOPK,NUM_DRAFT_TOKENS (default: chain 7, 5,4,16, 8,8,64)")
+    p.add_argument("--prompt-len", type=int, default=300)
+    p.add_argument("--prompt-lens", help="comma-separated: also time requests at these new prompt lengths "
+                                         "(prefill per request, where a kernel's per-shape setup shows)")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--compile", action="store_true", help="also the target's layers and the drafter compiled")
+    p.add_argument("--mode", help="torch.compile mode of the target's layers")
+    p.add_argument("--device", default="cuda", help="cpu only to check the script runs")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("profile_round: needs CUDA", file=sys.stderr)
+        return 2
+    dev = torch.device(args.device)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    hf = smollm2_random(dt, dev)
+    target = build_engine_target(hf, dt, dev, compile=(args.mode or True) if args.compile else False)
+    torch.manual_seed(1)
+    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config, draft_vocab_size=16384), hf,
+                                    torch.randperm(hf.config.vocab_size)[:16384].sort().values).eval().cast(dev, dt)
+    prompt = torch.randint(0, hf.config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_new_tokens=args.new_tokens)
+    generate_ar(target, [prompt], SamplingParams(max_new_tokens=8), [])
+    _, ar = generate_ar(target, [prompt], params, [])
+    ar_ms = ar["decode_ms"] / ar["decode_steps"]
+    shapes = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["7,1,8", "5,4,16", "8,8,64"])]
+    rows = [{"config": "AR", "ms": ar_ms}]
+    print(f"AR: {ar_ms:.3f} ms/step ({'compiled' if args.compile else 'eager'} layers)")
+    print(f"{'config':>10} {'drafter':>9} {'round ms':>9} {'draft':>7} {'verify':>7} {'other':>7} {'break-even accept':>18}"
+          f" {'prefill ms':>11} (AR {ar['prefill_ms']:.1f})")
+    for steps, topk, n in shapes:
+        spec = SpecConfig(steps, topk, n)
+        variants = [(False, False)] + ([(True, False), (True, True)] if args.compile else [])
+        for compiled, fresh in variants:
+            drafter = Eagle3Drafter(draft, spec, target, compile=compiled)
+            generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=16), [])  # compile, capture
+            if fresh:  # new cache buffers for the request, as before session 4: do guards fail on them?
+                drafter.kv = None
+            _, fused = generate_spec(target, drafter, prompt, params, [])
+            generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=16), [], phased=True)
+            _, ph = generate_spec(target, drafter, prompt, params, [], phased=True)
+            med = lambda xs: statistics.median(xs)  # noqa: E731
+            row = {"config": f"{steps},{topk},{n}", "drafter_compiled": compiled, "fresh_cache": fresh, "round_ms": med(fused.round_ms),
+                   "prefill_ms": fused.prefill_ms, "ar_prefill_ms": ar["prefill_ms"],
+                   "phased_round_ms": med(ph.round_ms), "draft_ms": med(ph.draft_ms), "verify_ms": med(ph.verify_ms),
+                   "other_ms": med(ph.other_ms)}
+            row["break_even_accept"] = row["round_ms"] / ar_ms  # accept length at which the round pays
+            rows.append(row)
+            print(f"{row['config']:>10} {('fresh' if fresh else 'compiled') if compiled else 'eager':>9} {row['round_ms']:>9.3f} {row['draft_ms']:>7.3f} "
+                  f"{row['verify_ms']:>7.3f} {row['other_ms']:>7.3f} {row['break_even_accept']:>18.2f} {row['prefill_ms']:>11.1f}")
+    fresh_prompts = {}
+    if args.prompt_lens:  # one request per new length: mean prefill ms, AR and each drafter config
+        g = torch.Generator().manual_seed(3)
+        lens = [int(x) for x in args.prompt_lens.split(",")]
+        new = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+        short = SamplingParams(max_new_tokens=8)
+        fresh_prompts["lengths"] = lens
+        fresh_prompts["ar_prefill_ms"] = statistics.mean(generate_ar(target, [q], short, [])[1]["prefill_ms"] for q in new)
+        for steps, topk, n in shapes:
+            drafter = Eagle3Drafter(draft, SpecConfig(steps, topk, n), target, compile=args.compile)
+            fresh_prompts[f"{steps},{topk},{n}_prefill_ms"] = statistics.mean(
+                generate_spec(target, drafter, q, short, [])[1].prefill_ms for q in new)
+        print("mean prefill ms per request at new prompt lengths", lens, {k: round(v, 1) for k, v in fresh_prompts.items()
+                                                                         if k != "lengths"})
+    name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower()) if dev.type == "cuda" else "cpu"
+    out = args.out or Path(__file__).parent / "results" / f"profile_round_{name}.json"
+    atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": str(dt).removeprefix("torch."),
+                            "compiled_layers": args.compile, "compile_mode": args.mode, "prompt_len": args.prompt_len,
+                            "new_tokens": args.new_tokens, "ar_ms_per_step": ar_ms, "rows": rows,
+                            "new_prompt_lengths": fresh_prompts})
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
