@@ -16,6 +16,7 @@ Each is a CUDA graph timed over many replays; GB/s counts the K/V bytes a varian
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
             rows.append({"batch": B, "slots": S, "variant": name, "us": us, "kv_gb_s": gbs, "max_abs_err": err,
                          "mean_len": float(lengths.float().mean())})
             print(f"{B:>5} {S:>5} {name:>10} {us:>9.1f} {gbs:>7.0f} {err:>8.4f}")
-    out = args.out or Path(__file__).parent / "results" / "attn_decode.json"
+    name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower())
+    out = args.out or Path(__file__).parent / "results" / f"attn_decode_{name}.json"
     atomic_write_json(out, {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                             "heads": [H, KV, D], "rows": rows})
     print(f"wrote {out}")

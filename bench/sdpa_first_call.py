@@ -10,6 +10,7 @@ Prints first- and second-call milliseconds per prompt length; writes JSON.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
                 rows.append({"backends": name, "attention": "masked" if masked else "causal", "prompt_len": L,
                              "first_ms": first, "second_ms": second})
                 print(f"{name:22s} {rows[-1]['attention']:7s} L={L:4d}  first {first:7.1f} ms  second {second:6.2f} ms")
-    out = args.out or Path(__file__).parent / "results" / "sdpa_first_call.json"
+    name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower())
+    out = args.out or Path(__file__).parent / "results" / f"sdpa_first_call_{name}.json"
     atomic_write_json(out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows})
     print(f"wrote {out}")
     return 0

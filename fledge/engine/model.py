@@ -175,7 +175,7 @@ def one_off_attention():
 def decode_attention(q, k, v, bias):
     """SDPA's math as two batched matmuls and a softmax, for decode steps of many rows: compiled,
     it read K/V at ~3.2-3.3 TB/s on the H200 at 256-1024 rows, where SDPA's masked kernel read
-    ~2.1 (bench/results/attn_decode.json). Eager it would not pay (the scores make extra passes)."""
+    ~2.1 (bench/results/attn_decode_nvidia_h200.json). Eager it would not pay (the scores make extra passes)."""
     s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + bias
     return s.softmax(-1).to(v.dtype) @ v
 
