@@ -394,3 +394,23 @@ def test_cli_generate_fused_and_phased_agree(tmp_path, capsys):
     assert outs["fused"]["output_ids"] == outs["phased"]["output_ids"]
     assert outs["fused"]["verify_ms_per_step"] is None and outs["phased"]["verify_ms_per_step"] is not None
     assert "verify" in capsys.readouterr().out
+
+
+def test_one_off_attention_shapes_skip_cudnn(monkeypatch):
+    """cuDNN's SDPA builds a plan per new shape (~40 ms each on the H200): the request's prefill
+    and the drafter's pass over the prompt run without it; verify and the round's draft steps,
+    whose shapes repeat, keep SDPA's own choice. Recorded at every SDPA call of one request."""
+    import torch.nn.functional as F
+    hf, target, draft = tiny_setup("llama", seed=4)
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, *a, **kw):
+        seen.append((q.shape[-2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(q, *a, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    prompt = torch.randint(0, 24, (13,), generator=torch.Generator().manual_seed(6)).tolist()
+    generate_spec(target, Eagle3Drafter(draft, SpecConfig(3, 1, 4), target), prompt, GREEDY, eos_ids=[])
+    heads = hf.config.num_attention_heads
+    prompt_rows = {13 * heads // hf.config.num_key_value_heads, 13}  # the draft's GQA rows, the prefill's heads
+    assert any(not on for _, on in seen) and any(on for _, on in seen)
+    assert all(on != (rows in prompt_rows) for rows, on in seen)
