@@ -76,6 +76,11 @@ class EngineBackend:
         return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=False)
 
+    def _text(self, tokens: list[int]) -> tuple[str, str]:
+        """(text, finish) of generated tokens: "stop" if they end at an end-of-turn token (left out)."""
+        ended = bool(tokens) and tokens[-1] in self.eos
+        return self.tok.decode(tokens[:-1] if ended else tokens), "stop" if ended else "length"
+
     def answer(self, chats: list[list[dict]], seed: int) -> list[tuple[str, str] | None]:
         """(text, finish) per chat; a prompt with no room for max_new_tokens is ("", "context"),
         as a server's 400 is."""
@@ -92,16 +97,14 @@ class EngineBackend:
             params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seed)
             gen, _ = generate_stream(self.model, [ids[i] for i in order], params, self.eos, rows=self.batch_size)
             for i, g in zip(order, gen):
-                ended = bool(g) and g[-1] in self.eos
-                out[i] = (self.tok.decode(g[:-1] if ended else g), "stop" if ended else "length")
+                out[i] = self._text(g)
             return out
         for s in range(0, len(order), self.batch_size):
             rows = order[s:s + self.batch_size]
             params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seed + s)
             gen, _ = generate_ar(self.model, [ids[i] for i in rows], params, self.eos)
             for i, g in zip(rows, gen):
-                ended = bool(g) and g[-1] in self.eos
-                out[i] = (self.tok.decode(g[:-1] if ended else g), "stop" if ended else "length")
+                out[i] = self._text(g)
         return out
 
 

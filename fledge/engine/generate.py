@@ -183,7 +183,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     tokens, col = tok[:, None].clone(), torch.ones(1, dtype=torch.long, device=device)
     new = torch.zeros(B, params.max_new_tokens + 1, dtype=torch.long, device=device)  # + a column capture may write
     new[:, 0] = tok
-    done = torch.isin(tok, eos)
+    done = (tok[:, None] == eos).any(-1)
     start = (tokens.clone(), lengths.clone(), done.clone())
     graphs = use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok
     steps_by_span: dict = {}
@@ -206,7 +206,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
                     return logits
                 t = logits.argmax(dim=-1)
                 new.index_copy_(1, col, t[:, None])
-                done.logical_or_((t[:, None] == eos).any(-1))  # isin may sort (and sync) for long eos lists
+                done.logical_or_((t[:, None] == eos).any(-1))  # not isin: it may sort (and sync) for long eos lists
                 tokens.copy_(t[:, None])
                 lengths.add_(1)
                 col.add_(1)
@@ -228,7 +228,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
         if not greedy:
             tok = sample_token(logits, params, gen)
             new[:, steps + 1] = tok
-            done |= torch.isin(tok, eos)
+            done |= (tok[:, None] == eos).any(-1)
             tokens.copy_(tok[:, None])
             lengths.add_(1)
         steps += 1

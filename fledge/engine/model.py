@@ -160,8 +160,9 @@ def final_norm(x, delta, weight, eps: float):
     return rms_norm(x + delta, weight, eps)
 
 
-# cuDNN's SDPA kernel builds an execution plan for every new shape: ~40 ms per new prompt length
-# on the H200, against ~0.2 ms for the flash and mem-efficient kernels (bench/sdpa_first_call.py).
+# cuDNN's SDPA kernel builds an execution plan for every new shape: 40-88 ms per new prompt length
+# on the H200, against 0.1-0.3 ms for the flash and mem-efficient kernels (a first form of
+# bench/sdpa_first_call.py, session 4; its output was printed, not saved).
 # Attention whose shape changes with every request (a prompt's prefill, the drafter's pass over
 # it) therefore runs without it; fixed-shape steps, captured once, keep SDPA's own choice.
 ONE_OFF_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
