@@ -1,16 +1,21 @@
-"""Decode attention at regeneration batch sizes: which kernel reads the KV cache fastest.
+"""Decode and verify attention: which kernel reads the KV cache fastest, from batch 1 to
+regeneration batch sizes.
 
-One layer's attention for one new token per row (SmolLM2: 9 query heads over 3 kv heads of 64),
-rows of random lengths in one cache of S slots. Variants:
-  sdpa_bias  what the engine runs: SDPA over the first S slots with an additive mask (G query
-             rows per kv head), every row reading all S slots
+One layer's attention for T new tokens per row (SmolLM2: 9 query heads over 3 kv heads of 64),
+rows of random lengths in one cache of S slots; T > 1 is a verify step over a random tree.
+Variants:
+  sdpa_bias  the dense path: SDPA over the first S slots with an additive mask (G query rows
+             per kv head), every row reading all S slots
+  prefix     fledge.engine.attention.prefix_attention (Triton): a row reads only its own slots,
+             split over the slots when the batch is small
   flex       FlexAttention (compiled) with a block mask built from the lengths: a row reads only
-             the 128-slot blocks it uses
+             the 128-slot blocks it uses (T = 1 only)
   bmm        scores by matmul, softmax, matmul: the plain formulation, compiled
 Each is a CUDA graph timed over many replays; GB/s counts the K/V bytes a variant must read
-(all S slots for sdpa/bmm, the used blocks for flex). Outputs are checked against sdpa_bias.
+(all S slots for sdpa/bmm, the used slots for prefix, the used blocks for flex). Outputs are
+checked against sdpa_bias.
 
-    python bench/attn_decode.py --shapes 256x2048,1024x512,1024x1024 [--out FILE]
+    python bench/attn_decode.py --shapes 1x384,1x384x16,256x2048,1024x512,1024x1024 [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fledge.engine.attention import Prefix, prefix_attention
+from fledge.engine.tree import ancestors
 from fledge.util import atomic_write_json
 from profile_decode import graph_ms
 
@@ -47,16 +54,19 @@ def flex_parts(lengths, S: int):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="256x2048,1024x512,1024x1024")
+    p.add_argument("--shapes", default="1x384,1x1024,1x384x16,1x384x64,256x2048,1024x512,1024x1024",
+                   help="BATCHxSLOTS[xNEW_TOKENS], comma-separated")
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--device", default="cuda", help="cpu: check outputs only (the kernel interpreted), no timing")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("attn_decode: needs CUDA", file=sys.stderr)
         return 2
     from torch.nn.attention.flex_attention import flex_attention
 
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev = torch.device(args.device)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     H, KV, D = 9, 3, 64
     G = H // KV
     flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
@@ -67,39 +77,45 @@ def main(argv=None) -> int:
         return (s.softmax(-1).to(v.dtype)) @ v
 
     rows = []
-    print(f"{'batch':>5} {'slots':>5} {'variant':>10} {'us':>9} {'GB/s':>7} {'max err':>8}")
+    print(f"{'batch':>5} {'slots':>5} {'new':>4} {'variant':>10} {'us':>9} {'GB/s':>7} {'max err':>8}")
     for shape in args.shapes.split(","):
-        B, S = (int(x) for x in shape.split("x"))
+        B, S, T = ([int(x) for x in shape.split("x")] + [1])[:3]
         g = torch.Generator(device=dev).manual_seed(0)
         k = torch.randn(B, KV, S, D, device=dev, dtype=dt, generator=g)
         v = torch.randn(B, KV, S, D, device=dev, dtype=dt, generator=g)
-        q = torch.randn(B, H, 1, D, device=dev, dtype=dt, generator=g)
-        lengths = torch.randint(S // 4, S, (B,), device=dev, generator=g)
-        keep = torch.arange(S, device=dev) <= lengths[:, None]
-        bias = torch.zeros(B, 1, G, S, device=dev, dtype=dt).masked_fill_(~keep[:, None, None], float("-inf"))
-        qg = q.view(B, KV, G, D)
+        q = torch.randn(B, KV, G * T, D, device=dev, dtype=dt, generator=g)
+        lengths = torch.randint(S // 4, S - T + 1, (B,), device=dev, generator=g)
+        parents = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev)] +
+                            [torch.randint(0, i, (B, 1), device=dev, generator=g) for i in range(1, T)], 1)
+        prefix = Prefix(lengths, ancestors(parents))
+        bias = torch.zeros(B, 1, G * T, S, device=dev, dtype=dt).masked_fill_(
+            ~prefix.dense(S).repeat(1, 1, G, 1), float("-inf"))
+        used = int((lengths + T).sum())
         variants = {
-            "sdpa_bias": (lambda: F.scaled_dot_product_attention(qg, k, v, attn_mask=bias).view(B, H, 1, D), B * S),
-            "flex": (lambda: flex(q, k, v, block_mask=flex_parts(lengths, S), enable_gqa=True),
-                     int(((lengths // BLOCK + 1) * BLOCK).sum())),
-            "bmm": (lambda: bmm(qg, k, v, bias.float()).view(B, H, 1, D), B * S),
+            "sdpa_bias": (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias), B * S),
+            "prefix": (lambda: prefix_attention(q, k, v, prefix), used),
+            "bmm": (lambda: bmm(q, k, v, bias.float()), B * S),
         }
+        if T == 1 and dev.type == "cuda":
+            variants["flex"] = (lambda: flex(q.view(B, H, 1, D), k, v, block_mask=flex_parts(lengths, S),
+                                             enable_gqa=True).view(B, KV, G, D),
+                                int(((lengths // BLOCK + 1) * BLOCK).sum()))
         ref = variants["sdpa_bias"][0]().float()
         for name, (fn, slots_read) in variants.items():
             try:
                 err = (fn().float() - ref).abs().max().item()
-                us = 1e3 * graph_ms(fn, args.iters)
+                us = 1e3 * graph_ms(fn, args.iters) if dev.type == "cuda" else float("nan")
             except Exception as e:  # a variant the installed torch cannot run is reported, not fatal
-                print(f"{B:>5} {S:>5} {name:>10}  failed: {type(e).__name__}: {str(e)[:160]}")
-                rows.append({"batch": B, "slots": S, "variant": name, "error": f"{type(e).__name__}: {e}"[:400]})
+                print(f"{B:>5} {S:>5} {T:>4} {name:>10}  failed: {type(e).__name__}: {str(e)[:160]}")
+                rows.append({"batch": B, "slots": S, "new_tokens": T, "variant": name, "error": f"{type(e).__name__}: {e}"[:400]})
                 continue
             gbs = slots_read * KV * D * 2 * 2 / (us * 1e-6) / 1e9
-            rows.append({"batch": B, "slots": S, "variant": name, "us": us, "kv_gb_s": gbs, "max_abs_err": err,
+            rows.append({"batch": B, "slots": S, "new_tokens": T, "variant": name, "us": us, "kv_gb_s": gbs, "max_abs_err": err,
                          "mean_len": float(lengths.float().mean())})
-            print(f"{B:>5} {S:>5} {name:>10} {us:>9.1f} {gbs:>7.0f} {err:>8.4f}")
-    name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower())
-    out = args.out or Path(__file__).parent / "results" / f"attn_decode_{name}.json"
-    atomic_write_json(out, {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+            print(f"{B:>5} {S:>5} {T:>4} {name:>10} {us:>9.1f} {gbs:>7.0f} {err:>8.4f}")
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    out = args.out or Path(__file__).parent / "results" / f"attn_decode_{re.sub(r'[^a-z0-9]+', '_', device.lower())}.json"
+    atomic_write_json(out, {"device": device, "torch": torch.__version__,
                             "heads": [H, KV, D], "rows": rows})
     print(f"wrote {out}")
     return 0

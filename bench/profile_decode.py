@@ -20,22 +20,23 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fledge.engine.cli import pick_dtype
-from fledge.engine.generate import capture_cuda_graph, make_causal_mask
-from fledge.engine.model import build_engine_target
+from fledge.engine.generate import capture_cuda_graph, decode_logits, decode_spans
+from fledge.engine.model import LayerFns, build_engine_target
 from fledge.target import load_target
 from fledge.util import FledgeError, atomic_write_json
 
 
 def decode_step(model, batch: int, span: int):
-    """A decode step at `batch` rows, each with span - 1 slots already written (random ids)."""
+    """A decode step at `batch` rows, each with span - 1 slots already written (random ids), as
+    generate_ar runs it: one span, or none with the prefix kernel."""
     dev = model.output.weight.device
     cache = model.new_cache(batch, span)
     lengths = torch.full((batch,), span - 1, device=dev)
     tokens = torch.randint(0, model.args.vocab_size, (batch, 1), device=dev)
+    spans = decode_spans(model, [span], span)
 
     def step():
-        here = lengths[:, None]
-        return model(tokens, here, here, make_causal_mask(lengths, 1, span), cache)[0]
+        return decode_logits(model, tokens, lengths, [(0, batch)], spans, cache)
     return step
 
 
@@ -75,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="1x512,256x512,256x2048,1024x512", help="BATCHxSPAN, comma-separated")
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's layer functions")
     p.add_argument("--mode", help="torch.compile mode for --compile (e.g. max-autotune-no-cudagraphs)")
+    p.add_argument("--no-prefix-kernel", action="store_true", help="with --compile: decode attention through SDPA "
+                                                                   "over a span, not the prefix kernel")
     p.add_argument("--random", action="store_true",
                    help="SmolLM2-135M's shapes with random weights (bench/random_target.py): no model download")
     p.add_argument("--iters", type=int, default=50)
@@ -94,13 +97,15 @@ def main(argv=None) -> int:
             hf = smollm2_random(dtype, dev)
         else:
             hf = load_target(args.target, dtype=dtype, device=dev).model
-        model = build_engine_target(hf, dtype, dev, compile=(args.mode or True) if args.compile else False)
+        fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel) if args.compile else LayerFns()
+        model = build_engine_target(hf, dtype, dev, fns=fns)
     except (FledgeError, ValueError) as e:
         print(f"profile_decode: error: {e}", file=sys.stderr)
         return 2
     report = {"device": re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower()),
               "target": "smollm2-135m shapes, random weights" if args.random else args.target,
-              "dtype": args.dtype, "compiled_layers": args.compile, "compile_mode": args.mode, "shapes": []}
+              "dtype": args.dtype, "compiled_layers": args.compile, "compile_mode": args.mode,
+              "prefix_kernel": getattr(model, "prefix_kernel", False), "shapes": []}
     with torch.no_grad():
         for batch, span in shapes:
             step = decode_step(model, batch, span)

@@ -21,12 +21,33 @@ import torch
 
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
-from fledge.engine.drafters import Eagle3Drafter, SpecConfig
+from fledge.engine.drafters import DraftInput, Eagle3Drafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
-from fledge.engine.model import build_engine_target
-from fledge.engine.spec import generate_spec
+from fledge.engine.model import LayerFns, build_engine_target
+from fledge.engine.spec import generate_spec, verify_forward
 from fledge.util import atomic_write_json
+from profile_decode import kernels_us
 from random_target import smollm2_random
+
+
+def round_kernels(target, drafter, prompt) -> dict:
+    """Per-kernel GPU time of one propose and one verify at the prompt's length (eager calls of
+    the compiled functions: what a round's graph replays)."""
+    dev = drafter.kv.device
+    root, cache_len = torch.tensor([prompt[-1]], device=dev), torch.tensor([len(prompt)], device=dev)
+    cache = target.new_cache(1, drafter.max_len)
+    tree = drafter.propose(DraftInput(root, cache_len, []))
+    parts = {"propose": lambda: drafter.propose(DraftInput(root, cache_len, [])),
+             "verify": lambda: verify_forward(target, cache, tree, cache_len, drafter.aux_ids)}
+    out = {}
+    for name, fn in parts.items():
+        kern = kernels_us(fn, 10)
+        out[name] = {"kernel_us": sum(us for _, us in kern.values()), "launches": sum(n for n, _ in kern.values()),
+                     "top": sorted(([k[:120], n, us] for k, (n, us) in kern.items()), key=lambda r: -r[2])[:15]}
+        print(f"  {name}: {out[name]['kernel_us']:.0f} us of kernels in {out[name]['launches']} launches")
+        for k, n, us in out[name]["top"][:8]:
+            print(f"    {us:8.1f} us {n:4d}x  {k[:90]}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -38,6 +59,10 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--compile", action="store_true", help="also the target's layers and the drafter compiled")
     p.add_argument("--mode", help="torch.compile mode of the target's layers")
+    p.add_argument("--no-prefix-kernel", action="store_true", help="with --compile: decode and verify attention "
+                                                                   "through SDPA's dense masks, not the prefix kernel")
+    p.add_argument("--kernels", action="store_true", help="also each config's propose and verify kernels "
+                                                          "(torch.profiler, compiled drafter, eager calls)")
     p.add_argument("--device", default="cuda", help="cpu only to check the script runs")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -47,7 +72,8 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     hf = smollm2_random(dt, dev)
-    target = build_engine_target(hf, dt, dev, compile=(args.mode or True) if args.compile else False)
+    fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel) if args.compile else LayerFns()
+    target = build_engine_target(hf, dt, dev, fns=fns)
     torch.manual_seed(1)
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config, draft_vocab_size=16384), hf,
                                     torch.randperm(hf.config.vocab_size)[:16384].sort().values).eval().cast(dev, dt)
@@ -78,6 +104,8 @@ def main(argv=None) -> int:
                    "phased_round_ms": med(ph.round_ms), "draft_ms": med(ph.draft_ms), "verify_ms": med(ph.verify_ms),
                    "other_ms": med(ph.other_ms)}
             row["break_even_accept"] = row["round_ms"] / ar_ms  # accept length at which the round pays
+            if args.kernels and compiled and not fresh and dev.type == "cuda":
+                row["kernels"] = round_kernels(target, drafter, prompt)
             rows.append(row)
             print(f"{row['config']:>10} {('fresh' if fresh else 'compiled') if compiled else 'eager':>9} {row['round_ms']:>9.3f} {row['draft_ms']:>7.3f} "
                   f"{row['verify_ms']:>7.3f} {row['other_ms']:>7.3f} {row['break_even_accept']:>18.2f} {row['prefill_ms']:>11.1f}")
@@ -98,7 +126,8 @@ def main(argv=None) -> int:
     name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower()) if dev.type == "cuda" else "cpu"
     out = args.out or Path(__file__).parent / "results" / f"profile_round_{name}.json"
     atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": str(dt).removeprefix("torch."),
-                            "compiled_layers": args.compile, "compile_mode": args.mode, "prompt_len": args.prompt_len,
+                            "compiled_layers": args.compile, "compile_mode": args.mode,
+                            "prefix_kernel": getattr(target, "prefix_kernel", False), "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "ar_ms_per_step": ar_ms, "rows": rows,
                             "new_prompt_lengths": fresh_prompts})
     print(f"wrote {out}")

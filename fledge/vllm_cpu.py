@@ -27,6 +27,7 @@ def venv_env(venv: Path | None = None) -> dict:
     if not venv_ready(venv):
         raise FledgeError(f"{venv}: no finished vLLM venv; run scripts/setup_vllm.sh")
     env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # fledge's CPU tests run its Triton kernel interpreted; vLLM's own must not be
     for line in (venv / "vllm.env").read_text().splitlines():
         key, _, value = line.partition("=")
         if key:

@@ -6,9 +6,15 @@ matters: GQA (heads != kv heads), 8 layers (default aux ids (2, 4, 5) are distin
 
 from __future__ import annotations
 
-import pytest
-import torch
-import transformers
+import os
+
+# The prefix attention kernel is Triton: on this GPU-less machine its tests run it under Triton's
+# interpreter, which must be chosen before the first import of triton (kernels are decorated then).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 # One thread: on the 2-core CI machine, tiny ops (CPU SDPA with a mask above all) spend
 # milliseconds per call synchronising two threads; one thread is several times faster here.

@@ -134,7 +134,7 @@ def test_compiled_batched_decode_equals_eager():
     from fledge.engine.model import LayerFns
     hf = make_tiny("llama", seed=6)
     eager = build_engine_target(hf, torch.float32, "cpu")
-    fns, calls = LayerFns.compiled(decode_attention_min_rows=4), []
+    fns, calls = LayerFns.compiled(decode_attention_min_rows=4, prefix_kernel=False), []
 
     def counted(*a):
         calls.append(a[0].shape[0])

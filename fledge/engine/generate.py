@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fledge.engine.attention import Prefix
 from fledge.util import FledgeError
 
 
@@ -75,8 +76,11 @@ def make_causal_mask(starts, T: int, max_len: int):
 
 def decode_logits(model, tokens, lengths, groups, spans, cache):
     """One decode step of every row: tokens [B, 1] at slot and position lengths[b]; row group g
-    (consecutive rows (r0, r1)) attends to the cache's first spans[g] slots. Returns [B, V]."""
+    (consecutive rows (r0, r1)) attends to the cache's first spans[g] slots — or, with `spans`
+    empty, each row to its own slots through the model's prefix kernel. Returns [B, V]."""
     here = lengths[:, None]
+    if not spans:
+        return model(tokens, here, here, Prefix.causal_decode(lengths), cache)[0][:, -1]
     masks = tuple(make_causal_mask(lengths[r0:r1], 1, S) for (r0, r1), S in zip(groups, spans))
     return model(tokens, here, here, masks if len(masks) > 1 else masks[0], cache)[0][:, -1]
 
@@ -94,6 +98,14 @@ ROW_GROUP = 128  # rows of a length-sorted batch that prefill together and share
 def row_groups(batch: int, size: int = ROW_GROUP) -> list[tuple[int, int]]:
     """Consecutive (first, end) row ranges of at most `size` rows covering the batch."""
     return [(r, min(batch, r + size)) for r in range(0, batch, size)]
+
+
+def decode_spans(model, longest: list[int], cache_len: int) -> tuple[int, ...]:
+    """The attention span of each row group whose longest row uses `longest[g]` slots; none (one
+    graph for a whole run) when the model's prefix kernel reads each row's own length."""
+    if getattr(model, "prefix_kernel", False):
+        return ()
+    return tuple(attention_span(w, cache_len) for w in longest)
 
 
 def attention_span(slots_in_use: int, cache_len: int) -> int:
@@ -195,7 +207,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
 
     def spans_at(step: int) -> tuple[int, ...]:
         # Every row advances one slot a step, so each group's longest is known on the host: no sync.
-        return tuple(attention_span(w + step + 1, cache_len) for w in longest)
+        return decode_spans(model, [w + step + 1 for w in longest], cache_len)
 
     def step_for(spans: tuple[int, ...]):
         """The decode step whose group g attends to its first spans[g] slots (one graph each)."""

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from fledge.engine.attention import Prefix, kernel_available, kernel_takes, prefix_attention
 from fledge.util import FledgeError
 
 COMPACT_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -184,12 +185,17 @@ def decode_attention(q, k, v, bias):
 DECODE_ATTENTION_MIN_ROWS = 64  # default: a row group this large decodes through LayerFns.decode_attention
 
 
+def write_kv(cache_kv, slots, kv) -> None:
+    """This step's K and V [2, B, n_kv, T, D] into one layer's cache at `slots` [B, T]: one scatter."""
+    cache_kv.scatter_(3, slots[None, :, None, :, None].expand(kv.shape), kv)
+
+
 def attend_cached(q, kv, cache_kv, slots, biases, matmul_attention=None, min_rows: int = DECODE_ATTENTION_MIN_ROWS):
-    """Write this step's K/V (one scatter for both) at `slots` [B, T], then attend: `biases`
+    """Write this step's K/V at `slots`, then attend: `biases`
     cover consecutive groups of rows, each over the cache's first S = bias.shape[-1] slots, so
     a decode step reads only the slots its group uses (see Transformer.forward). A group of
     `min_rows` or more goes through `matmul_attention` when one is given."""
-    cache_kv.scatter_(3, slots[None, :, None, :, None].expand(kv.shape), kv)
+    write_kv(cache_kv, slots, kv)
     outs, r0 = [], 0
     for bias in biases:
         r1, S = r0 + bias.shape[0], bias.shape[-1]
@@ -209,13 +215,17 @@ class LayerFns:
     final_norm: Callable = final_norm
     decode_attention: Callable | None = None  # compiled only: see decode_attention
     decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS
+    prefix_attention: Callable | None = None  # masks in prefix form: see fledge.engine.attention
 
     @classmethod
-    def compiled(cls, mode: str | None = None, decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS) -> "LayerFns":
+    def compiled(cls, mode: str | None = None, decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS,
+                 prefix_kernel: bool = True) -> "LayerFns":
         """`mode`: torch.compile's (e.g. "max-autotune-no-cudagraphs": Triton GEMM templates
         with fused epilogues, autotuned per shape; the engine captures its own graphs).
         `decode_attention_min_rows`: row groups from this size decode through the matmul
-        attention (1: every decode step)."""
+        attention (1: every decode step) — where the prefix kernel does not serve them.
+        `prefix_kernel`: decode and verify steps attend through attention.prefix_attention
+        (on a GPU, for head sizes it takes)."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
         # back to eager after the eighth.
@@ -224,7 +234,8 @@ class LayerFns:
         # Dynamic: decode attention meets every (rows, span) pair of a run; its kernels are a
         # matmul library call and a softmax either way.
         return cls(*fns, decode_attention=torch.compile(decode_attention, fullgraph=True, dynamic=True),
-                   decode_attention_min_rows=decode_attention_min_rows)
+                   decode_attention_min_rows=decode_attention_min_rows,
+                   prefix_attention=prefix_attention if prefix_kernel else None)
 
 
 class RMSNorm(nn.Module):
@@ -311,10 +322,18 @@ class Transformer(nn.Module):
 
     row_groups_ok = True  # forward takes per-group masks, prefill a row range (see generate_ar)
 
+    @property
+    def prefix_kernel(self) -> bool:
+        """Whether a `Prefix` mask runs the prefix kernel, which reads only each row's own slots
+        (so decode needs no attention spans), rather than becoming a dense mask."""
+        return (self.fns.prefix_attention is not None and kernel_takes(self.args.head_dim)
+                and kernel_available(self.output.weight.device))
+
     def forward(self, input_ids, positions, slots, mask, cache: KVCache, aux_ids=None, logits_idx=None):
         """input_ids/positions/slots [B, T] long; mask [B, 1, T, S] bool (True = may attend) over
         the cache's first S <= max_len slots — or a tuple of such masks for consecutive groups of
-        rows, each with its own S (a batch sorted by length then reads what each group uses).
+        rows, each with its own S (a batch sorted by length then reads what each group uses) —
+        or a `Prefix` (decode, verify: the new tokens at slots lengths + 0..T-1).
 
         Returns (logits [B, T, V] fp32, aux [B, T, 3H] or None). `aux` concatenates, in the order
         given, the residual stream entering layer i for i in `aux_ids` (= HF hidden_states[i]).
@@ -324,6 +343,15 @@ class Transformer(nn.Module):
         self._check_aux(aux_ids)
         x = self.tok_embeddings(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        if isinstance(mask, Prefix):
+            if self.prefix_kernel:
+                kernel = self.fns.prefix_attention
+
+                def attention(i, q, kv):
+                    write_kv(cache.kv[i], slots, kv)
+                    return kernel(q, cache.kv[i][0], cache.kv[i][1], mask)
+                return self._run(self.fns, x, cos, sin, attention, aux_ids, logits_idx)
+            mask = mask.dense(cache.max_len)
         # SDPA would turn a bool mask into an additive one in every layer: do it once here, with
         # the rows repeated once per query head sharing a kv head (see attn_in: GQA).
         rep = self.args.n_heads // self.args.n_kv_heads
@@ -477,6 +505,8 @@ class HFTarget(nn.Module):
 
     def forward(self, input_ids, positions, slots, mask, cache: HFCache, aux_ids=None, logits_idx=None):
         B = input_ids.shape[0]
+        if isinstance(mask, Prefix):
+            mask = mask.dense(cache.ids.shape[1])
         rows = torch.arange(B, device=input_ids.device)[:, None]
         cache.ids[rows, slots] = input_ids
         cache.positions[rows, slots] = positions

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fledge.engine.attention import Prefix
 from fledge.engine.drafters import DraftInput, SpecConfig, target_dims
 from fledge.engine.generate import capture_cuda_graph, cut_at_eos, logits_to_probs, sample_token
 from fledge.engine.model import KVCache
 from fledge.engine.stats import Clock, SpecStats
-from fledge.engine.tree import Tree, path_to, tree_mask, verify_greedy, verify_sample
+from fledge.engine.tree import Tree, path_to, verify_greedy, verify_sample
 from fledge.util import FledgeError
 
 
@@ -35,8 +36,7 @@ def verify_forward(target, cache, tree: Tree, cache_len: torch.Tensor, aux_ids):
     """The target over all tree nodes at once: node i sits at slot cache_len + i, rope position
     cache_len + depth, and sees the prefix plus its ancestors."""
     slots = cache_len[:, None] + torch.arange(tree.size, device=cache_len.device)
-    mask = tree_mask(tree.anc, cache_len, _slots(cache))
-    return target(tree.tokens, cache_len[:, None] + tree.depth, slots, mask, cache, aux_ids=aux_ids)
+    return target(tree.tokens, cache_len[:, None] + tree.depth, slots, Prefix(cache_len, tree.anc), cache, aux_ids=aux_ids)
 
 
 def static_call(fn, examples, use_graph: bool):
@@ -57,10 +57,6 @@ def static_call(fn, examples, use_graph: bool):
         return body()
 
     return call
-
-
-def _slots(cache) -> int:
-    return cache.k.shape[3] if isinstance(cache, KVCache) else cache.ids.shape[1]
 
 
 def compact(cache, cache_len: torch.Tensor, path: torch.Tensor) -> None:

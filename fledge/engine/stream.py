@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from fledge.engine.generate import (ROW_GROUP, SamplingParams, _now, attention_span, capture_cuda_graph, cut_at_eos,
-                                    decode_logits, row_groups, sample_token)
+from fledge.engine.generate import (ROW_GROUP, SamplingParams, _now, capture_cuda_graph, cut_at_eos, decode_logits,
+                                    decode_spans, row_groups, sample_token)
 from fledge.util import FledgeError
 
 
@@ -122,7 +122,7 @@ def generate_stream(model, prompts: list[list[int]], params: SamplingParams, eos
             refill([r for r in range(R) if owner[r] < 0])
             if all(o < 0 for o in owner):
                 break
-        spans = tuple(attention_span(max(host_len[r0:r1]) + 1, cache_len) for r0, r1 in groups)
+        spans = decode_spans(model, [max(host_len[r0:r1]) + 1 for r0, r1 in groups], cache_len)
         logits = step_for(spans)()
         if not greedy:
             advance(sample_token(logits, params, gen))

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fledge.engine.attention import Prefix
+
 
 @dataclass
 class Tree:
@@ -75,12 +77,7 @@ def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: 
 def tree_mask(anc: torch.Tensor, cache_len: torch.Tensor, max_len: int) -> torch.Tensor:
     """[B, 1, N, max_len] bool: every node sees the verified prefix [0, cache_len) and its own
     ancestors (`anc`, [B, N, N]), which sit at slots cache_len + node index."""
-    B, N, _ = anc.shape
-    cols = torch.arange(max_len, device=anc.device)
-    mask = (cols < cache_len[:, None])[:, None, :].expand(B, N, max_len).clone()
-    slots = (cache_len[:, None] + torch.arange(N, device=cols.device)).clamp(max=max_len - 1)
-    mask.scatter_(2, slots[:, None, :].expand(B, N, N), anc)
-    return mask[:, None]
+    return Prefix(cache_len, anc).dense(max_len)
 
 
 def node_probs(probs: torch.Tensor, tree: Tree) -> torch.Tensor:

@@ -1,0 +1,188 @@
+"""Attention over the static KV cache for steps whose mask has a prefix form: decode (one new
+token per row) and tree verification (N new tokens). Row b's queries see the cache's first
+`lengths[b]` slots, and of the T new tokens written at slots lengths[b] + j, those that
+`local[b, t, j]` allows (a tree's ancestors; for decode, itself).
+
+`prefix_attention` is a Triton kernel that reads only the slots each row uses, split over the
+slots so that batch 1 still fills the GPU (flash-decoding), then a second kernel merges the
+splits. On the H200 at batch 1, SDPA's kernels take ~10 us a layer at any length (one CTA per
+head walks the slots; bench/results/profile_decode_random_compiled_nvidia_h200.json); and
+because a row stops at its own length, one decode graph serves every step of a run — no
+attention spans, no graph per span tuple. `Prefix.dense` is the same mask as a bool tensor for
+every other path (CPU, HFTarget, head sizes the kernel does not take).
+
+On a machine without a GPU, tests run the kernel under Triton's interpreter (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheel of torch comes without it; the dense path needs none
+    triton = None
+
+
+@dataclass
+class Prefix:
+    """Mask in prefix form (see the module docstring): lengths [B] long, local [B, T, T] bool.
+    The T new tokens must sit at slots lengths[b] + 0..T-1 (decode and verify write them there)."""
+
+    lengths: torch.Tensor
+    local: torch.Tensor
+
+    @classmethod
+    def causal_decode(cls, lengths: torch.Tensor) -> "Prefix":
+        """One new token per row at slot lengths[b], seeing every slot before it and itself."""
+        return cls(lengths, torch.ones(lengths.shape[0], 1, 1, dtype=torch.bool, device=lengths.device))
+
+    def dense(self, max_len: int) -> torch.Tensor:
+        """[B, 1, T, max_len] bool, the same mask over the whole cache."""
+        B, T, _ = self.local.shape
+        cols = torch.arange(max_len, device=self.local.device)
+        mask = (cols < self.lengths[:, None])[:, None, :].expand(B, T, max_len).clone()
+        slots = (self.lengths[:, None] + torch.arange(T, device=cols.device)).clamp(max=max_len - 1)
+        mask.scatter_(2, slots[:, None, :].expand(B, T, T), self.local)
+        return mask[:, None]
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Triton importable, and a GPU to run it or the interpreter asked for."""
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def kernel_takes(head_dim: int) -> bool:
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0  # tl.arange needs a power of two
+
+
+BLOCK_N = 64  # slots per inner step
+
+
+@functools.lru_cache(maxsize=None)
+def _target_ctas(device_index: int | None) -> int:
+    if torch.cuda.is_available() and device_index is not None:
+        return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 8  # the interpreter: few programs keep it quick
+
+
+def _splits(programs: int, slots: int, device: torch.device) -> int:
+    """Slot splits per (row, kv head): enough programs for ~2 per SM, at least BLOCK_N slots
+    each. It depends on the batch and cache size only, never on T, so a decode step and a
+    verify step of the same rows split (and so round) the same way."""
+    want = -(-_target_ctas(device.index if device.type == "cuda" else None) // programs)
+    return max(1, min(want, -(-slots // BLOCK_N)))
+
+
+if triton is not None:
+    @triton.jit
+    def _attend_split(Q, K, V, LENS, LOCAL, O, ML,
+                      sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sl_b, sl_t, sl_j,
+                      so_b, so_h, so_s, so_r, n_kv, R, T, S, chunk, scale,
+                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                      FINAL: tl.constexpr, IEEE: tl.constexpr):
+        """One program: rows [rb*BLOCK_R, +BLOCK_R) of kv head h of row b (query row r is new
+        token r % T), over slots [split*chunk, +chunk). FINAL: the only split, so the output is
+        normalised and stored in O's dtype; else O gets the unnormalised fp32 sum and ML the
+        running max and denominator, for _merge_splits."""
+        bh, rb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = bh // n_kv, bh % n_kv
+        rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < R
+        t = rows % T
+        d = tl.arange(0, D)
+        q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_r + d[None, :], mask=rmask[:, None], other=0.0)
+        length = tl.load(LENS + b)
+        lo = sp * chunk
+        hi = tl.minimum(tl.minimum(lo + chunk, length + T), S)
+        m = tl.full([BLOCK_R], -1e30, tl.float32)  # finite: a block with nothing visible leaves it, exp gives 0
+        den = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            cmask = cols < hi
+            k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_s + d[None, :], mask=cmask[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            j = cols - length
+            loc = tl.load(LOCAL + b * sl_b + t[:, None] * sl_t + j[None, :] * sl_j,
+                          mask=rmask[:, None] & (j[None, :] >= 0) & (j[None, :] < T), other=0)
+            seen = ((cols < length)[None, :] | (loc != 0)) & cmask[None, :]
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            den = den * alpha + tl.sum(p, 1)
+            v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_s + d[None, :], mask=cmask[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = O + b * so_b + h * so_h + sp * so_s + rows[:, None] * so_r + d[None, :]
+        if FINAL:
+            tl.store(out, (acc / tl.where(rmask, den, 1.0)[:, None]).to(O.dtype.element_ty), mask=rmask[:, None])
+        else:
+            tl.store(out, acc, mask=rmask[:, None])
+            ml = ML + ((b * n_kv + h) * tl.num_programs(2) + sp) * 2 * R
+            tl.store(ml + rows, m, mask=rmask)
+            tl.store(ml + R + rows, den, mask=rmask)
+
+    @triton.jit
+    def _merge_splits(PART, ML, O, n_split, R, BLOCK_R: tl.constexpr, D: tl.constexpr):
+        """Rescale each split's sum to the global max and normalise into O [B, n_kv, R, D]
+        (contiguous; program bh is row b's kv head h, as in _attend_split)."""
+        bh, rb = tl.program_id(0), tl.program_id(1)
+        rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < R
+        d = tl.arange(0, D)
+        ml = ML + bh * n_split * 2 * R
+        m = tl.full([BLOCK_R], -1e30, tl.float32)
+        for sp in range(n_split):
+            m = tl.maximum(m, tl.load(ml + sp * 2 * R + rows, mask=rmask, other=-1e30))
+        den = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for sp in range(n_split):
+            w = tl.exp(tl.load(ml + sp * 2 * R + rows, mask=rmask, other=-1e30) - m)
+            den += w * tl.load(ml + sp * 2 * R + R + rows, mask=rmask, other=0.0)
+            part = tl.load(PART + (bh * n_split + sp) * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
+            acc += w[:, None] * part
+        tl.store(O + bh * R * D + rows[:, None] * D + d[None, :], (acc / tl.where(rmask, den, 1.0)[:, None]).to(O.dtype.element_ty), mask=rmask[:, None])
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: Prefix) -> torch.Tensor:
+    """q [B, n_kv, G*T, D] (query row r of a kv head is new token r % T, as model.attn_in lays
+    out GQA), k/v [B, n_kv, S, D] the layer's cache with this step's K/V already written.
+    Returns [B, n_kv, G*T, D] in q's dtype. No host sync, static shapes: CUDA-graph safe."""
+    B, n_kv, R, D = q.shape
+    S, T = k.shape[2], prefix.local.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_r = min(64, max(16, triton.next_power_of_2(R)))
+    n_rb = -(-R // block_r)
+    n_split = _splits(B * n_kv, S, q.device)
+    chunk = -(-(-(-S // n_split)) // BLOCK_N) * BLOCK_N
+    n_split = -(-S // chunk)
+    out = torch.empty(B, n_kv, R, D, dtype=q.dtype, device=q.device)
+    final = n_split == 1
+    part = out if final else torch.empty(B, n_kv, n_split, R, D, dtype=torch.float32, device=q.device)
+    ml = part if final else torch.empty(B, n_kv, n_split, 2, R, dtype=torch.float32, device=q.device)
+    so = (out.stride(0), out.stride(1), 0, out.stride(2)) if final else part.stride()[:4]
+    local = prefix.local.to(torch.int8)
+    lengths = prefix.lengths.to(torch.int32)
+    _attend_split[(B * n_kv, n_rb, n_split)](
+        q, k, v, lengths, local, part, ml,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), local.stride(0), local.stride(1), local.stride(2),
+        *so, n_kv, R, T, S, chunk, D ** -0.5,
+        BLOCK_R=block_r, BLOCK_N=BLOCK_N, D=D, FINAL=final, IEEE=q.dtype == torch.float32, num_warps=4)
+    if not final:
+        _merge_splits[(B * n_kv, n_rb)](part, ml, out, n_split, R, BLOCK_R=block_r, D=D, num_warps=4)
+    return out
