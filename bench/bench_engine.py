@@ -5,8 +5,9 @@
 Configs: HF generate (eager; static cache, auto-compiled, GPU only; --skip-hf leaves them out),
 engine AR, oracle chain (the engine's ceiling), n-gram, EAGLE-3 chain 7 and one row per --tree
 (with --drafter). --compile compiles the engine's layer functions for every engine row, the AR
-baseline included, and the drafter; it adds AR rows uncompiled, with the matmul decode attention
-at batch 1, and with SDPA pinned to its mem-efficient kernel (variants, not baselines). Ratios are against engine AR from the
+baseline included, and the drafter; it adds AR rows uncompiled, and compiled but attending
+through SDPA over attention spans instead of the prefix kernel (variants, not baselines: what
+each part buys; the matmul and mem-efficient SDPA variants of session 4 lost, see NOTES.md). Ratios are against engine AR from the
 same run — HF rows against engine AR on the same prompts (--hf-prompts runs HF on fewer); `match_ar` counts prompts
 whose output equals engine AR's token for token (exact in fp32; in bf16 a verify over many
 tokens rounds differently from a 1-token step, so near-ties may flip). Prints a table and
@@ -16,14 +17,12 @@ writes bench/results/engine_<device>.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 from transformers import StaticCache
 
@@ -63,11 +62,9 @@ def hf_runner(hf, eos, device, static_len: int | None = None):
     return run
 
 
-def ar_runner(target, eos, graphs: bool, sdpa_backend=None):
-    """Engine AR; `sdpa_backend` pins SDPA to one kernel family (graphs capture the choice)."""
+def ar_runner(target, eos, graphs: bool):
     def run(prompt, params, _ar):
-        with sdpa_kernel([sdpa_backend]) if sdpa_backend is not None else contextlib.nullcontext():
-            rows, st = generate_ar(target, [prompt], params, eos, use_cuda_graph=graphs)
+        rows, st = generate_ar(target, [prompt], params, eos, use_cuda_graph=graphs)
         return rows[0], (st["prefill_ms"] + st["decode_ms"]) / 1e3, None
     return run
 
@@ -120,11 +117,9 @@ def bench(args) -> dict:
         hf_names = {n for n in configs if n.startswith("hf ")}
     if args.compile:  # the same engine without torch.compile, to show what compiling buys
         configs["engine AR (not compiled)"] = ar_runner(build_engine_target(t.model, dtype, device), eos, graphs)
-        # and with the matmul decode attention at batch 1 too (by default only from 64 rows)
-        matmul = build_engine_target(t.model, dtype, device, fns=LayerFns.compiled(decode_attention_min_rows=1))
-        configs["engine AR (matmul decode attention)"] = ar_runner(matmul, eos, graphs)
-        if device.type == "cuda":  # cuDNN's flash kernel is SDPA's pick here; mem-efficient for comparison
-            configs["engine AR (mem-efficient SDPA)"] = ar_runner(target, eos, graphs, SDPBackend.EFFICIENT_ATTENTION)
+        # and compiled, but with decode attention through SDPA over spans (session 4's engine)
+        spans = build_engine_target(t.model, dtype, device, fns=LayerFns.compiled(prefix_kernel=False))
+        configs["engine AR (SDPA over spans)"] = ar_runner(spans, eos, graphs)
 
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
     ar_out = [ar_runner(target, eos, graphs)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]

@@ -30,6 +30,7 @@ from profile_decode import kernels_us
 from random_target import smollm2_random
 
 
+@torch.no_grad()
 def round_kernels(target, drafter, prompt) -> dict:
     """Per-kernel GPU time of one propose and one verify at the prompt's length (eager calls of
     the compiled functions: what a round's graph replays)."""

@@ -21,10 +21,16 @@ from test_engine_spec import tiny_setup
 pytestmark = pytest.mark.skipif(not kernel_available(torch.device("cpu")), reason="needs triton (interpreter)")
 
 
-def reference(q, k, v, prefix: Prefix):
-    G = q.shape[2] // prefix.local.shape[1]
+def reference(q, k_new, v_new, k, v, prefix: Prefix):
+    """The new K/V written at lengths + t by hand, then SDPA over the dense mask (in fp64)."""
+    B, _, T, _ = k_new.shape
+    k, v = k.clone(), v.clone()
+    for b in range(B):
+        n = int(prefix.lengths[b])
+        k[b, :, n:n + T], v[b, :, n:n + T] = k_new[b], v_new[b]
+    G = q.shape[2] // T
     mask = prefix.dense(k.shape[2]).repeat(1, 1, G, 1)
-    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask), k, v
 
 
 # (batch, kv heads, query heads per kv head, new tokens T, cache slots, head dim): batch * kv
@@ -34,27 +40,32 @@ def reference(q, k, v, prefix: Prefix):
 def test_kernel_equals_sdpa_on_random_masks(B, n_kv, G, T, S, D):
     g = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
     q, k, v = (torch.randn(B, n_kv, n, D, generator=g) for n in (G * T, S, S))
+    # the new K/V as attn_in hands them over: a transposed view of [B, T, n_kv, D]
+    k_new, v_new = (torch.randn(B, T, n_kv, D, generator=g).transpose(1, 2) for _ in "kv")
     lengths = torch.randint(0, S - T + 1, (B,), generator=g)
     lengths[0] = 0 if T > 1 else lengths[0]  # a row with nothing before its new tokens
     local = (torch.rand(B, T, T, generator=g) < 0.5) | torch.eye(T, dtype=torch.bool)
     prefix = Prefix(lengths, local)
-    out = prefix_attention(q, k, v, prefix)
+    want, k_want, v_want = reference(q, k_new, v_new, k, v, prefix)
+    out = prefix_attention(q, k_new, v_new, k, v, prefix)
     assert out.shape == q.shape and out.dtype == q.dtype
-    torch.testing.assert_close(out.double(), reference(q, k, v, prefix), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k, k_want) and torch.equal(v, v_want)  # the kernel wrote the new slots, nothing else
 
 
 def test_kernel_reads_nothing_past_a_rows_slots():
     """Slots past lengths + T hold garbage (NaN): they must not leak in."""
     B, n_kv, G, T, S, D = 2, 2, 2, 3, 96, 16
     q, k, v = (torch.randn(B, n_kv, n, D) for n in (G * T, S, S))
+    k_new, v_new = torch.randn(B, n_kv, T, D), torch.randn(B, n_kv, T, D)
     lengths = torch.tensor([10, 70])
     for r, n in enumerate(lengths.tolist()):
-        k[r, :, n + T:], v[r, :, n + T:] = float("nan"), float("nan")
+        k[r, :, n:], v[r, :, n:] = float("nan"), float("nan")  # the new slots too: written before read, or not read
     prefix = Prefix(lengths, torch.tril(torch.ones(T, T, dtype=torch.bool)).expand(B, T, T))
-    out = prefix_attention(q, k, v, prefix)
+    want, _, _ = reference(q, k_new, v_new, k.nan_to_num(0.0), v.nan_to_num(0.0), prefix)
+    out = prefix_attention(q, k_new, v_new, k, v, prefix)
     assert torch.isfinite(out).all()
-    clean_k, clean_v = k.nan_to_num(0.0), v.nan_to_num(0.0)
-    torch.testing.assert_close(out.double(), reference(q, clean_k, clean_v, prefix), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_dense_form_is_the_causal_and_tree_masks():

@@ -79,17 +79,41 @@ def _splits(programs: int, slots: int, device: torch.device) -> int:
     return max(1, min(want, -(-slots // BLOCK_N)))
 
 
+MAX_SPLITS = 16  # the merge loads every split's partial at once
+
+
 if triton is not None:
     @triton.jit
-    def _attend_split(Q, K, V, LENS, LOCAL, O, ML,
-                      sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sl_b, sl_t, sl_j,
+    def _online_block(q, k, v, seen, m, den, acc, scale, IEEE: tl.constexpr):
+        """Fold one block of slots (keys k, values v [BLOCK_N, D]; `seen` [BLOCK_R, BLOCK_N])
+        into the running max m, denominator den and weighted sum acc of each query row."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, den * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _attend_split(Q, KN, VN, K, V, LENS, LOCAL, O, ML,
+                      sq_b, sq_h, sq_r, skn_b, skn_h, skn_t, svn_b, svn_h, svn_t,
+                      sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sl_b, sl_t, sl_j,
                       so_b, so_h, so_s, so_r, n_kv, R, T, S, chunk, scale,
                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                       FINAL: tl.constexpr, IEEE: tl.constexpr):
-        """One program: rows [rb*BLOCK_R, +BLOCK_R) of kv head h of row b (query row r is new
-        token r % T), over slots [split*chunk, +chunk). FINAL: the only split, so the output is
-        normalised and stored in O's dtype; else O gets the unnormalised fp32 sum and ML the
-        running max and denominator, for _merge_splits."""
+        """One program: query rows [rb*BLOCK_R, +BLOCK_R) of kv head h of row b (query row r is
+        new token r % T) over the cached slots [split*chunk, +chunk) below the row's length;
+        split 0 also takes the T new tokens from KN/VN (their K/V, this step's projection),
+        under `local`, and its first row block writes them into the cache at length + j.
+        FINAL: the only split, so the output is normalised and stored in O's dtype; else O gets
+        the unnormalised fp32 sum and ML the running max and denominator, for _merge_splits."""
         bh, rb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // n_kv, bh % n_kv
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -98,34 +122,31 @@ if triton is not None:
         d = tl.arange(0, D)
         q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_r + d[None, :], mask=rmask[:, None], other=0.0)
         length = tl.load(LENS + b)
-        lo = sp * chunk
-        hi = tl.minimum(tl.minimum(lo + chunk, length + T), S)
         m = tl.full([BLOCK_R], -1e30, tl.float32)  # finite: a block with nothing visible leaves it, exp gives 0
         den = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, length)
+        for start in range(lo, hi, BLOCK_N):  # cached slots: every query row sees them all
             cols = start + tl.arange(0, BLOCK_N)
             cmask = cols < hi
             k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_s + d[None, :], mask=cmask[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            j = cols - length
-            loc = tl.load(LOCAL + b * sl_b + t[:, None] * sl_t + j[None, :] * sl_j,
-                          mask=rmask[:, None] & (j[None, :] >= 0) & (j[None, :] < T), other=0)
-            seen = ((cols < length)[None, :] | (loc != 0)) & cmask[None, :]
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            den = den * alpha + tl.sum(p, 1)
             v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_s + d[None, :], mask=cmask[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, den, acc = _online_block(q, k, v, rmask[:, None] & cmask[None, :], m, den, acc, scale, IEEE)
+        if sp == 0:
+            for start in range(0, T, BLOCK_N):  # this step's tokens, from the projection
+                j = start + tl.arange(0, BLOCK_N)
+                jmask = j < T
+                k = tl.load(KN + b * skn_b + h * skn_h + j[:, None] * skn_t + d[None, :], mask=jmask[:, None], other=0.0)
+                v = tl.load(VN + b * svn_b + h * svn_h + j[:, None] * svn_t + d[None, :], mask=jmask[:, None], other=0.0)
+                if rb == 0:
+                    slot = length + j
+                    keep = jmask & (slot < S)
+                    tl.store(K + b * sk_b + h * sk_h + slot[:, None] * sk_s + d[None, :], k, mask=keep[:, None])
+                    tl.store(V + b * sv_b + h * sv_h + slot[:, None] * sv_s + d[None, :], v, mask=keep[:, None])
+                loc = tl.load(LOCAL + b * sl_b + t[:, None] * sl_t + j[None, :] * sl_j,
+                              mask=rmask[:, None] & jmask[None, :], other=0)
+                m, den, acc = _online_block(q, k, v, loc != 0, m, den, acc, scale, IEEE)
         out = O + b * so_b + h * so_h + sp * so_s + rows[:, None] * so_r + d[None, :]
         if FINAL:
             tl.store(out, (acc / tl.where(rmask, den, 1.0)[:, None]).to(O.dtype.element_ty), mask=rmask[:, None])
@@ -136,38 +157,39 @@ if triton is not None:
             tl.store(ml + R + rows, den, mask=rmask)
 
     @triton.jit
-    def _merge_splits(PART, ML, O, n_split, R, BLOCK_R: tl.constexpr, D: tl.constexpr):
+    def _merge_splits(PART, ML, O, n_split, R, BLOCK_R: tl.constexpr, D: tl.constexpr, NS: tl.constexpr):
         """Rescale each split's sum to the global max and normalise into O [B, n_kv, R, D]
-        (contiguous; program bh is row b's kv head h, as in _attend_split)."""
+        (contiguous; program bh is row b's kv head h, as in _attend_split). Every split is
+        loaded at once: a loop over them would chain a memory round trip per split."""
         bh, rb = tl.program_id(0), tl.program_id(1)
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < R
+        sp = tl.arange(0, NS)
+        smask = (sp < n_split)[:, None] & rmask[None, :]
         d = tl.arange(0, D)
-        ml = ML + bh * n_split * 2 * R
-        m = tl.full([BLOCK_R], -1e30, tl.float32)
-        for sp in range(n_split):
-            m = tl.maximum(m, tl.load(ml + sp * 2 * R + rows, mask=rmask, other=-1e30))
-        den = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        for sp in range(n_split):
-            w = tl.exp(tl.load(ml + sp * 2 * R + rows, mask=rmask, other=-1e30) - m)
-            den += w * tl.load(ml + sp * 2 * R + R + rows, mask=rmask, other=0.0)
-            part = tl.load(PART + (bh * n_split + sp) * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
-            acc += w[:, None] * part
-        tl.store(O + bh * R * D + rows[:, None] * D + d[None, :], (acc / tl.where(rmask, den, 1.0)[:, None]).to(O.dtype.element_ty), mask=rmask[:, None])
+        ml = ML + bh * n_split * 2 * R + sp[:, None] * 2 * R + rows[None, :]
+        m = tl.load(ml, mask=smask, other=-1e30)  # [NS, BLOCK_R]
+        w = tl.exp(m - tl.max(m, 0)[None, :])
+        den = tl.sum(w * tl.load(ml + R, mask=smask, other=0.0), 0)
+        part = tl.load(PART + ((bh * n_split + sp[:, None, None]) * R + rows[None, :, None]) * D + d[None, None, :],
+                       mask=smask[:, :, None], other=0.0)  # [NS, BLOCK_R, D]
+        acc = tl.sum(w[:, :, None] * part, 0)
+        tl.store(O + bh * R * D + rows[:, None] * D + d[None, :], (acc / tl.where(rmask, den, 1.0)[:, None]).to(O.dtype.element_ty),
+                 mask=rmask[:, None])
 
 
-def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: Prefix) -> torch.Tensor:
-    """q [B, n_kv, G*T, D] (query row r of a kv head is new token r % T, as model.attn_in lays
-    out GQA), k/v [B, n_kv, S, D] the layer's cache with this step's K/V already written.
-    Returns [B, n_kv, G*T, D] in q's dtype. No host sync, static shapes: CUDA-graph safe."""
+def prefix_attention(q, k_new, v_new, k_cache, v_cache, prefix: Prefix) -> torch.Tensor:
+    """Write this step's K/V into the cache and attend. q [B, n_kv, G*T, D] (query row r of a kv
+    head is new token r % T, as model.attn_in lays out GQA); k_new/v_new [B, n_kv, T, D], any
+    strides but the last; k_cache/v_cache [B, n_kv, S, D], one layer's cache, which gets the new
+    tokens at slots lengths + 0..T-1. Returns [B, n_kv, G*T, D] in q's dtype. No host sync and
+    static shapes: CUDA-graph safe."""
     B, n_kv, R, D = q.shape
-    S, T = k.shape[2], prefix.local.shape[1]
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    S, T = k_cache.shape[2], prefix.local.shape[1]
+    q, k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_new, v_new))
     block_r = min(64, max(16, triton.next_power_of_2(R)))
-    n_rb = -(-R // block_r)
-    n_split = _splits(B * n_kv, S, q.device)
+    merge_r = 16  # the merge's tile holds every split: keep its rows few
+    n_split = min(MAX_SPLITS, _splits(B * n_kv, S, q.device))
     chunk = -(-(-(-S // n_split)) // BLOCK_N) * BLOCK_N
     n_split = -(-S // chunk)
     out = torch.empty(B, n_kv, R, D, dtype=q.dtype, device=q.device)
@@ -177,12 +199,14 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: 
     so = (out.stride(0), out.stride(1), 0, out.stride(2)) if final else part.stride()[:4]
     local = prefix.local.to(torch.int8)
     lengths = prefix.lengths.to(torch.int32)
-    _attend_split[(B * n_kv, n_rb, n_split)](
-        q, k, v, lengths, local, part, ml,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), local.stride(0), local.stride(1), local.stride(2),
+    _attend_split[(B * n_kv, -(-R // block_r), n_split)](
+        q, k_new, v_new, k_cache, v_cache, lengths, local, part, ml,
+        q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        v_new.stride(0), v_new.stride(1), v_new.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), local.stride(0), local.stride(1), local.stride(2),
         *so, n_kv, R, T, S, chunk, D ** -0.5,
         BLOCK_R=block_r, BLOCK_N=BLOCK_N, D=D, FINAL=final, IEEE=q.dtype == torch.float32, num_warps=4)
     if not final:
-        _merge_splits[(B * n_kv, n_rb)](part, ml, out, n_split, R, BLOCK_R=block_r, D=D, num_warps=4)
+        _merge_splits[(B * n_kv, -(-R // merge_r))](part, ml, out, n_split, R, BLOCK_R=merge_r, D=D,
+                                                    NS=triton.next_power_of_2(n_split), num_warps=4)
     return out

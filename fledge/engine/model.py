@@ -130,7 +130,8 @@ def apply_rope(x, cos, sin):
 def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int):
     """Residual add of the previous layer's MLP output (`delta`; None in layer 0), attention
     norm, q/k/v in one matmul, q/k norm (Qwen3), rope. Returns (x = the stream entering this
-    layer, HF hidden_states[i]; q [B, n_kv, G*T, D]; kv [2, B, n_kv, T, D]).
+    layer, HF hidden_states[i]; q [B, n_kv, G*T, D]; k and v [B, n_kv, T, D], views: the
+    prefix kernel reads them where they are, so stacking them would cost a kernel).
 
     GQA without copying K/V: the G query heads sharing a kv head (HF maps q head h to kv head
     h // G) become G*T query rows of that kv head; masks repeat their rows G times to match."""
@@ -144,7 +145,7 @@ def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: flo
         qk = torch.cat([rms_norm(qk[:, :, :n_heads], q_norm_w, eps), rms_norm(qk[:, :, n_heads:], k_norm_w, eps)], dim=2)
     qk = apply_rope(qk, cos, sin)  # q and k at once: eager, that is half the rope kernels
     q = qk[:, :, :n_heads].transpose(1, 2).reshape(B, n_kv, (n_heads // n_kv) * T, D)
-    return x, q, torch.stack([qk[:, :, n_heads:], v]).transpose(2, 3)
+    return x, q, qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
 
 
 def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float):
@@ -185,17 +186,19 @@ def decode_attention(q, k, v, bias):
 DECODE_ATTENTION_MIN_ROWS = 64  # default: a row group this large decodes through LayerFns.decode_attention
 
 
-def write_kv(cache_kv, slots, kv) -> None:
-    """This step's K and V [2, B, n_kv, T, D] into one layer's cache at `slots` [B, T]: one scatter."""
-    cache_kv.scatter_(3, slots[None, :, None, :, None].expand(kv.shape), kv)
+def write_kv(cache_kv, slots, k, v) -> None:
+    """This step's K and V [B, n_kv, T, D] into one layer's cache [2, B, n_kv, S, D] at `slots` [B, T]."""
+    idx = slots[:, None, :, None].expand(k.shape)
+    cache_kv[0].scatter_(2, idx, k)
+    cache_kv[1].scatter_(2, idx, v)
 
 
-def attend_cached(q, kv, cache_kv, slots, biases, matmul_attention=None, min_rows: int = DECODE_ATTENTION_MIN_ROWS):
+def attend_cached(q, k, v, cache_kv, slots, biases, matmul_attention=None, min_rows: int = DECODE_ATTENTION_MIN_ROWS):
     """Write this step's K/V at `slots`, then attend: `biases`
     cover consecutive groups of rows, each over the cache's first S = bias.shape[-1] slots, so
     a decode step reads only the slots its group uses (see Transformer.forward). A group of
     `min_rows` or more goes through `matmul_attention` when one is given."""
-    write_kv(cache_kv, slots, kv)
+    write_kv(cache_kv, slots, k, v)
     outs, r0 = [], 0
     for bias in biases:
         r1, S = r0 + bias.shape[0], bias.shape[-1]
@@ -301,17 +304,17 @@ class Transformer(nn.Module):
             raise FledgeError(f"aux ids {list(aux_ids)} out of range [0, {self.args.n_layers})")
 
     def _run(self, fns: LayerFns, x, cos, sin, attention, aux_ids, logits_idx, hidden_only=False):
-        """The layer stack; `attention(i, q, kv)` is layer i's attention. Returns (logits [B, K, V]
+        """The layer stack; `attention(i, q, k, v)` is layer i's attention. Returns (logits [B, K, V]
         fp32, or with `hidden_only` the final-normed states [B, K, H]; aux [B, T, 3H] or None)."""
         f, a, delta, captured = fns, self.args, None, {}
         for i, layer in enumerate(self.layers):
             at, ff = layer.attention, layer.feed_forward
             qn, kn = (at.q_norm.weight, at.k_norm.weight) if a.qk_norm else (None, None)
-            x, q, kv = f.attn_in(x, delta, layer.attention_norm.weight, at.wqkv.weight, at.wqkv.bias, qn, kn,
+            x, q, k, v = f.attn_in(x, delta, layer.attention_norm.weight, at.wqkv.weight, at.wqkv.bias, qn, kn,
                                  cos, sin, a.norm_eps, a.n_heads, a.n_kv_heads)
             if aux_ids is not None and i in aux_ids:
                 captured[i] = x
-            x, delta = f.attn_out(x, attention(i, q, kv), at.wo.weight, at.wo.bias, layer.ffn_norm.weight,
+            x, delta = f.attn_out(x, attention(i, q, k, v), at.wo.weight, at.wo.bias, layer.ffn_norm.weight,
                                   ff.w13.weight, ff.w13.bias, ff.w2.weight, ff.w2.bias, a.norm_eps)
         if logits_idx is not None:
             idx = logits_idx[..., None].expand(-1, -1, x.shape[-1])
@@ -347,9 +350,8 @@ class Transformer(nn.Module):
             if self.prefix_kernel:
                 kernel = self.fns.prefix_attention
 
-                def attention(i, q, kv):
-                    write_kv(cache.kv[i], slots, kv)
-                    return kernel(q, cache.kv[i][0], cache.kv[i][1], mask)
+                def attention(i, q, k, v):  # the kernel writes the cache itself, at lengths + t
+                    return kernel(q, k, v, cache.kv[i][0], cache.kv[i][1], mask)
                 return self._run(self.fns, x, cos, sin, attention, aux_ids, logits_idx)
             mask = mask.dense(cache.max_len)
         # SDPA would turn a bool mask into an additive one in every layer: do it once here, with
@@ -359,7 +361,7 @@ class Transformer(nn.Module):
                   for m in (mask if isinstance(mask, tuple) else (mask,))]
         matmul, rows = self.fns.decode_attention if input_ids.shape[1] == 1 else None, self.fns.decode_attention_min_rows
         return self._run(self.fns, x, cos, sin,
-                         lambda i, q, kv: attend_cached(q, kv, cache.kv[i], slots, biases, matmul, rows), aux_ids, logits_idx)
+                         lambda i, q, k, v: attend_cached(q, k, v, cache.kv[i], slots, biases, matmul, rows), aux_ids, logits_idx)
 
     def prefill(self, input_ids, cache: KVCache | None = None, aux_ids=None, logits_idx=None, hidden_only=False,
                 rows: tuple[int, int] | torch.Tensor | None = None):
@@ -379,10 +381,11 @@ class Transformer(nn.Module):
 
         where = rows if isinstance(rows, torch.Tensor) else slice(*(rows or (0, B)))
 
-        def attention(i, q, kv):
+        def attention(i, q, k, v):
             if cache is not None:
-                cache.kv[i][:, where, :, :T] = kv
-            k, v = (t.repeat_interleave(rep, dim=1) for t in kv)  # plain heads: flash takes no GQA here
+                cache.kv[i][0, where, :, :T] = k
+                cache.kv[i][1, where, :, :T] = v
+            k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))  # plain heads: flash takes no GQA here
             return F.scaled_dot_product_attention(q.view(B, -1, T, q.shape[-1]), k, v, is_causal=True)
 
         # Eager layer functions: prompt lengths vary, and a compile per length would cost more
