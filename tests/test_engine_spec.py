@@ -414,3 +414,14 @@ def test_one_off_attention_shapes_skip_cudnn(monkeypatch):
     prompt_rows = {13 * heads // hf.config.num_key_value_heads, 13}  # the draft's GQA rows, the prefill's heads
     assert any(not on for _, on in seen) and any(on for _, on in seen)
     assert all(on != (rows in prompt_rows) for rows, on in seen)
+
+
+def test_top_k_small_equals_torch_topk():
+    from fledge.engine.drafters import top_k_small
+
+    g = torch.Generator().manual_seed(11)
+    for shape, k in (((3, 500), 1), ((2, 4, 1000), 4), ((1, 8, 777), 8)):
+        x = torch.randn(*shape, generator=g)
+        want_v, want_i = x.topk(k, dim=-1)
+        v, i = top_k_small(x, k)
+        assert torch.equal(v, want_v) and torch.equal(i, want_i)

@@ -37,6 +37,11 @@ class Prefix:
     lengths: torch.Tensor
     local: torch.Tensor
 
+    def for_kernel(self) -> "Prefix":
+        """The dtypes the kernel reads (int32 lengths, int8 local): convert once per forward,
+        not once per layer (two copy kernels each)."""
+        return Prefix(self.lengths.to(torch.int32), self.local.to(torch.int8))
+
     @classmethod
     def causal_decode(cls, lengths: torch.Tensor) -> "Prefix":
         """One new token per row at slot lengths[b], seeing every slot before it and itself."""
@@ -159,21 +164,24 @@ if triton is not None:
     @triton.jit
     def _merge_splits(PART, ML, O, n_split, R, BLOCK_R: tl.constexpr, D: tl.constexpr, NS: tl.constexpr):
         """Rescale each split's sum to the global max and normalise into O [B, n_kv, R, D]
-        (contiguous; program bh is row b's kv head h, as in _attend_split). Every split is
-        loaded at once: a loop over them would chain a memory round trip per split."""
+        (contiguous; program bh is row b's kv head h, as in _attend_split). The loop over the
+        splits is unrolled (NS >= n_split): its loads do not wait for one another."""
         bh, rb = tl.program_id(0), tl.program_id(1)
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < R
+        d = tl.arange(0, D)
+        ml = ML + bh * n_split * 2 * R
         sp = tl.arange(0, NS)
         smask = (sp < n_split)[:, None] & rmask[None, :]
-        d = tl.arange(0, D)
-        ml = ML + bh * n_split * 2 * R + sp[:, None] * 2 * R + rows[None, :]
-        m = tl.load(ml, mask=smask, other=-1e30)  # [NS, BLOCK_R]
-        w = tl.exp(m - tl.max(m, 0)[None, :])
-        den = tl.sum(w * tl.load(ml + R, mask=smask, other=0.0), 0)
-        part = tl.load(PART + ((bh * n_split + sp[:, None, None]) * R + rows[None, :, None]) * D + d[None, None, :],
-                       mask=smask[:, :, None], other=0.0)  # [NS, BLOCK_R, D]
-        acc = tl.sum(w[:, :, None] * part, 0)
+        m_all = tl.load(ml + sp[:, None] * 2 * R + rows[None, :], mask=smask, other=-1e30)  # [NS, BLOCK_R]
+        m = tl.max(m_all, 0)
+        den = tl.sum(tl.exp(m_all - m[None, :]) * tl.load(ml + sp[:, None] * 2 * R + R + rows[None, :], mask=smask, other=0.0), 0)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for s in tl.static_range(NS):
+            live = rmask & (tl.full([BLOCK_R], s, tl.int32) < n_split)
+            w = tl.exp(tl.load(ml + s * 2 * R + rows, mask=live, other=-1e30) - m)
+            part = tl.load(PART + (bh * n_split + s) * R * D + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+            acc += w[:, None] * part
         tl.store(O + bh * R * D + rows[:, None] * D + d[None, :], (acc / tl.where(rmask, den, 1.0)[:, None]).to(O.dtype.element_ty),
                  mask=rmask[:, None])
 
@@ -197,8 +205,9 @@ def prefix_attention(q, k_new, v_new, k_cache, v_cache, prefix: Prefix) -> torch
     part = out if final else torch.empty(B, n_kv, n_split, R, D, dtype=torch.float32, device=q.device)
     ml = part if final else torch.empty(B, n_kv, n_split, 2, R, dtype=torch.float32, device=q.device)
     so = (out.stride(0), out.stride(1), 0, out.stride(2)) if final else part.stride()[:4]
-    local = prefix.local.to(torch.int8)
-    lengths = prefix.lengths.to(torch.int32)
+    if prefix.lengths.dtype != torch.int32 or prefix.local.dtype != torch.int8:
+        prefix = prefix.for_kernel()
+    local, lengths = prefix.local, prefix.lengths
     _attend_split[(B * n_kv, -(-R // block_r), n_split)](
         q, k_new, v_new, k_cache, v_cache, lengths, local, part, ml,
         q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),

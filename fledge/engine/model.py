@@ -348,7 +348,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         if isinstance(mask, Prefix):
             if self.prefix_kernel:
-                kernel = self.fns.prefix_attention
+                kernel, mask = self.fns.prefix_attention, mask.for_kernel()
 
                 def attention(i, q, k, v):  # the kernel writes the cache itself, at lengths + t
                     return kernel(q, k, v, cache.kv[i][0], cache.kv[i][1], mask)
