@@ -88,7 +88,10 @@ def bench(args) -> dict:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     t = load_target(args.target, dtype=dtype, device=device)
-    target = build_engine_target(t.model, dtype, device, compile=args.compile)
+    def compiled(**kw):  # the engine's compiled layer functions, with this run's choices
+        return LayerFns.compiled(**{"gemv_rows": args.gemv_rows, **kw})
+
+    target = build_engine_target(t.model, dtype, device, fns=compiled() if args.compile else LayerFns())
     eos = eos_ids(t.model, t.tokenizer)
     prompts = load_prompts(args.prompts, args.num_prompts, t.tokenizer)
     params = SamplingParams(0.0, 1.0, args.max_new_tokens, 0)
@@ -118,8 +121,11 @@ def bench(args) -> dict:
     if args.compile:  # the same engine without torch.compile, to show what compiling buys
         configs["engine AR (not compiled)"] = ar_runner(build_engine_target(t.model, dtype, device), eos, graphs)
         # and compiled, but with decode attention through SDPA over spans (session 4's engine)
-        spans = build_engine_target(t.model, dtype, device, fns=LayerFns.compiled(prefix_kernel=False))
+        spans = build_engine_target(t.model, dtype, device, fns=compiled(prefix_kernel=False))
         configs["engine AR (SDPA over spans)"] = ar_runner(spans, eos, graphs)
+        if args.gemv_rows:  # and with every matmul through cuBLAS
+            cublas = build_engine_target(t.model, dtype, device, fns=compiled(gemv_rows=0))
+            configs["engine AR (cuBLAS matmuls)"] = ar_runner(cublas, eos, graphs)
 
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
     ar_out = [ar_runner(target, eos, graphs)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
@@ -156,7 +162,7 @@ def bench(args) -> dict:
             row["engine_ar_same_prompts_tok_s"] = base_hf
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
-            "compiled_layers": args.compile, "hf_prompts": n_hf if hf_names else 0,
+            "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "hf_prompts": n_hf if hf_names else 0,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
             "results": results}
@@ -191,6 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baselines")
     p.add_argument("--hf-prompts", type=int, help="run the HF baselines on the first N prompts only (default all)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
+    p.add_argument("--gemv-rows", type=int, default=0,
+                   help="with --compile: matmuls of at most this many rows as fused reductions (engine.model.linear)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the engine's layer functions and the drafter's halves; adds an uncompiled AR row")
     p.add_argument("--device")

@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="1x512,256x512,256x2048,1024x512", help="BATCHxSPAN, comma-separated")
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's layer functions")
     p.add_argument("--mode", help="torch.compile mode for --compile (e.g. max-autotune-no-cudagraphs)")
+    p.add_argument("--gemv-rows", type=int, default=0, help="with --compile: matmuls of at most this many rows "
+                                                               "as reductions (model.linear)")
     p.add_argument("--no-prefix-kernel", action="store_true", help="with --compile: decode attention through SDPA "
                                                                    "over a span, not the prefix kernel")
     p.add_argument("--random", action="store_true",
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
             hf = smollm2_random(dtype, dev)
         else:
             hf = load_target(args.target, dtype=dtype, device=dev).model
-        fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel) if args.compile else LayerFns()
+        fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel, gemv_rows=args.gemv_rows) \
+            if args.compile else LayerFns()
         model = build_engine_target(hf, dtype, dev, fns=fns)
     except (FledgeError, ValueError) as e:
         print(f"profile_decode: error: {e}", file=sys.stderr)
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
     report = {"device": re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower()),
               "target": "smollm2-135m shapes, random weights" if args.random else args.target,
               "dtype": args.dtype, "compiled_layers": args.compile, "compile_mode": args.mode,
-              "prefix_kernel": getattr(model, "prefix_kernel", False), "shapes": []}
+              "prefix_kernel": getattr(model, "prefix_kernel", False), "gemv_rows": args.gemv_rows, "shapes": []}
     with torch.no_grad():
         for batch, span in shapes:
             step = decode_step(model, batch, span)

@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--mode", help="torch.compile mode of the target's layers")
     p.add_argument("--no-prefix-kernel", action="store_true", help="with --compile: decode and verify attention "
                                                                    "through SDPA's dense masks, not the prefix kernel")
+    p.add_argument("--gemv-rows", type=int, default=0, help="with --compile: matmuls of at most this many rows "
+                                                               "as reductions (model.linear)")
     p.add_argument("--kernels", action="store_true", help="also each config's propose and verify kernels "
                                                           "(torch.profiler, compiled drafter, eager calls)")
     p.add_argument("--device", default="cuda", help="cpu only to check the script runs")
@@ -73,7 +75,8 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     hf = smollm2_random(dt, dev)
-    fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel) if args.compile else LayerFns()
+    fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel, gemv_rows=args.gemv_rows) \
+        if args.compile else LayerFns()
     target = build_engine_target(hf, dt, dev, fns=fns)
     torch.manual_seed(1)
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config, draft_vocab_size=16384), hf,
@@ -128,7 +131,8 @@ def main(argv=None) -> int:
     out = args.out or Path(__file__).parent / "results" / f"profile_round_{name}.json"
     atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": str(dt).removeprefix("torch."),
                             "compiled_layers": args.compile, "compile_mode": args.mode,
-                            "prefix_kernel": getattr(target, "prefix_kernel", False), "prompt_len": args.prompt_len,
+                            "prefix_kernel": getattr(target, "prefix_kernel", False), "gemv_rows": args.gemv_rows,
+                            "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "ar_ms_per_step": ar_ms, "rows": rows,
                             "new_prompt_lengths": fresh_prompts})
     print(f"wrote {out}")

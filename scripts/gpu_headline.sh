@@ -41,6 +41,7 @@
 #   WORK OUT DEVICE DTYPE  REGEN_BATCH REGEN_CHUNK MAX_NEW LIMIT  TRAIN_BATCH MAX_LEN VOCAB_SIZE EPOCHS LR
 #   TTT_STEPS PROBE_STEPS EVAL_EVERY WORKERS INIT  BENCH_PROMPTS BENCH_NEW HF_PROMPTS FP32_PROMPTS
 #   REGEN_BENCH_BATCHES REGEN_BENCH_ENGINE_ONLY REGEN_BENCH_NEW REGEN_BENCH_STREAM  SAMPLED (0: no sampled regen pass)
+#   ENGINE_ARGS (more bench_engine flags)
 #   SIDE (0: no side work on GPU 1)  SCALE_STEPS SCALE_BATCH (global batch of the scaling runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -292,7 +293,8 @@ bench_engine_part() {
     # every config, so a cut run still brings home the rows it finished.
     local compile=()
     [[ $DEVICE == cuda && ${COMPILE:-1} != 0 ]] && compile=(--compile)
-    timeout -s INT -k 10 "${BENCH_ENGINE_SECS:-480}" python3 bench/bench_engine.py "${engine[@]}" "${compile[@]}" 2>&1 \
+    # ENGINE_ARGS: more bench_engine flags (e.g. --gemv-rows 4)
+    timeout -s INT -k 10 "${BENCH_ENGINE_SECS:-480}" python3 bench/bench_engine.py "${engine[@]}" "${compile[@]}" ${ENGINE_ARGS:-} 2>&1 \
         | tee "$RES/bench_engine.log" || failed+=(engine)
 }
 

@@ -147,6 +147,39 @@ def test_compiled_batched_decode_equals_eager():
     assert calls and set(calls) == {6}  # both groups of 6 rows, every decode step and layer
 
 
+def test_linear_as_reduction_equals_f_linear():
+    from fledge.engine.model import linear
+
+    g = torch.Generator().manual_seed(13)
+    w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    for shape in ((1, 1, 40), (2, 2, 40), (3, 2, 40)):  # 1 and 4 rows as a reduction, 6 through F.linear
+        x = torch.randn(*shape, generator=g)
+        for bias in (None, b):
+            want = torch.nn.functional.linear(x, w, bias)
+            torch.testing.assert_close(linear(x, w, bias, gemv_rows=4), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # torch.compile on the CPU
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_compiled_gemv_layers_equal_eager(family):
+    """Compiled layers whose one-row matmuls are reductions (gemv_rows): the same greedy tokens
+    and logits within fp32 rounding, at batch 1 (the reduction form) and batch 5 (F.linear)."""
+    from fledge.engine.model import LayerFns
+    hf = make_tiny(family, seed=7)
+    eager = build_engine_target(hf, torch.float32, "cpu")
+    gemv = build_engine_target(hf, torch.float32, "cpu", fns=LayerFns.compiled(prefix_kernel=False, gemv_rows=4))
+    g = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(0, 301, (int(n),), generator=g).tolist() for n in (7, 3, 11, 5, 9)]
+    params = SamplingParams(max_new_tokens=10)
+    for batch in (prompts[:1], prompts):
+        assert generate_ar(gemv, batch, params, [])[0] == generate_ar(eager, batch, params, [])[0]
+    ids = torch.tensor([prompts[0]])
+    pos = torch.arange(ids.shape[1])[None]
+    want = eager(ids[:, -1:], pos[:, -1:], pos[:, -1:], make_causal_mask(pos[0, -1:], 1, 16), eager.new_cache(1, 16))[0]
+    got = gemv(ids[:, -1:], pos[:, -1:], pos[:, -1:], make_causal_mask(pos[0, -1:], 1, 16), gemv.new_cache(1, 16))[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_generation_stops_at_eos_per_row():
     model = build_engine_target(make_tiny("llama", seed=2), torch.float32, "cpu")
     prompts = [torch.randint(0, 301, (n,)).tolist() for n in (5, 8)]

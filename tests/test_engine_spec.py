@@ -416,12 +416,16 @@ def test_one_off_attention_shapes_skip_cudnn(monkeypatch):
     assert all(on != (rows in prompt_rows) for rows, on in seen)
 
 
-def test_top_k_small_equals_torch_topk():
-    from fledge.engine.drafters import top_k_small
+def test_topk_forms_equal_torch_topk():
+    from fledge.engine.tree import topk_by_max, topk_by_rank
 
     g = torch.Generator().manual_seed(11)
-    for shape, k in (((3, 500), 1), ((2, 4, 1000), 4), ((1, 8, 777), 8)):
+    for shape, k in (((3, 500), 1), ((2, 4, 1000), 4), ((1, 8, 777), 8), ((2, 16), 4), ((3, 68), 15)):
         x = torch.randn(*shape, generator=g)
         want_v, want_i = x.topk(k, dim=-1)
-        v, i = top_k_small(x, k)
-        assert torch.equal(v, want_v) and torch.equal(i, want_i)
+        for topk in (topk_by_max, topk_by_rank):
+            v, i = topk(x, k)
+            assert torch.equal(v, want_v) and torch.equal(i, want_i), topk.__name__
+    ties = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])  # ties go to the lower index
+    for topk in (topk_by_max, topk_by_rank):
+        assert topk(ties, 3)[1].tolist() == [[1, 2, 4]]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from fledge.draft import Eagle3Draft
 from fledge.engine.model import one_off_attention
-from fledge.engine.tree import Tree, chain, select_tree
+from fledge.engine.tree import Tree, chain, select_tree, topk_by_max, topk_by_rank
 from fledge.util import FledgeError
 
 
@@ -134,23 +134,10 @@ class NgramDrafter:
         return chain(inp.root, torch.tensor(rows, device=inp.root.device))
 
 
-def top_k_small(x: torch.Tensor, k: int):
-    """torch.topk(x, k) along the last dim for small k, as k max-reductions, each masking out
-    the winners before it. torch.topk over a draft vocab of a few rows runs one block per row
-    (radix select): 27 us for k = 1 and 75 us for k = 4 over 16K entries on the H200, most of a
-    draft step (bench/results/profile_round_nvidia_h200.json, "kernels"); compiled, each of
-    these reductions is one kernel of a few us."""
-    cols = torch.arange(x.shape[-1], device=x.device)
-    vals, idx = [], []
-    for _ in range(k):
-        v, i = x.max(dim=-1)
-        vals.append(v)
-        idx.append(i)
-        x = torch.where(cols == i[..., None], float("-inf"), x)
-    return torch.stack(vals, -1), torch.stack(idx, -1)
-
-
-DRAFT_CACHE_QUANTUM = 2048  # the drafter's cache rows, rounded up: one compiled shape for most requests
+# The drafter's cache rows, rounded up: one compiled shape for most requests. Its masked SDPA
+# reads every row, so the quantum is also what a draft step's attention costs (cuDNN: 36 us a
+# step at 2,054 rows on the H200, profile_round "kernels").
+DRAFT_CACHE_QUANTUM = 1024
 
 
 class Eagle3Drafter:
@@ -241,7 +228,7 @@ class Eagle3Drafter:
     def _top(self, out):
         """Top-k (log-prob, target id) of the draft's next-token distribution."""
         logits = self.draft.logits(out).float()
-        top, idx = top_k_small(logits, self.spec.topk)
+        top, idx = topk_by_max(logits, self.spec.topk)
         return top - logits.logsumexp(-1, keepdim=True), self.to_target[idx]
 
     def propose(self, inp: DraftInput) -> Tree:
@@ -273,7 +260,7 @@ class Eagle3Drafter:
             scores.append(child_score)
             parents.append(beam_cand[..., None].expand(B, K, K).flatten(1))
             depths.append(torch.full((B, K * K), i + 1, device=dev))
-            score, pick = child_score.topk(K, dim=1)
+            score, pick = topk_by_rank(child_score, K)
             beam = pick // K  # which beam each new beam grew from
             tok = child.flatten(1).gather(1, pick)
             hidden = out.gather(1, beam[..., None].expand(B, K, out.shape[-1]))

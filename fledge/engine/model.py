@@ -127,7 +127,20 @@ def apply_rope(x, cos, sin):
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
-def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int):
+def linear(x, w, b, gemv_rows: int = 0):
+    """F.linear; or, for at most `gemv_rows` rows (batch x tokens), the same product written as
+    a multiply and a sum over K. Compiled, that is one reduction kernel that streams the weight,
+    with the ops around it (residual add, SiLU x up) fused in — where cuBLAS's smallest GEMM
+    took ~3.9 us per matmul at one row on the H200, 45% of a decode step
+    (bench/results/profile_decode_random_compiled_nvidia_h200.json). Output in x's dtype, as F.linear."""
+    if x.numel() // x.shape[-1] > gemv_rows:
+        return F.linear(x, w, b)
+    y = (x.float()[..., None, :] * w.float()).sum(-1)
+    return (y if b is None else y + b.float()).to(x.dtype)
+
+
+def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int,
+            gemv_rows: int = 0):
     """Residual add of the previous layer's MLP output (`delta`; None in layer 0), attention
     norm, q/k/v in one matmul, q/k norm (Qwen3), rope. Returns (x = the stream entering this
     layer, HF hidden_states[i]; q [B, n_kv, G*T, D]; k and v [B, n_kv, T, D], views: the
@@ -139,7 +152,7 @@ def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: flo
         x = x + delta
     B, T, _ = x.shape
     D = cos.shape[-1]
-    qkv = F.linear(rms_norm(x, norm_w, eps), wqkv, bqkv).view(B, T, n_heads + 2 * n_kv, D)
+    qkv = linear(rms_norm(x, norm_w, eps), wqkv, bqkv, gemv_rows).view(B, T, n_heads + 2 * n_kv, D)
     qk, v = qkv[:, :, :n_heads + n_kv], qkv[:, :, n_heads + n_kv:]
     if q_norm_w is not None:
         qk = torch.cat([rms_norm(qk[:, :, :n_heads], q_norm_w, eps), rms_norm(qk[:, :, n_heads:], k_norm_w, eps)], dim=2)
@@ -148,14 +161,23 @@ def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: flo
     return x, q, qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
 
 
-def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float):
+def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float, gemv_rows: int = 0):
     """o_proj and its residual add, then the MLP (gate and up in one matmul). Returns (x after
-    attention, the MLP output: the next layer adds it). `o` is [B, n_heads or n_kv, *, D]."""
+    attention, the MLP output: the next layer adds it). `o` is [B, n_heads or n_kv, *, D].
+    With `gemv_rows` (see `linear`), gate and up are two sums over the same K, so that they
+    and SiLU(gate) * up fuse into one kernel."""
     B, T, _ = x.shape
     o = o.reshape(B, -1, T, o.shape[-1]).transpose(1, 2).reshape(B, T, -1)
-    x = x + F.linear(o, wo, bo)
-    gate, up = F.linear(rms_norm(x, norm_w, eps), w13, b13).chunk(2, dim=-1)
-    return x, F.linear(F.silu(gate) * up, w2, b2)
+    x = x + linear(o, wo, bo, gemv_rows)
+    h = rms_norm(x, norm_w, eps)
+    if B * T <= gemv_rows:
+        n = w13.shape[0] // 2
+        b1, b3 = (None, None) if b13 is None else (b13[:n], b13[n:])
+        act = F.silu(linear(h, w13[:n], b1, gemv_rows)) * linear(h, w13[n:], b3, gemv_rows)
+    else:
+        gate, up = F.linear(h, w13, b13).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    return x, linear(act, w2, b2, gemv_rows)
 
 
 def final_norm(x, delta, weight, eps: float):
@@ -219,16 +241,17 @@ class LayerFns:
     decode_attention: Callable | None = None  # compiled only: see decode_attention
     decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS
     prefix_attention: Callable | None = None  # masks in prefix form: see fledge.engine.attention
+    gemv_rows: int = 0  # forwards of at most this many rows (batch x tokens) multiply as reductions: see `linear`
 
     @classmethod
     def compiled(cls, mode: str | None = None, decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS,
-                 prefix_kernel: bool = True) -> "LayerFns":
+                 prefix_kernel: bool = True, gemv_rows: int = 0) -> "LayerFns":
         """`mode`: torch.compile's (e.g. "max-autotune-no-cudagraphs": Triton GEMM templates
         with fused epilogues, autotuned per shape; the engine captures its own graphs).
         `decode_attention_min_rows`: row groups from this size decode through the matmul
         attention (1: every decode step) — where the prefix kernel does not serve them.
         `prefix_kernel`: decode and verify steps attend through attention.prefix_attention
-        (on a GPU, for head sizes it takes)."""
+        (on a GPU, for head sizes it takes). `gemv_rows`: see `linear` (0: cuBLAS always)."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
         # back to eager after the eighth.
@@ -238,7 +261,7 @@ class LayerFns:
         # matmul library call and a softmax either way.
         return cls(*fns, decode_attention=torch.compile(decode_attention, fullgraph=True, dynamic=True),
                    decode_attention_min_rows=decode_attention_min_rows,
-                   prefix_attention=prefix_attention if prefix_kernel else None)
+                   prefix_attention=prefix_attention if prefix_kernel else None, gemv_rows=gemv_rows)
 
 
 class RMSNorm(nn.Module):
@@ -311,11 +334,11 @@ class Transformer(nn.Module):
             at, ff = layer.attention, layer.feed_forward
             qn, kn = (at.q_norm.weight, at.k_norm.weight) if a.qk_norm else (None, None)
             x, q, k, v = f.attn_in(x, delta, layer.attention_norm.weight, at.wqkv.weight, at.wqkv.bias, qn, kn,
-                                 cos, sin, a.norm_eps, a.n_heads, a.n_kv_heads)
+                                 cos, sin, a.norm_eps, a.n_heads, a.n_kv_heads, f.gemv_rows)
             if aux_ids is not None and i in aux_ids:
                 captured[i] = x
             x, delta = f.attn_out(x, attention(i, q, k, v), at.wo.weight, at.wo.bias, layer.ffn_norm.weight,
-                                  ff.w13.weight, ff.w13.bias, ff.w2.weight, ff.w2.bias, a.norm_eps)
+                                  ff.w13.weight, ff.w13.bias, ff.w2.weight, ff.w2.bias, a.norm_eps, f.gemv_rows)
         if logits_idx is not None:
             idx = logits_idx[..., None].expand(-1, -1, x.shape[-1])
             x, delta = x.gather(1, idx), delta.gather(1, idx)

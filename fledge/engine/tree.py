@@ -55,6 +55,39 @@ def chain(root: torch.Tensor, tokens: torch.Tensor) -> Tree:
     return Tree(torch.cat([root[:, None], tokens], dim=1), (idx - 1).clamp(min=0).expand(B, -1), idx.expand(B, -1), anc)
 
 
+# torch.topk on the GPU is a radix select of several passes, ~25 us a call on the H200 whatever
+# the row's length (bench/results/profile_round_nvidia_h200.json, "kernels": 27 us for one
+# best of 68 candidates, 75 us for 4 of 16K logits): with several calls per draft step it was
+# most of a step. These two compile to a few short kernels each. Both return torch.topk's
+# (values, indices), largest first, ties to the lower index.
+def topk_by_max(x: torch.Tensor, k: int):
+    """For long rows (a vocab) and small k: k max-reductions, each masking the winners before it."""
+    cols = torch.arange(x.shape[-1], device=x.device)
+    vals, idx = [], []
+    for _ in range(k):
+        v, i = x.max(dim=-1)
+        vals.append(v)
+        idx.append(i)
+        x = torch.where(cols == i[..., None], float("-inf"), x)
+    return torch.stack(vals, -1), torch.stack(idx, -1)
+
+
+def topk_by_rank(x: torch.Tensor, k: int):
+    """For short rows (tree candidates): every element's rank from comparing all pairs."""
+    idx = torch.arange(x.shape[-1], device=x.device)
+    rank = ranks(x)
+    indices = ((rank[..., None, :] == torch.arange(k, device=x.device)[:, None]) * idx).sum(-1)  # [..., k]
+    return x.gather(-1, indices), indices
+
+
+def ranks(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] long: how many elements of the row come before each in descending order (ties
+    to the lower index)."""
+    idx = torch.arange(x.shape[-1], device=x.device)
+    a, b = x[..., None, :], x[..., :, None]  # a: the others, b: the element itself
+    return ((a > b) | ((a == b) & (idx < idx[:, None]))).sum(-1)
+
+
 def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: int) -> Tree:
     """EAGLE-2 / SGLang re-ranking: keep the `num_nodes - 1` candidates with the best
     cumulative log-probability.
@@ -65,8 +98,13 @@ def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: 
     exactly 0 cannot drop a parent while keeping its child.
     """
     key = cand_scores.double() - 1e-9 * depth.double()
-    keep = key.topk(num_nodes - 1, dim=1).indices.sort(dim=1).values  # depth order: parents first
     B, C = cand_tokens.shape
+    chosen = ranks(key) < num_nodes - 1
+    # kept candidates in index (= depth) order, parents first: chosen i goes to the number of chosen before it
+    before = (chosen[:, None, :] & (torch.arange(C, device=key.device) < torch.arange(C, device=key.device)[:, None])).sum(-1)
+    slot = torch.where(chosen, before, num_nodes - 1)  # unchosen: a spare column, cut below
+    keep = torch.zeros(B, num_nodes, dtype=torch.long, device=key.device).scatter_(
+        1, slot, torch.arange(C, device=key.device).expand(B, C))[:, :num_nodes - 1]
     node_of = torch.zeros(B, C + 1, dtype=torch.long, device=root.device)  # slot C is the root
     node_of.scatter_(1, keep, torch.arange(1, num_nodes, device=root.device).expand(B, -1))
     par = cand_parents.gather(1, keep)
