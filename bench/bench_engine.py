@@ -30,7 +30,7 @@ from fledge.bench import load_prompts
 from fledge.engine.cli import eos_ids, load_drafter, pick_device, pick_dtype
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
-from fledge.engine.model import LayerFns, build_engine_target
+from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.engine.spec import generate_spec
 from fledge.engine.stats import SpecStats
 from fledge.target import load_target
@@ -103,10 +103,11 @@ def bench(args) -> dict:
     configs, hf_names = {}, set()
     configs["engine AR"] = ar_runner(target, eos, graphs)
     if args.drafter:
-        eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype, args.compile)
+        fast = not args.torch_topk
+        eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype, args.compile, fast)
         configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_chain)
         for text in args.tree or ["5,4,16"]:
-            tree = load_drafter(args.drafter, parse_tree(text), t.model, target, device, dtype, args.compile)
+            tree = load_drafter(args.drafter, parse_tree(text), t.model, target, device, dtype, args.compile, fast)
             configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda p, ar, d=tree: d)
     configs["oracle chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: OracleDrafter(chain7, [p + ar]))
     ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
@@ -162,7 +163,7 @@ def bench(args) -> dict:
             row["engine_ar_same_prompts_tok_s"] = base_hf
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
-            "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "hf_prompts": n_hf if hf_names else 0,
+            "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "torch_topk": args.torch_topk, "hf_prompts": n_hf if hf_names else 0,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
             "results": results}
@@ -197,7 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baselines")
     p.add_argument("--hf-prompts", type=int, help="run the HF baselines on the first N prompts only (default all)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
-    p.add_argument("--gemv-rows", type=int, default=0,
+    p.add_argument("--torch-topk", action="store_true", help="the drafter's tree bookkeeping through torch.topk "
+                                                             "(Eagle3Drafter fast_topk off)")
+    p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS,
                    help="with --compile: matmuls of at most this many rows as fused reductions (engine.model.linear)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the engine's layer functions and the drafter's halves; adds an uncompiled AR row")

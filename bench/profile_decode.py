@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fledge.engine.cli import pick_dtype
 from fledge.engine.generate import capture_cuda_graph, decode_logits, decode_spans
-from fledge.engine.model import LayerFns, build_engine_target
+from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.target import load_target
 from fledge.util import FledgeError, atomic_write_json
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="1x512,256x512,256x2048,1024x512", help="BATCHxSPAN, comma-separated")
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's layer functions")
     p.add_argument("--mode", help="torch.compile mode for --compile (e.g. max-autotune-no-cudagraphs)")
-    p.add_argument("--gemv-rows", type=int, default=0, help="with --compile: matmuls of at most this many rows "
+    p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS, help="with --compile: matmuls of at most this many rows "
                                                                "as reductions (model.linear)")
     p.add_argument("--no-prefix-kernel", action="store_true", help="with --compile: decode attention through SDPA "
                                                                    "over a span, not the prefix kernel")

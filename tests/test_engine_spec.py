@@ -33,12 +33,13 @@ def random_candidates(g, B, K, steps):
     return [torch.cat(x, 1) for x in (toks, scores, parents, depth)]
 
 
-def test_select_tree_keeps_best_valid_subtree():
+@pytest.mark.parametrize("by_rank", [True, False])
+def test_select_tree_keeps_best_valid_subtree(by_rank):
     g = torch.Generator().manual_seed(0)
     for K, steps, N in [(1, 4, 5), (2, 3, 6), (3, 4, 12), (4, 2, 9)]:
         toks, scores, parents, depth = random_candidates(g, 3, K, steps)
         root = torch.randint(0, 50, (3,), generator=g)
-        tree = select_tree(root, toks, scores, parents, depth, N)
+        tree = select_tree(root, toks, scores, parents, depth, N, by_rank)
         for b in range(3):
             best = sorted(range(toks.shape[1]), key=lambda c: -scores[b, c].item())[:N - 1]
             kept = sorted(best)  # brute force: the N-1 best candidates, in candidate order
@@ -183,6 +184,8 @@ def test_compiled_engine_equals_eager():
         eager, es = generate_spec(target, Eagle3Drafter(draft, spec, target), prompt, GREEDY, eos_ids=[])
         comp, cs = generate_spec(compiled, Eagle3Drafter(draft, spec, compiled, compile=True), prompt, GREEDY, eos_ids=[])
         assert comp == eager == ar and cs.accepted == es.accepted and sum(es.accepted) > 0
+        plain, ps = generate_spec(target, Eagle3Drafter(draft, spec, target, fast_topk=False), prompt, GREEDY, eos_ids=[])
+        assert plain == ar and ps.accepted == es.accepted  # torch.topk bookkeeping: the same trees
 
 
 def test_chain_equals_make_tree():

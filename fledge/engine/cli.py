@@ -53,12 +53,12 @@ def spec_config(num_steps: int, topk: int, num_draft_tokens: int | None) -> Spec
 
 
 def load_drafter(path: str, spec: SpecConfig, hf_model, engine_target, device, dtype,
-                 compile: bool = False) -> Eagle3Drafter:
-    """`compile`: the draft's halves through torch.compile (see Eagle3Drafter)."""
+                 compile: bool = False, fast_topk: bool = True) -> Eagle3Drafter:
+    """`compile`, `fast_topk`: see Eagle3Drafter."""
     from fledge.checkpoint import load_checkpoint
 
     draft = load_checkpoint(path, embed_from=hf_model).eval().cast(device, dtype)
-    return Eagle3Drafter(draft, spec, engine_target, compile)
+    return Eagle3Drafter(draft, spec, engine_target, compile, fast_topk)
 
 
 def _messages(args) -> list[dict]:

@@ -160,7 +160,7 @@ class Eagle3Drafter:
 
     device_only = True
 
-    def __init__(self, draft: Eagle3Draft, spec: SpecConfig, target, compile: bool = False):
+    def __init__(self, draft: Eagle3Draft, spec: SpecConfig, target, compile: bool = False, fast_topk: bool = True):
         hidden, vocab, layers = target_dims(target)
         cfg = draft.cfg
         if cfg.target_hidden_size != hidden:
@@ -169,7 +169,9 @@ class Eagle3Drafter:
             raise FledgeError(f"drafter vocab_size {cfg.vocab_size} != target vocab size {vocab}")
         if cfg.target_num_layers != layers:
             raise FledgeError(f"drafter was built for a {cfg.target_num_layers}-layer target; this one has {layers}")
-        self.draft, self.spec, self.compiled, self.kv = draft, spec, compile, None
+        # fast_topk: tree bookkeeping by max-reductions and ranks (tree.topk_by_max / topk_by_rank)
+        # rather than torch.topk; the same trees (ties aside), fewer and shorter kernels.
+        self.draft, self.spec, self.compiled, self.fast_topk, self.kv = draft, spec, compile, fast_topk, None
         self.aux_ids = tuple(cfg.aux_layer_ids)
         self.to_target = draft.target_ids()
         if compile:  # one compiled entry per tree shape and cache quantum share a code object's limit (8)
@@ -228,6 +230,9 @@ class Eagle3Drafter:
     def _top(self, out):
         """Top-k (log-prob, target id) of the draft's next-token distribution."""
         logits = self.draft.logits(out).float()
+        if not self.fast_topk:
+            logp, idx = F.log_softmax(logits, dim=-1).topk(self.spec.topk, dim=-1)
+            return logp, self.to_target[idx]
         top, idx = topk_by_max(logits, self.spec.topk)
         return top - logits.logsumexp(-1, keepdim=True), self.to_target[idx]
 
@@ -260,7 +265,7 @@ class Eagle3Drafter:
             scores.append(child_score)
             parents.append(beam_cand[..., None].expand(B, K, K).flatten(1))
             depths.append(torch.full((B, K * K), i + 1, device=dev))
-            score, pick = topk_by_rank(child_score, K)
+            score, pick = topk_by_rank(child_score, K) if self.fast_topk else child_score.topk(K, dim=1)
             beam = pick // K  # which beam each new beam grew from
             tok = child.flatten(1).gather(1, pick)
             hidden = out.gather(1, beam[..., None].expand(B, K, out.shape[-1]))
@@ -268,5 +273,5 @@ class Eagle3Drafter:
             beam_cand = n_cand + pick
             n_cand += K * K
         t = select_tree(root, torch.cat(cands, 1), torch.cat(scores, 1), torch.cat(parents, 1),
-                        torch.cat(depths, 1), self.spec.num_draft_tokens)
+                        torch.cat(depths, 1), self.spec.num_draft_tokens, self.fast_topk)
         return t.tokens, t.parents, t.depth, t.anc

@@ -206,6 +206,10 @@ def decode_attention(q, k, v, bias):
 
 
 DECODE_ATTENTION_MIN_ROWS = 64  # default: a row group this large decodes through LayerFns.decode_attention
+# Compiled default: forwards of up to 4 rows (batch-1 decode) multiply as
+# reductions (`linear`). On the H200 a batch-1 decode step of SmolLM2's shapes took 0.699 ms
+# against 0.937 with cuBLAS (bench/results/profile_decode_gemv*_nvidia_h200.json).
+GEMV_ROWS = 4
 
 
 def write_kv(cache_kv, slots, k, v) -> None:
@@ -245,7 +249,7 @@ class LayerFns:
 
     @classmethod
     def compiled(cls, mode: str | None = None, decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS,
-                 prefix_kernel: bool = True, gemv_rows: int = 0) -> "LayerFns":
+                 prefix_kernel: bool = True, gemv_rows: int = GEMV_ROWS) -> "LayerFns":
         """`mode`: torch.compile's (e.g. "max-autotune-no-cudagraphs": Triton GEMM templates
         with fused epilogues, autotuned per shape; the engine captures its own graphs).
         `decode_attention_min_rows`: row groups from this size decode through the matmul

@@ -88,7 +88,17 @@ def ranks(x: torch.Tensor) -> torch.Tensor:
     return ((a > b) | ((a == b) & (idx < idx[:, None]))).sum(-1)
 
 
-def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: int) -> Tree:
+def _best_in_order(key: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, k]: indices of the k largest keys of each row, in index order (topk + sort, by ranks)."""
+    B, C = key.shape
+    idx = torch.arange(C, device=key.device)
+    chosen = ranks(key) < k
+    before = (chosen[:, None, :] & (idx < idx[:, None])).sum(-1)  # chosen i goes after the chosen before it
+    slot = torch.where(chosen, before, k)  # the others: a spare column, cut below
+    return torch.zeros(B, k + 1, dtype=torch.long, device=key.device).scatter_(1, slot, idx.expand(B, C))[:, :k]
+
+
+def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: int, by_rank: bool = True) -> Tree:
     """EAGLE-2 / SGLang re-ranking: keep the `num_nodes - 1` candidates with the best
     cumulative log-probability.
 
@@ -99,12 +109,10 @@ def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: 
     """
     key = cand_scores.double() - 1e-9 * depth.double()
     B, C = cand_tokens.shape
-    chosen = ranks(key) < num_nodes - 1
-    # kept candidates in index (= depth) order, parents first: chosen i goes to the number of chosen before it
-    before = (chosen[:, None, :] & (torch.arange(C, device=key.device) < torch.arange(C, device=key.device)[:, None])).sum(-1)
-    slot = torch.where(chosen, before, num_nodes - 1)  # unchosen: a spare column, cut below
-    keep = torch.zeros(B, num_nodes, dtype=torch.long, device=key.device).scatter_(
-        1, slot, torch.arange(C, device=key.device).expand(B, C))[:, :num_nodes - 1]
+    if by_rank:
+        keep = _best_in_order(key, num_nodes - 1)
+    else:
+        keep = key.topk(num_nodes - 1, dim=1).indices.sort(dim=1).values  # depth order: parents first
     node_of = torch.zeros(B, C + 1, dtype=torch.long, device=root.device)  # slot C is the root
     node_of.scatter_(1, keep, torch.arange(1, num_nodes, device=root.device).expand(B, -1))
     par = cand_parents.gather(1, keep)
