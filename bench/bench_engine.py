@@ -69,6 +69,18 @@ def ar_runner(target, eos, graphs: bool):
     return run
 
 
+def oracle_runner(target, eos, graphs: bool, spec):
+    """The oracle drafts the greedy continuation the verify step itself computes, found by a
+    first, untimed pass fed AR's tokens. In bf16 a decode step and a verify step may round a
+    near-tie apart; an oracle fed AR's tokens would then draft the wrong text for the rest of
+    the request (an accept length of 1.3 at H200 bf16, session 5). In fp32 both passes are AR."""
+    def run(prompt, params, ar):
+        own, _ = generate_spec(target, OracleDrafter(spec, [prompt + ar]), prompt, params, eos, use_cuda_graph=graphs)
+        out, st = generate_spec(target, OracleDrafter(spec, [prompt + own]), prompt, params, eos, use_cuda_graph=graphs)
+        return out, st.wall_ms / 1e3, st
+    return run
+
+
 def spec_runner(target, eos, graphs: bool, make_drafter):
     def run(prompt, params, ar):
         out, st = generate_spec(target, make_drafter(prompt, ar), prompt, params, eos, use_cuda_graph=graphs)
@@ -103,13 +115,13 @@ def bench(args) -> dict:
     configs, hf_names = {}, set()
     configs["engine AR"] = ar_runner(target, eos, graphs)
     if args.drafter:
-        fast = not args.torch_topk
+        fast = args.fast_topk
         eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype, args.compile, fast)
         configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_chain)
         for text in args.tree or ["5,4,16"]:
             tree = load_drafter(args.drafter, parse_tree(text), t.model, target, device, dtype, args.compile, fast)
             configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda p, ar, d=tree: d)
-    configs["oracle chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: OracleDrafter(chain7, [p + ar]))
+    configs["oracle chain 7"] = oracle_runner(target, eos, graphs, chain7)
     ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
     configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(
         target, eos, graphs, lambda p, ar: NgramDrafter(ngram, args.ngram))
@@ -163,7 +175,7 @@ def bench(args) -> dict:
             row["engine_ar_same_prompts_tok_s"] = base_hf
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
-            "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "torch_topk": args.torch_topk, "hf_prompts": n_hf if hf_names else 0,
+            "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk, "hf_prompts": n_hf if hf_names else 0,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
             "results": results}
@@ -198,8 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baselines")
     p.add_argument("--hf-prompts", type=int, help="run the HF baselines on the first N prompts only (default all)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
-    p.add_argument("--torch-topk", action="store_true", help="the drafter's tree bookkeeping through torch.topk "
-                                                             "(Eagle3Drafter fast_topk off)")
+    p.add_argument("--fast-topk", action="store_true", help="the drafter's tree bookkeeping without torch.topk "
+                                                            "(Eagle3Drafter fast_topk; fails to compile on torch 2.11)")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS,
                    help="with --compile: matmuls of at most this many rows as fused reductions (engine.model.linear)")
     p.add_argument("--compile", action="store_true",

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                                                                    "through SDPA's dense masks, not the prefix kernel")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS, help="with --compile: matmuls of at most this many rows "
                                                                "as reductions (model.linear)")
-    p.add_argument("--torch-topk", action="store_true", help="drafter bookkeeping through torch.topk")
+    p.add_argument("--fast-topk", action="store_true", help="drafter bookkeeping without torch.topk (Eagle3Drafter)")
     p.add_argument("--kernels", action="store_true", help="also each config's propose and verify kernels "
                                                           "(torch.profiler, compiled drafter, eager calls)")
     p.add_argument("--device", default="cuda", help="cpu only to check the script runs")
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         spec = SpecConfig(steps, topk, n)
         variants = [(False, False)] + ([(True, False), (True, True)] if args.compile else [])
         for compiled, fresh in variants:
-            drafter = Eagle3Drafter(draft, spec, target, compile=compiled, fast_topk=not args.torch_topk)
+            drafter = Eagle3Drafter(draft, spec, target, compile=compiled, fast_topk=args.fast_topk)
             generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=16), [])  # compile, capture
             if fresh:  # new cache buffers for the request, as before session 4: do guards fail on them?
                 drafter.kv = None
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         fresh_prompts["ar_prefill_ms"] = statistics.mean(generate_ar(target, [q], short, [])[1]["prefill_ms"] for q in new)
         for steps, topk, n in shapes:
             drafter = Eagle3Drafter(draft, SpecConfig(steps, topk, n), target, compile=args.compile,
-                                    fast_topk=not args.torch_topk)
+                                    fast_topk=args.fast_topk)
             fresh_prompts[f"{steps},{topk},{n}_prefill_ms"] = statistics.mean(
                 generate_spec(target, drafter, q, short, [])[1].prefill_ms for q in new)
         print("mean prefill ms per request at new prompt lengths", lens, {k: round(v, 1) for k, v in fresh_prompts.items()
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     out = args.out or Path(__file__).parent / "results" / f"profile_round_{name}.json"
     atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": str(dt).removeprefix("torch."),
                             "compiled_layers": args.compile, "compile_mode": args.mode,
-                            "prefix_kernel": getattr(target, "prefix_kernel", False), "gemv_rows": args.gemv_rows, "torch_topk": args.torch_topk,
+                            "prefix_kernel": getattr(target, "prefix_kernel", False), "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
                             "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "ar_ms_per_step": ar_ms, "rows": rows,
                             "new_prompt_lengths": fresh_prompts})

@@ -102,3 +102,23 @@ def test_engine_with_kernel_equals_engine_without():
         assert a == b == ar and sa.accepted == sb.accepted
         accepted += sum(sa.accepted)
     assert accepted > 0
+
+
+def test_a_token_rounds_alike_decoded_or_verified():
+    """A chain of T tokens verified at once, and each token decoded alone after the ones before
+    it: the same slots, walked in the same blocks. On the GPU that is what keeps bf16 decode and
+    verify rounding alike; here the interpreter's matmul rounds by tile height, so the check
+    is fp32 agreement, not bits."""
+    B, n_kv, G, T, S, D = 1, 3, 3, 8, 400, 64
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(B, n_kv, G * T, D, generator=g)
+    k, v = (torch.randn(B, n_kv, S, D, generator=g) for _ in "kv")
+    k_new, v_new = (torch.randn(B, n_kv, T, D, generator=g) for _ in "kv")
+    n = 250
+    chain = torch.tril(torch.ones(T, T, dtype=torch.bool))[None]
+    together = prefix_attention(q, k_new, v_new, k.clone(), v.clone(), Prefix(torch.tensor([n]), chain))
+    kc, vc = k.clone(), v.clone()
+    for t in range(T):
+        alone = prefix_attention(q[:, :, t::T], k_new[:, :, t:t + 1], v_new[:, :, t:t + 1], kc, vc,
+                                 Prefix.causal_decode(torch.tensor([n + t])))
+        torch.testing.assert_close(alone, together[:, :, t::T], atol=1e-6, rtol=0)

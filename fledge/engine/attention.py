@@ -114,9 +114,10 @@ if triton is not None:
                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                       FINAL: tl.constexpr, IEEE: tl.constexpr):
         """One program: query rows [rb*BLOCK_R, +BLOCK_R) of kv head h of row b (query row r is
-        new token r % T) over the cached slots [split*chunk, +chunk) below the row's length;
-        split 0 also takes the T new tokens from KN/VN (their K/V, this step's projection),
-        under `local`, and its first row block writes them into the cache at length + j.
+        new token r % T) over slots [split*chunk, +chunk) up to the row's length + T: the cached
+        ones, seen by every row, and the T new tokens at length + j, whose K/V come from KN/VN
+        (this step's projection) and are seen as `local` says; the first row block writes
+        them into the cache.
         FINAL: the only split, so the output is normalised and stored in O's dtype; else O gets
         the unnormalised fp32 sum and ML the running max and denominator, for _merge_splits."""
         bh, rb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -131,27 +132,27 @@ if triton is not None:
         den = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
         lo = sp * chunk
-        hi = tl.minimum(lo + chunk, length)
-        for start in range(lo, hi, BLOCK_N):  # cached slots: every query row sees them all
+        hi = tl.minimum(tl.minimum(lo + chunk, length + T), S)
+        # One pass over slots [lo, hi) in blocks at fixed offsets, cached and new alike: a
+        # token's output then rounds the same whether it is decoded alone or verified among T
+        # (bf16 greedy decode and verify agree on what they compute).
+        for start in range(lo, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            cmask = cols < hi
-            k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_s + d[None, :], mask=cmask[:, None], other=0.0)
-            v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_s + d[None, :], mask=cmask[:, None], other=0.0)
-            m, den, acc = _online_block(q, k, v, rmask[:, None] & cmask[None, :], m, den, acc, scale, IEEE)
-        if sp == 0:
-            for start in range(0, T, BLOCK_N):  # this step's tokens, from the projection
-                j = start + tl.arange(0, BLOCK_N)
-                jmask = j < T
-                k = tl.load(KN + b * skn_b + h * skn_h + j[:, None] * skn_t + d[None, :], mask=jmask[:, None], other=0.0)
-                v = tl.load(VN + b * svn_b + h * svn_h + j[:, None] * svn_t + d[None, :], mask=jmask[:, None], other=0.0)
-                if rb == 0:
-                    slot = length + j
-                    keep = jmask & (slot < S)
-                    tl.store(K + b * sk_b + h * sk_h + slot[:, None] * sk_s + d[None, :], k, mask=keep[:, None])
-                    tl.store(V + b * sv_b + h * sv_h + slot[:, None] * sv_s + d[None, :], v, mask=keep[:, None])
-                loc = tl.load(LOCAL + b * sl_b + t[:, None] * sl_t + j[None, :] * sl_j,
-                              mask=rmask[:, None] & jmask[None, :], other=0)
-                m, den, acc = _online_block(q, k, v, loc != 0, m, den, acc, scale, IEEE)
+            cached = cols < tl.minimum(hi, length)
+            j = cols - length
+            new = (j >= 0) & (cols < hi)
+            k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_s + d[None, :], mask=cached[:, None], other=0.0)
+            v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_s + d[None, :], mask=cached[:, None], other=0.0)
+            kn = tl.load(KN + b * skn_b + h * skn_h + j[:, None] * skn_t + d[None, :], mask=new[:, None], other=0.0)
+            vn = tl.load(VN + b * svn_b + h * svn_h + j[:, None] * svn_t + d[None, :], mask=new[:, None], other=0.0)
+            k = tl.where(new[:, None], kn, k)
+            v = tl.where(new[:, None], vn, v)
+            if rb == 0:  # this step's tokens into the cache, once per kv head
+                tl.store(K + b * sk_b + h * sk_h + cols[:, None] * sk_s + d[None, :], kn, mask=new[:, None])
+                tl.store(V + b * sv_b + h * sv_h + cols[:, None] * sv_s + d[None, :], vn, mask=new[:, None])
+            loc = tl.load(LOCAL + b * sl_b + t[:, None] * sl_t + j[None, :] * sl_j, mask=rmask[:, None] & new[None, :], other=0)
+            seen = rmask[:, None] & (cached[None, :] | (loc != 0))
+            m, den, acc = _online_block(q, k, v, seen, m, den, acc, scale, IEEE)
         out = O + b * so_b + h * so_h + sp * so_s + rows[:, None] * so_r + d[None, :]
         if FINAL:
             tl.store(out, (acc / tl.where(rmask, den, 1.0)[:, None]).to(O.dtype.element_ty), mask=rmask[:, None])

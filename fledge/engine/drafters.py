@@ -160,7 +160,7 @@ class Eagle3Drafter:
 
     device_only = True
 
-    def __init__(self, draft: Eagle3Draft, spec: SpecConfig, target, compile: bool = False, fast_topk: bool = True):
+    def __init__(self, draft: Eagle3Draft, spec: SpecConfig, target, compile: bool = False, fast_topk: bool = False):
         hidden, vocab, layers = target_dims(target)
         cfg = draft.cfg
         if cfg.target_hidden_size != hidden:
@@ -170,7 +170,9 @@ class Eagle3Drafter:
         if cfg.target_num_layers != layers:
             raise FledgeError(f"drafter was built for a {cfg.target_num_layers}-layer target; this one has {layers}")
         # fast_topk: tree bookkeeping by max-reductions and ranks (tree.topk_by_max / topk_by_rank)
-        # rather than torch.topk; the same trees (ties aside), fewer and shorter kernels.
+        # rather than torch.topk; the same trees (ties aside), fewer and shorter kernels. Off by
+        # default: compiled whole, it trips an assertion in Inductor's fusion pass of the H200's
+        # torch 2.11 (can_fuse: rnumel1 == 1, session 5); torch 2.13 on the CPU compiles it.
         self.draft, self.spec, self.compiled, self.fast_topk, self.kv = draft, spec, compile, fast_topk, None
         self.aux_ids = tuple(cfg.aux_layer_ids)
         self.to_target = draft.target_ids()
