@@ -170,15 +170,19 @@ class Eagle3Drafter:
         if cfg.target_num_layers != layers:
             raise FledgeError(f"drafter was built for a {cfg.target_num_layers}-layer target; this one has {layers}")
         # fast_topk: tree bookkeeping by max-reductions and ranks (tree.topk_by_max / topk_by_rank)
-        # rather than torch.topk; the same trees (ties aside), fewer and shorter kernels. Off by
-        # default: compiled whole, it trips an assertion in Inductor's fusion pass of the H200's
-        # torch 2.11 (can_fuse: rnumel1 == 1, session 5); torch 2.13 on the CPU compiles it.
+        # rather than torch.topk; the same trees (ties aside), fewer and shorter kernels. Compiled
+        # whole with Inductor's split reductions, the max-reductions over a vocab for several
+        # beams trip an assertion in torch 2.11's fusion pass (can_fuse: rnumel1 == 1; found on
+        # the H200, reproduced on the CPU with torch 2.11 and Inductor's Triton scheduling), so
+        # those are compiled unsplit: a few rows of a vocab, one program each. Off by default
+        # until an H200 bench has measured it.
         self.draft, self.spec, self.compiled, self.fast_topk, self.kv = draft, spec, compile, fast_topk, None
         self.aux_ids = tuple(cfg.aux_layer_ids)
         self.to_target = draft.target_ids()
         if compile:  # one compiled entry per tree shape and cache quantum share a code object's limit (8)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if compile else (lambda f: f)
+        opts = {"split_reductions": False} if fast_topk else {}
+        wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False, options=opts)) if compile else (lambda f: f)
         self._propose, self._observe_round = wrap(self._propose_tree), wrap(self._observe)
 
     def start(self, batch: int, max_len: int) -> None:
