@@ -15,6 +15,7 @@ from fledge.engine.drafters import Eagle3Drafter, SpecConfig
 from fledge.engine.generate import make_causal_mask
 from fledge.engine.model import LayerFns
 from fledge.engine.spec import generate_spec
+from fledge.engine.stream import generate_stream
 from fledge.engine.tree import make_tree, tree_mask
 from test_engine_spec import tiny_setup
 
@@ -93,6 +94,9 @@ def test_engine_with_kernel_equals_engine_without():
     rows, stats = generate_ar(kern, prompts, params, [])
     assert rows == generate_ar(dense, prompts, params, [])[0]
     assert stats["spans"] == [()]  # no attention spans: each row reads its own length
+    short = SamplingParams(max_new_tokens=5)
+    streamed, st = generate_stream(kern, prompts, short, [], rows=2, refill_every=2)  # a row refilled, one step shape
+    assert streamed == generate_ar(dense, prompts, short, [])[0] and st["graphs"] == 1
     prompt = torch.randint(0, 24, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     ar = generate_ar(dense, [prompt], params, [])[0][0]
     accepted = 0
