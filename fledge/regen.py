@@ -265,7 +265,7 @@ def add_cli(sub):
     p.add_argument("--limit", type=int, help="only the first N conversations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
-                   help="local engine: torch.compile its layers (and the matmul decode attention at many rows)")
+                   help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
     p.set_defaults(func=_cli)
 
 

@@ -303,7 +303,7 @@ bench_batched_part() {
     # at 512 it would cost minutes), then larger batches on the engine alone; and a stream of
     # prompts through each batch size's rows, refilled as they end (what `fledge regen` runs).
     local compiled=()
-    [[ $DEVICE == cuda ]] && compiled=(--compile)   # compiled layers and, from 64 rows, the matmul decode attention
+    [[ $DEVICE == cuda ]] && compiled=(--compile)   # compiled layers and, on the GPU, the prefix attention kernel
     python3 bench/bench_regen.py --target "$TARGET" --prompts "$WORK/firsts.jsonl" --batch-sizes "${REGEN_BENCH_BATCHES:-256}" \
         --engine-only "${REGEN_BENCH_ENGINE_ONLY:-512,1024}" --max-new-tokens "${REGEN_BENCH_NEW:-256}" \
         --stream "${REGEN_BENCH_STREAM:-2048}" "${compiled[@]}" --device "$DEVICE" --dtype "$DTYPE" --out "$RES/bench_regen.json" 2>&1 | tee "$RES/bench_regen.log" \
