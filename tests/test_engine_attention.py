@@ -16,7 +16,7 @@ from fledge.engine.generate import make_causal_mask
 from fledge.engine.model import LayerFns
 from fledge.engine.spec import generate_spec
 from fledge.engine.stream import generate_stream
-from fledge.engine.tree import make_tree, tree_mask
+from fledge.engine.tree import make_tree
 from test_engine_spec import tiny_setup
 
 pytestmark = pytest.mark.skipif(not kernel_available(torch.device("cpu")), reason="needs triton (interpreter)")
@@ -73,7 +73,7 @@ def test_dense_form_is_the_causal_and_tree_masks():
     lengths = torch.tensor([0, 5, 11])
     assert torch.equal(Prefix.causal_decode(lengths).dense(16), make_causal_mask(lengths, 1, 16))
     tree = make_tree(torch.tensor([1]), torch.tensor([[4, 5, 6, 7]]), torch.tensor([[0, 0, 1, 1]]))
-    dense = tree_mask(tree.anc, torch.tensor([3]), 12)
+    dense = Prefix(torch.tensor([3]), tree.anc).dense(12)
     want = torch.zeros(5, 12, dtype=torch.bool)
     want[:, :3] = True
     want[:, 3:8] = tree.anc[0]  # node i at slot 3 + i sees its ancestors' slots

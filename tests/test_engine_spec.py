@@ -10,9 +10,10 @@ from conftest import ENGINE_FAMILIES, make_tiny
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
 from fledge.engine import HFTarget, SamplingParams, build_engine_target, generate_ar, logits_to_probs, make_causal_mask
+from fledge.engine.attention import Prefix
 from fledge.engine.drafters import DraftInput, Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.spec import generate_spec, verify_forward
-from fledge.engine.tree import chain, make_tree, path_to, select_tree, tree_mask, verify_greedy, verify_sample
+from fledge.engine.tree import chain, make_tree, path_to, select_tree, verify_greedy, verify_sample
 from fledge.util import FledgeError
 
 
@@ -61,7 +62,7 @@ def test_tree_mask_and_path():
     toks, scores, parents, depth = random_candidates(g, 2, 3, 3)
     tree = select_tree(torch.tensor([7, 8]), toks, scores, parents, depth, 8)
     cache_len = torch.tensor([5, 11])
-    mask = tree_mask(tree.anc, cache_len, 32)
+    mask = Prefix(cache_len, tree.anc).dense(32)
     for b in range(2):
         for i in range(8):
             want = [c < cache_len[b] or (0 <= c - cache_len[b] < 8 and bool(tree.anc[b, i, c - cache_len[b]]))

@@ -9,9 +9,9 @@ interface; stats.py: what every run prints.
 """
 
 from fledge.engine.generate import (SamplingParams, capture_cuda_graph, generate_ar, logits_to_probs,
-                                    make_causal_mask, prefix_mask, sample_token)
+                                    make_causal_mask, sample_token)
 from fledge.engine.model import HFTarget, KVCache, ModelArgs, Transformer, build_engine_target
 
 __all__ = ["HFTarget", "KVCache", "ModelArgs", "SamplingParams", "Transformer", "build_engine_target",
-           "capture_cuda_graph", "generate_ar", "logits_to_probs", "make_causal_mask", "prefix_mask",
+           "capture_cuda_graph", "generate_ar", "logits_to_probs", "make_causal_mask",
            "sample_token"]

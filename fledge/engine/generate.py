@@ -85,12 +85,6 @@ def decode_logits(model, tokens, lengths, groups, spans, cache):
     return model(tokens, here, here, masks if len(masks) > 1 else masks[0], cache)[0][:, -1]
 
 
-def prefix_mask(lengths, max_len: int):
-    """[B, 1, 1, max_len] bool: the committed slots [0, lengths[b]) of each row (the part of a
-    tree mask every draft token shares)."""
-    return (torch.arange(max_len, device=lengths.device) < lengths[:, None])[:, None, None]
-
-
 SPAN_QUANTUM = 256  # decode attends to the cache's first k*256 slots, not all of them
 ROW_GROUP = 128  # rows of a length-sorted batch that prefill together and share a span
 

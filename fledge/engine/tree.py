@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fledge.engine.attention import Prefix
-
 
 @dataclass
 class Tree:
@@ -98,7 +96,7 @@ def _best_in_order(key: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros(B, k + 1, dtype=torch.long, device=key.device).scatter_(1, slot, idx.expand(B, C))[:, :k]
 
 
-def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: int, by_rank: bool = True) -> Tree:
+def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: int, by_rank: bool = False) -> Tree:
     """EAGLE-2 / SGLang re-ranking: keep the `num_nodes - 1` candidates with the best
     cumulative log-probability.
 
@@ -118,12 +116,6 @@ def select_tree(root, cand_tokens, cand_scores, cand_parents, depth, num_nodes: 
     par = cand_parents.gather(1, keep)
     par = torch.where(par < 0, C, par)
     return make_tree(root, cand_tokens.gather(1, keep), node_of.gather(1, par))
-
-
-def tree_mask(anc: torch.Tensor, cache_len: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[B, 1, N, max_len] bool: every node sees the verified prefix [0, cache_len) and its own
-    ancestors (`anc`, [B, N, N]), which sit at slots cache_len + node index."""
-    return Prefix(cache_len, anc).dense(max_len)
 
 
 def node_probs(probs: torch.Tensor, tree: Tree) -> torch.Tensor:
