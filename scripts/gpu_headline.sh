@@ -38,7 +38,7 @@
 # its checkpoint with the same planned step count). Every stage prints the device time it used.
 #
 # Knobs (environment), defaults for the H200; the CPU check above scales them down:
-#   WORK OUT DEVICE DTYPE  REGEN_BATCH REGEN_CHUNK MAX_NEW LIMIT  TRAIN_BATCH MAX_LEN VOCAB_SIZE EPOCHS LR
+#   WORK OUT DEVICE DTYPE  SETS REGEN_BATCH REGEN_CHUNK MAX_NEW LIMIT  TRAIN_BATCH MAX_LEN VOCAB_SIZE EPOCHS LR
 #   TTT_STEPS PROBE_STEPS EVAL_EVERY WORKERS INIT  BENCH_PROMPTS BENCH_NEW HF_PROMPTS FP32_PROMPTS
 #   REGEN_BENCH_BATCHES REGEN_BENCH_ENGINE_ONLY REGEN_BENCH_NEW REGEN_BENCH_STREAM  SAMPLED (0: no sampled regen pass)
 #   ENGINE_ARGS (more bench_engine flags)
@@ -154,7 +154,7 @@ regen_pass() {
 restore() {
     local set
     mkdir -p "$WORK"
-    for set in regen regen_s regen_s2; do
+    for set in regen regen_s regen_s2 regen_s3; do
         if [[ -f $STAGE/$set.jsonl.gz && ! -f $WORK/$set.jsonl ]]; then
             gunzip -c "$STAGE/$set.jsonl.gz" > "$WORK/$set.jsonl.tmp" && mv "$WORK/$set.jsonl.tmp" "$WORK/$set.jsonl"
         fi
@@ -172,10 +172,12 @@ regen() {
     # Greedy answers first (what the engine is benchmarked on); what the budget leaves goes to
     # answers sampled at T=0.7 (seeds 1 and 2): more of the target's own text from the same
     # prompts (held-out prompts stay held out).
-    regen_pass regen "$budget"
+    # SETS picks the passes (e.g. "regen_s2:2 regen_s3:3" when the earlier ones came home
+    # complete: a finished pass still loads and compiles the engine to retry its skipped prompts).
     local left
-    for set in regen_s:1 regen_s2:2; do
+    for set in ${SETS:-regen regen_s:1 regen_s2:2}; do
         left=$((budget - (SECONDS - t0)))
+        if [[ $set == regen ]]; then regen_pass regen "$left"; continue; fi
         (( left > 45 )) && [[ ${SAMPLED:-1} != 0 ]] || break
         regen_pass "${set%:*}" "$left" --temperature 0.7 --seed "${set#*:}"
     done
@@ -195,7 +197,7 @@ train() {
     tok=$(target_dir)
     if [[ ! -f $WORK/train.tok.jsonl ]]; then   # regen is final once training starts
         cat "$WORK/regen.jsonl" > "$WORK/regen_all.jsonl"
-        for f in "$WORK"/regen_s.jsonl "$WORK"/regen_s2.jsonl; do [[ -f $f ]] && cat "$f" >> "$WORK/regen_all.jsonl"; done
+        for f in "$WORK"/regen_s.jsonl "$WORK"/regen_s2.jsonl "$WORK"/regen_s3.jsonl; do [[ -f $f ]] && cat "$f" >> "$WORK/regen_all.jsonl"; done
         data split "$WORK/regen_all.jsonl" "$WORK/train.jsonl" "$WORK/heldout.jsonl"
         data tokenize "$WORK/heldout.jsonl" "$WORK/heldout.tok.jsonl" --tokenizer "$tok" --max-len "$max_len" \
             --workers "${WORKERS:-$(nproc)}"
