@@ -58,14 +58,14 @@ def hf_runner(hf, eos, device, static_len: int | None = None):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
                           do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
         sync(device)
-        return out[0, len(prompt):].tolist(), time.perf_counter() - t0, None
+        return out[0, len(prompt):].tolist(), time.perf_counter() - t0, None, None
     return run
 
 
 def ar_runner(target, eos, graphs: bool):
     def run(prompt, params, _ar):
         rows, st = generate_ar(target, [prompt], params, eos, use_cuda_graph=graphs)
-        return rows[0], (st["prefill_ms"] + st["decode_ms"]) / 1e3, None
+        return rows[0], (st["prefill_ms"] + st["decode_ms"]) / 1e3, None, st["prefill_ms"]
     return run
 
 
@@ -77,14 +77,14 @@ def oracle_runner(target, eos, graphs: bool, spec):
     def run(prompt, params, ar):
         own, _ = generate_spec(target, OracleDrafter(spec, [prompt + ar]), prompt, params, eos, use_cuda_graph=graphs)
         out, st = generate_spec(target, OracleDrafter(spec, [prompt + own]), prompt, params, eos, use_cuda_graph=graphs)
-        return out, st.wall_ms / 1e3, st
+        return out, st.wall_ms / 1e3, st, st.prefill_ms
     return run
 
 
 def spec_runner(target, eos, graphs: bool, make_drafter):
     def run(prompt, params, ar):
         out, st = generate_spec(target, make_drafter(prompt, ar), prompt, params, eos, use_cuda_graph=graphs)
-        return out, st.wall_ms / 1e3, st
+        return out, st.wall_ms / 1e3, st, st.prefill_ms
     return run
 
 
@@ -148,17 +148,21 @@ def bench(args) -> dict:
         warm = SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0)
         run(prompts[0], warm, ar_out[0][:16])  # compile / capture / allocator warm-up, untimed
         todo = list(zip(prompts, ar_out))[:n_hf if name in hf_names else None]
-        timed, matches, stats = [], 0, []
+        timed, matches, stats, prefill = [], 0, [], []
         for rep in range(args.repeats):
             for i, (p, ar) in enumerate(tqdm(todo, desc=f"{name} [{rep + 1}/{args.repeats}]", leave=False)):
-                out, s, st = run(p, params, ar)
+                out, s, st, pre = run(p, params, ar)
                 timed.append((i, len(out), s))
+                if pre is not None:
+                    prefill.append(pre)
                 matches += rep == 0 and out == ar
                 if st is not None:
                     stats.append(st)
         per_prompt[name] = timed
         tokens, seconds = sum(x[1] for x in timed), sum(x[2] for x in timed)
         row = {"prompts": len(todo), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "match_ar": matches}
+        if prefill:  # the request's time before its first decode step or round (prefill, drafter's first look)
+            row["prefill_ms_per_prompt"] = sum(prefill) / len(prefill)
         if stats:
             s = SpecStats.merge(stats).summary()
             row.update({k: s[k] for k in ("accept_length", "accept_rate", "round_ms_per_step", "draft_ms_per_step",
@@ -182,12 +186,13 @@ def bench(args) -> dict:
 
 
 def print_table(report: dict) -> None:
-    head = ["config", "prompts", "tok/s", "vs AR", "match AR", "accept len", "round ms"]
+    head = ["config", "prompts", "tok/s", "vs AR", "match AR", "accept len", "round ms", "prefill ms"]
     rows = [head]
     for name, r in report["results"].items():
         spec = [f"{r['accept_length']:.2f}", f"{r['round_ms_per_step']:.3f}"] if "accept_length" in r else ["-"] * 2
         rows.append([name, str(r["prompts"]), f"{r['tok_s']:.1f}", f"{r['vs_engine_ar']:.2f}x",
-                     f"{r['match_ar']}/{r['prompts']}", *spec])
+                     f"{r['match_ar']}/{r['prompts']}", *spec,
+                     f"{r['prefill_ms_per_prompt']:.1f}" if "prefill_ms_per_prompt" in r else "-"])
     widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
     print(f"{report['device']}  {report['target']}  {report['dtype']}  {report['prompts']} prompts x "
           f"{report['max_new_tokens']} new tokens, batch 1, greedy (HF rows: vs engine AR on the same prompts)")
@@ -210,8 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baselines")
     p.add_argument("--hf-prompts", type=int, help="run the HF baselines on the first N prompts only (default all)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
-    p.add_argument("--fast-topk", action="store_true", help="the drafter's tree bookkeeping without torch.topk "
-                                                            "(Eagle3Drafter fast_topk; fails to compile on torch 2.11)")
+    p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
+                   help="the drafter's tree bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS,
                    help="with --compile: matmuls of at most this many rows as fused reductions (engine.model.linear)")
     p.add_argument("--compile", action="store_true",

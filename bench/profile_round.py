@@ -64,7 +64,8 @@ def main(argv=None) -> int:
                                                                    "through SDPA's dense masks, not the prefix kernel")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS, help="with --compile: matmuls of at most this many rows "
                                                                "as reductions (model.linear)")
-    p.add_argument("--fast-topk", action="store_true", help="drafter bookkeeping without torch.topk (Eagle3Drafter)")
+    p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
+                   help="drafter bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
     p.add_argument("--kernels", action="store_true", help="also each config's propose and verify kernels "
                                                           "(torch.profiler, compiled drafter, eager calls)")
     p.add_argument("--device", default="cuda", help="cpu only to check the script runs")

@@ -59,3 +59,25 @@ def test_regen_bench_engine_matches_hf_in_fp32(tmp_path):
     assert row["engine"]["tokens"] == row["hf"]["tokens"] > 0
     assert row["engine_vs_hf"] == pytest.approx(row["engine"]["tok_s"] / row["hf"]["tok_s"])
     assert row["engine_stream"]["prompts"] == 5 and row["engine_stream"]["tokens"] > row["engine"]["tokens"]
+
+
+def test_engine_bench_rows_equal_ar_in_fp32(tmp_path):
+    """bench_engine end to end on the CPU with the shipped drafter: in fp32 every row's text is
+    AR's, the oracle accepts every draft (17 tokens = the prefill's + two full rounds of 8), and
+    every engine row reports its per-request time before the first step."""
+    import bench_engine
+    out = tmp_path / "engine.json"
+    drafter = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m"
+    assert bench_engine.main(["--drafter", str(drafter), "--tree", "3,2,6", "--num-prompts", "2",
+                              "--max-new-tokens", "17", "--device", "cpu", "--dtype", "float32",
+                              "--skip-hf", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert set(rows) == {"engine AR", "eagle3 chain 7", "eagle3 tree 3,2,6", "oracle chain 7", "ngram 3 chain 4"}
+    for name, row in rows.items():
+        assert row["match_ar"] == row["prompts"] == 2, name
+        assert row["tokens"] == rows["engine AR"]["tokens"], name
+        assert row["prefill_ms_per_prompt"] > 0, name
+        assert row["vs_engine_ar"] == pytest.approx(row["tok_s"] / rows["engine AR"]["tok_s"])
+    assert rows["oracle chain 7"]["accept_length"] == 8.0
+    assert rows["oracle chain 7"]["histogram"] == [0] * 7 + [4]
+    assert 1.0 <= rows["eagle3 chain 7"]["accept_length"] <= 8.0

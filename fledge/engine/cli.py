@@ -53,7 +53,7 @@ def spec_config(num_steps: int, topk: int, num_draft_tokens: int | None) -> Spec
 
 
 def load_drafter(path: str, spec: SpecConfig, hf_model, engine_target, device, dtype,
-                 compile: bool = False, fast_topk: bool = False) -> Eagle3Drafter:
+                 compile: bool = False, fast_topk: bool = True) -> Eagle3Drafter:
     """`compile`, `fast_topk`: see Eagle3Drafter."""
     from fledge.checkpoint import load_checkpoint
 
