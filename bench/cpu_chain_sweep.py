@@ -1,7 +1,10 @@
-"""Why EAGLE-3 does not pay on a small CPU: AR against EAGLE-3 chains of 1-4 steps with the
-shipped drafter, each round split into draft and verify ms (phased rounds), and what a
-matmul costs by row count (a verify step of T tokens multiplies T rows). fp32, batch 1, the
-last MT-Bench questions (the demo's held-out ones), greedy.
+"""EAGLE-3 on a small CPU: AR against EAGLE-3 chains of 1-4 steps with the shipped drafter,
+each round split into draft and verify ms (phased rounds); what a target forward of T new
+tokens costs (a verify step of a chain of k drafts is T = k + 1); and what a matmul costs by
+row count in the two forms the engine could use (`F.linear`, x @ w.T, and w @ x.T, which
+`engine.model.linear` takes on the CPU for 2-64 rows), with weights cycled so they come from
+memory, as in a forward. fp32, batch 1, the last MT-Bench questions (the demo's held-out ones),
+greedy.
 
     python bench/cpu_chain_sweep.py [--drafter drafters/smollm2-135m] [--new-tokens 48] [--out FILE]
 """
@@ -19,20 +22,41 @@ import torch.nn.functional as F
 from fledge.data import load_conversations
 from fledge.engine import SamplingParams, build_engine_target, generate_ar
 from fledge.engine.cli import load_drafter
+from fledge.engine.attention import Prefix
 from fledge.engine.drafters import SpecConfig
 from fledge.engine.spec import generate_spec
 from fledge.target import load_target
 from fledge.util import atomic_write_json
 
 
-def matmul_us(rows: int, out_features: int, in_features: int, iters: int = 100) -> float:
-    w, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
-    for _ in range(5):
-        F.linear(x, w)
+def matmul_us(rows: int, out_features: int, in_features: int, form: str, copies: int, reps: int = 3) -> float:
+    """Mean us of one product, cycling over `copies` distinct weights (more bytes than the caches
+    hold, so each product reads its weight from memory, as a forward does)."""
+    ws = [torch.randn(out_features, in_features) for _ in range(copies)]
+    x = torch.randn(rows, in_features)
+    fn = (lambda w: F.linear(x, w)) if form == "x @ w.T" else (lambda w: torch.mm(w, x.t()).t().contiguous())
+    for w in ws:
+        fn(w)
     t = time.perf_counter()
-    for _ in range(iters):
-        F.linear(x, w)
-    return (time.perf_counter() - t) / iters * 1e6
+    for _ in range(reps):
+        for w in ws:
+            fn(w)
+    return (time.perf_counter() - t) / (reps * copies) * 1e6
+
+
+@torch.no_grad()
+def forward_ms(engine, prompt: list[int], T: int, reps: int = 4) -> float:
+    """One target forward of T new tokens (a chain's verify shape) after the prompt."""
+    cache = engine.new_cache(1, len(prompt) + 64)
+    engine.prefill(torch.tensor([prompt]), cache)
+    L = len(prompt)
+    toks, pos = torch.full((1, T), 100), L + torch.arange(T)[None]
+    mask = Prefix(torch.tensor([L]), torch.tril(torch.ones(1, T, T, dtype=torch.bool)))
+    engine(toks, pos, pos, mask, cache)
+    t = time.perf_counter()
+    for _ in range(reps):
+        engine(toks, pos, pos, mask, cache)
+    return (time.perf_counter() - t) / reps * 1e3
 
 
 def main(argv=None) -> int:
@@ -69,12 +93,16 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{row['config']:>8} {row['tok_s']:>7.1f} {row['tok_s'] / ar:>6.2f} {row['accept_length']:>7.2f} "
               f"{row['draft_ms']:>9.1f} {row['verify_ms']:>10.1f}")
-    H, I = t.hidden_size, t.model.config.intermediate_size
-    cost = {r: matmul_us(r, 2 * I, H) for r in (1, 2, 5, 8)}
-    print("gate/up matmul us by rows:", {r: round(us) for r, us in cost.items()})
+    fwd = {T: forward_ms(engine, prompts[0], T) for T in (1, 2, 5, 8)}
+    print("target forward ms by new tokens:", {T: round(ms, 1) for T, ms in fwd.items()})
+    H, I, V = t.hidden_size, t.model.config.intermediate_size, t.model.config.vocab_size
+    cost = {name: {form: {r: matmul_us(r, n, H, form, copies) for r in (1, 2, 5, 8)} for form in ("x @ w.T", "w @ x.T")}
+            for name, n, copies in (("gate_up", 2 * I, 30), ("lm_head", V, 2))}
+    for name, forms in cost.items():
+        print(f"{name} matmul us by rows:", {f: {r: round(us) for r, us in c.items()} for f, c in forms.items()})
     atomic_write_json(args.out, {"device": "cpu", "threads": torch.get_num_threads(), "dtype": "float32",
                                  "prompts": args.prompts, "new_tokens": args.new_tokens, "rows": rows,
-                                 "gate_up_matmul_us_by_rows": cost})
+                                 "forward_ms_by_new_tokens": fwd, "matmul_us_by_rows": cost})
     print(f"wrote {args.out}")
     return 0
 

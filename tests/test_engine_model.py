@@ -152,11 +152,26 @@ def test_linear_as_reduction_equals_f_linear():
 
     g = torch.Generator().manual_seed(13)
     w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
-    for shape in ((1, 1, 40), (2, 2, 40), (3, 2, 40)):  # 1 and 4 rows as a reduction, 6 through F.linear
+    for shape in ((1, 1, 40), (2, 2, 40), (3, 2, 40)):  # 1 and 4 rows as a reduction, 6 as w @ x.T (CPU)
         x = torch.randn(*shape, generator=g)
         for bias in (None, b):
             want = torch.nn.functional.linear(x, w, bias)
             torch.testing.assert_close(linear(x, w, bias, gemv_rows=4), want, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_few_rows_linear_equals_f_linear():
+    """On the CPU, 2..CPU_FEW_ROWS rows multiply as w @ x.T: the same product, a contiguous
+    result of F.linear's shape, either side of both thresholds, 2-D and 3-D, with and without bias."""
+    from fledge.engine.model import CPU_FEW_ROWS, linear
+
+    w, b = torch.randn(96, 72), torch.randn(96)
+    for rows in (1, 2, 5, CPU_FEW_ROWS, CPU_FEW_ROWS + 1):
+        for shape in ((rows, 72), (1, rows, 72)):
+            x = torch.randn(*shape)
+            for bias in (None, b):
+                got, want = linear(x, w, bias), torch.nn.functional.linear(x, w, bias)
+                assert got.shape == want.shape and got.is_contiguous()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # torch.compile on the CPU

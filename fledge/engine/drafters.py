@@ -176,7 +176,7 @@ class Eagle3Drafter:
         # the H200, reproduced on the CPU with torch 2.11 and Inductor's Triton scheduling), so
         # those are compiled unsplit: a few rows of a vocab, one program each. On the H200 a
         # compiled (5, 4, 16) round took 1.90 ms this way against 2.28 with torch.topk
-        # (bench/results/profile_round_fast_topk_nvidia_h200.json and profile_round_nvidia_h200.json).
+        # (bench/results/profile_round_fast_topk_nvidia_h200.json, profile_round_torch_topk_session6_nvidia_h200.json).
         self.draft, self.spec, self.compiled, self.fast_topk, self.kv = draft, spec, compile, fast_topk, None
         self.aux_ids = tuple(cfg.aux_layer_ids)
         self.to_target = draft.target_ids()

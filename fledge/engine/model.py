@@ -127,16 +127,30 @@ def apply_rope(x, cos, sin):
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+# On the CPU, x @ w.T (F.linear) for a few rows costs up to 2.5x more than w @ x.T: MKL's GEMM
+# with the big operand transposed. SmolLM2's weights read from memory, 2 cores
+# (bench/results/chain_sweep_cpu.json, "matmul_us_by_rows"): lm_head at 5 rows 35.6 against
+# 16.1 ms, at 2 rows 32.5 against 12.9 (one row: 17.7 and 14.2). So a verify step of a few tokens
+# costs about one decode step, where through F.linear it cost 1.4-1.9.
+CPU_FEW_ROWS = 64
+
+
 def linear(x, w, b, gemv_rows: int = 0):
     """F.linear; or, for at most `gemv_rows` rows (batch x tokens), the same product written as
     a multiply and a sum over K. Compiled, that is one reduction kernel that streams the weight,
     with the ops around it (residual add, SiLU x up) fused in — where cuBLAS's smallest GEMM
     took ~3.9 us per matmul at one row on the H200, 45% of a decode step
-    (bench/results/profile_decode_random_compiled_nvidia_h200.json). Output in x's dtype, as F.linear."""
-    if x.numel() // x.shape[-1] > gemv_rows:
-        return F.linear(x, w, b)
-    y = (x.float()[..., None, :] * w.float()).sum(-1)
-    return (y if b is None else y + b.float()).to(x.dtype)
+    (bench/results/profile_decode_random_compiled_nvidia_h200.json). On the CPU, 2 to
+    CPU_FEW_ROWS rows multiply as w @ x.T (see CPU_FEW_ROWS). Output in x's dtype, as F.linear."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= gemv_rows:
+        y = (x.float()[..., None, :] * w.float()).sum(-1)
+        return (y if b is None else y + b.float()).to(x.dtype)
+    if x.device.type == "cpu" and 1 < rows <= CPU_FEW_ROWS:
+        y = torch.mm(w, x.reshape(rows, x.shape[-1]).t())
+        y = (y if b is None else y + b[:, None]).t().contiguous()
+        return y.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, b)
 
 
 def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int,
@@ -175,7 +189,7 @@ def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float, gemv_rows: int 
         b1, b3 = (None, None) if b13 is None else (b13[:n], b13[n:])
         act = F.silu(linear(h, w13[:n], b1, gemv_rows)) * linear(h, w13[n:], b3, gemv_rows)
     else:
-        gate, up = F.linear(h, w13, b13).chunk(2, dim=-1)
+        gate, up = linear(h, w13, b13).chunk(2, dim=-1)
         act = F.silu(gate) * up
     return x, linear(act, w2, b2, gemv_rows)
 
@@ -348,7 +362,7 @@ class Transformer(nn.Module):
             x, delta = x.gather(1, idx), delta.gather(1, idx)
         h = f.final_norm(x, delta, self.norm.weight, a.norm_eps)
         aux = torch.cat([captured[i] for i in aux_ids], dim=-1) if aux_ids is not None else None
-        return (h if hidden_only else self.output(h).float()), aux
+        return (h if hidden_only else linear(h, self.output.weight, None).float()), aux
 
     row_groups_ok = True  # forward takes per-group masks, prefill a row range (see generate_ar)
 
