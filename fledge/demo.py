@@ -113,7 +113,8 @@ def run_demo(args) -> int:
     checks = doctor(str(exported), target=args.target)
     code = exit_code(checks)
     report(checks)
-    t0 = _step(rows, "export", t0, f"{exported}: doctor exit {code} (0 all pass, 1 warnings, 2 failures)")
+    verdict = {0: "every check passes", 1: "warnings"}.get(code, "failures")
+    t0 = _step(rows, "export", t0, f"{exported}: doctor exit {code} ({verdict})")
 
     shipped = SHIPPED / args.target
     drafter_dir = shipped if (shipped / "config.json").exists() else exported

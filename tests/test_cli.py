@@ -1,5 +1,6 @@
 """The front door: every step module imports and registers, and errors come out as one line."""
 
+import json
 import subprocess
 import sys
 
@@ -30,3 +31,20 @@ def test_user_error_is_one_line_and_exit_2(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("fledge: error: ") and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # the whole loop on SmolLM2, scaled down (~1 minute)
+def test_demo_runs_the_loop_and_its_outputs_match_ar(tmp_path):
+    """The README's first command, scaled down: every step runs, doctor passes the miniature
+    drafter, and both speculative rows write AR's tokens with the shipped drafter."""
+    from fledge.cli import main
+    assert main(["demo", "--workdir", str(tmp_path), "--prompts", "4", "--eval-prompts", "1",
+                 "--new-tokens", "12", "--train-steps", "4"]) == 0
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["identical"] is True and report["doctor_exit"] == 0
+    assert report["drafter"].endswith("drafters/smollm2-135m")
+    rows = report["compare"]
+    assert set(rows) == {"AR", "eagle3 chain 4", "n-gram chain 4"}
+    for name in ("eagle3 chain 4", "n-gram chain 4"):
+        assert rows[name]["tokens"] == rows["AR"]["tokens"] > 0
+        assert 1.0 <= rows[name]["accept_length"] <= 5.0
