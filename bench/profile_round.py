@@ -64,6 +64,8 @@ def main(argv=None) -> int:
                                                                    "through SDPA's dense masks, not the prefix kernel")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS, help="with --compile: matmuls of at most this many rows "
                                                                "as reductions (model.linear)")
+    p.add_argument("--prefill-buckets", action="store_true",
+                   help="with --compile: batch-1 prefills padded to power-of-two lengths through the compiled layers")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
                    help="drafter bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
     p.add_argument("--kernels", action="store_true", help="also each config's propose and verify kernels "
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     hf = smollm2_random(dt, dev)
-    fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel, gemv_rows=args.gemv_rows) \
+    fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel, gemv_rows=args.gemv_rows,
+                            prefill_buckets=args.prefill_buckets) \
         if args.compile else LayerFns()
     target = build_engine_target(hf, dt, dev, fns=fns)
     torch.manual_seed(1)
@@ -135,6 +138,7 @@ def main(argv=None) -> int:
     atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": str(dt).removeprefix("torch."),
                             "compiled_layers": args.compile, "compile_mode": args.mode,
                             "prefix_kernel": getattr(target, "prefix_kernel", False), "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
+                            "prefill_buckets": args.prefill_buckets,
                             "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "ar_ms_per_step": ar_ms, "rows": rows,
                             "new_prompt_lengths": fresh_prompts})

@@ -24,6 +24,8 @@ part decode_prefix python3 bench/profile_decode.py --random --compile --shapes 1
 part decode_spans python3 bench/profile_decode.py --random --compile --no-prefix-kernel --shapes 1x512,256x1024 \
     --out "$OUT/profile_decode_spans.json"
 part round python3 bench/profile_round.py --compile --kernels --out "$OUT/profile_round_fast_topk.json"
+part round_prefill_buckets python3 bench/profile_round.py --compile --prefill-buckets --tree 5,4,16 \
+    --out "$OUT/profile_round_prefill_buckets.json"
 part round_torch_topk python3 bench/profile_round.py --compile --kernels --torch-topk --out "$OUT/profile_round.json"
 part round_spans python3 bench/profile_round.py --compile --no-prefix-kernel --tree 7,1,8 --tree 5,4,16 \
     --out "$OUT/profile_round_spans.json"
