@@ -101,7 +101,8 @@ def bench(args) -> dict:
     dtype = pick_dtype(args.dtype, device)
     t = load_target(args.target, dtype=dtype, device=device)
     def compiled(**kw):  # the engine's compiled layer functions, with this run's choices
-        return LayerFns.compiled(**{"gemv_rows": args.gemv_rows, "prefill_buckets": args.prefill_buckets, **kw})
+        return LayerFns.compiled(**{"gemv_rows": args.gemv_rows, "prefill_buckets": args.prefill_buckets,
+                                    "few_rows": args.few_rows, **kw})
 
     target = build_engine_target(t.model, dtype, device, fns=compiled() if args.compile else LayerFns())
     eos = eos_ids(t.model, t.tokenizer)
@@ -137,7 +138,7 @@ def bench(args) -> dict:
         spans = build_engine_target(t.model, dtype, device, fns=compiled(prefix_kernel=False))
         configs["engine AR (SDPA over spans)"] = ar_runner(spans, eos, graphs)
         if args.gemv_rows:  # and with every matmul through cuBLAS
-            cublas = build_engine_target(t.model, dtype, device, fns=compiled(gemv_rows=0))
+            cublas = build_engine_target(t.model, dtype, device, fns=compiled(gemv_rows=0, few_rows=0))
             configs["engine AR (cuBLAS matmuls)"] = ar_runner(cublas, eos, graphs)
 
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
@@ -187,7 +188,7 @@ def bench(args) -> dict:
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
             "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
-            "prefill_buckets": args.prefill_buckets, "hf_prompts": n_hf if hf_names else 0,
+            "prefill_buckets": args.prefill_buckets, "few_rows": args.few_rows, "hf_prompts": n_hf if hf_names else 0,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
             "results": results}
@@ -227,6 +228,9 @@ def main(argv=None) -> int:
                    help="the drafter's tree bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
     p.add_argument("--prefill-buckets", action="store_true",
                    help="with --compile: batch-1 prefills padded to power-of-two lengths through the compiled layers")
+    p.add_argument("--few-rows", type=int, default=0,
+                   help="with --compile: forwards of more than --gemv-rows and at most this many rows through "
+                        "engine.few_rows' Triton kernels (verify steps)")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS,
                    help="with --compile: matmuls of at most this many rows as fused reductions (engine.model.linear)")
     p.add_argument("--compile", action="store_true",

@@ -12,6 +12,7 @@ From these, the speed-up a drafter would give is accept_length * AR ms / round m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import statistics
 import sys
@@ -21,6 +22,7 @@ import torch
 
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
+from fledge.engine.attention import Prefix
 from fledge.engine.drafters import DraftInput, Eagle3Drafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
@@ -51,6 +53,28 @@ def round_kernels(target, drafter, prompt) -> dict:
     return out
 
 
+@torch.no_grad()
+def few_rows_check(hf, target, dt, dev, prompt, widths=(8, 16, 64)) -> dict:
+    """The few-rows kernels against the same compiled layers without them, on one forward of
+    each verify width after the prompt: max |logit difference| and the share of equal argmaxes."""
+    ref = build_engine_target(hf, dt, dev, fns=dataclasses.replace(target.fns, few_rows=0))
+    out = {}
+    for T in widths:
+        logits = []
+        for model in (target, ref):
+            cache = model.new_cache(1, len(prompt) + T)
+            ids = torch.tensor([prompt + (prompt * T)[:T]], device=dev)
+            model.prefill(ids[:, :len(prompt)], cache)
+            pos = torch.arange(len(prompt), len(prompt) + T, device=dev)[None]
+            mask = Prefix(torch.tensor([len(prompt)], device=dev), torch.ones(1, T, T, dtype=torch.bool, device=dev).tril())
+            logits.append(model(ids[:, len(prompt):], pos, pos, mask, cache)[0][0])
+        out[T] = {"max_abs_diff": (logits[0] - logits[1]).abs().max().item(),
+                  "argmax_agree": (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()}
+        print(f"  few rows at {T} new tokens: max |logit diff| {out[T]['max_abs_diff']:.4f}, "
+              f"argmax agree {out[T]['argmax_agree']:.3f}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tree", action="append", help="STEPS,TOPK,NUM_DRAFT_TOKENS (default: chain 7, 5,4,16, 8,8,64)")
@@ -64,6 +88,8 @@ def main(argv=None) -> int:
                                                                    "through SDPA's dense masks, not the prefix kernel")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS, help="with --compile: matmuls of at most this many rows "
                                                                "as reductions (model.linear)")
+    p.add_argument("--few-rows", type=int, default=0, help="with --compile: forwards of more than --gemv-rows and at "
+                                                           "most this many rows through engine.few_rows' kernels")
     p.add_argument("--prefill-buckets", action="store_true",
                    help="with --compile: batch-1 prefills padded to power-of-two lengths through the compiled layers")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
@@ -80,7 +106,7 @@ def main(argv=None) -> int:
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     hf = smollm2_random(dt, dev)
     fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel, gemv_rows=args.gemv_rows,
-                            prefill_buckets=args.prefill_buckets) \
+                            prefill_buckets=args.prefill_buckets, few_rows=args.few_rows) \
         if args.compile else LayerFns()
     target = build_engine_target(hf, dt, dev, fns=fns)
     torch.manual_seed(1)
@@ -91,6 +117,7 @@ def main(argv=None) -> int:
     generate_ar(target, [prompt], SamplingParams(max_new_tokens=8), [])
     _, ar = generate_ar(target, [prompt], params, [])
     ar_ms = ar["decode_ms"] / ar["decode_steps"]
+    check = few_rows_check(hf, target, dt, dev, prompt) if args.few_rows else {}
     shapes = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["7,1,8", "5,4,16", "8,8,64"])]
     rows = [{"config": "AR", "ms": ar_ms}]
     print(f"AR: {ar_ms:.3f} ms/step ({'compiled' if args.compile else 'eager'} layers)")
@@ -138,10 +165,10 @@ def main(argv=None) -> int:
     atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": str(dt).removeprefix("torch."),
                             "compiled_layers": args.compile, "compile_mode": args.mode,
                             "prefix_kernel": getattr(target, "prefix_kernel", False), "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
-                            "prefill_buckets": args.prefill_buckets,
+                            "prefill_buckets": args.prefill_buckets, "few_rows": args.few_rows,
                             "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "ar_ms_per_step": ar_ms, "rows": rows,
-                            "new_prompt_lengths": fresh_prompts})
+                            "new_prompt_lengths": fresh_prompts, "few_rows_check": check})
     print(f"wrote {out}")
     return 0
 

@@ -2,8 +2,7 @@
 # Engine speed probes that need no model download (SmolLM2-135M's shapes, random weights):
 # which attention reads the KV cache fastest (batch 1 to regeneration sizes, decode and
 # verify), where a compiled decode step's time goes, what a speculative round costs and which
-# kernels its propose and verify run, and batched AR end to end — each with the prefix kernel
-# and without it, in the same call. One GPU call, ~6 minutes:
+# kernels its propose and verify run — earlier sessions' parts are in git history. One GPU call, ~5 minutes:
 #   bash scripts/gpu_engine_probe.sh            (results in $OUT, default /tmp/probe_out)
 # Every part runs even if one before it fails; the script exits 1 if any failed.
 set -uo pipefail
@@ -18,16 +17,15 @@ part() {  # part NAME CMD...: run, log to $OUT/NAME.log, remember a failure
     "$@" 2>&1 | tee "$OUT/$name.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("$name")
 }
-part attn python3 bench/attn_decode.py --out "$OUT/attn_decode.json"
-part decode_prefix python3 bench/profile_decode.py --random --compile --shapes 1x512,256x1024 \
-    --out "$OUT/profile_decode_prefix.json"
-part decode_spans python3 bench/profile_decode.py --random --compile --no-prefix-kernel --shapes 1x512,256x1024 \
-    --out "$OUT/profile_decode_spans.json"
-part round python3 bench/profile_round.py --compile --kernels --out "$OUT/profile_round_fast_topk.json"
-part round_prefill_buckets python3 bench/profile_round.py --compile --prefill-buckets --tree 5,4,16 \
-    --out "$OUT/profile_round_prefill_buckets.json"
-part round_torch_topk python3 bench/profile_round.py --compile --kernels --torch-topk --out "$OUT/profile_round.json"
-part round_spans python3 bench/profile_round.py --compile --no-prefix-kernel --tree 7,1,8 --tree 5,4,16 \
-    --out "$OUT/profile_round_spans.json"
-part batched python3 bench/profile_batched.py --out "$OUT/profile_batched.json"
+# Session 7: the few-rows kernels (verify forwards; and decode too with --gemv-rows 0) against
+# the same call's cuBLAS verify, prefill buckets, and Inductor's own Triton GEMMs for verify.
+part round python3 bench/profile_round.py --compile --kernels --out "$OUT/profile_round.json"
+part round_few_rows python3 bench/profile_round.py --compile --kernels --few-rows 64 \
+    --out "$OUT/profile_round_few_rows.json"
+part round_few_rows_decode python3 bench/profile_round.py --compile --few-rows 64 --gemv-rows 0 \
+    --out "$OUT/profile_round_few_rows_decode.json"
+part round_prefill_buckets python3 bench/profile_round.py --compile --prefill-buckets --few-rows 64 --tree 5,4,16 \
+    --prompt-lens 90,200,700 --out "$OUT/profile_round_prefill_buckets.json"
+part round_autotune timeout 240 python3 bench/profile_round.py --compile --mode max-autotune-no-cudagraphs --tree 7,1,8 \
+    --out "$OUT/profile_round_autotune.json"
 (( ${#failed[@]} == 0 )) || { echo "failed: ${failed[*]}"; exit 1; }

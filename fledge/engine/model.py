@@ -20,7 +20,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from fledge.engine import few_rows as fr
 from fledge.engine.attention import Prefix, kernel_available, kernel_takes, prefix_attention
+from fledge.engine.few_rows import MAX_ROWS as MAX_FEW_ROWS
 from fledge.util import FledgeError
 
 COMPACT_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -156,23 +158,30 @@ def linear(x, w, b, gemv_rows: int = 0):
 def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int,
             gemv_rows: int = 0):
     """Residual add of the previous layer's MLP output (`delta`; None in layer 0), attention
-    norm, q/k/v in one matmul, q/k norm (Qwen3), rope. Returns (x = the stream entering this
-    layer, HF hidden_states[i]; q [B, n_kv, G*T, D]; k and v [B, n_kv, T, D], views: the
-    prefix kernel reads them where they are, so stacking them would cost a kernel).
+    norm, q/k/v in one matmul, then `split_heads`. Returns (x = the stream entering this
+    layer, HF hidden_states[i]; q, k, v as split_heads)."""
+    if delta is not None:
+        x = x + delta
+    qkv = linear(rms_norm(x, norm_w, eps), wqkv, bqkv, gemv_rows)
+    return (x, *split_heads(qkv, q_norm_w, k_norm_w, cos, sin, eps, n_heads, n_kv))
+
+
+def split_heads(qkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int):
+    """q/k norm (Qwen3) and rope of a q/k/v projection [B, T, (n_heads + 2 n_kv) D]. Returns q
+    [B, n_kv, G*T, D]; k and v [B, n_kv, T, D], views: the prefix kernel reads them where they
+    are, so stacking them would cost a kernel.
 
     GQA without copying K/V: the G query heads sharing a kv head (HF maps q head h to kv head
     h // G) become G*T query rows of that kv head; masks repeat their rows G times to match."""
-    if delta is not None:
-        x = x + delta
-    B, T, _ = x.shape
+    B, T, _ = qkv.shape
     D = cos.shape[-1]
-    qkv = linear(rms_norm(x, norm_w, eps), wqkv, bqkv, gemv_rows).view(B, T, n_heads + 2 * n_kv, D)
+    qkv = qkv.view(B, T, n_heads + 2 * n_kv, D)
     qk, v = qkv[:, :, :n_heads + n_kv], qkv[:, :, n_heads + n_kv:]
     if q_norm_w is not None:
         qk = torch.cat([rms_norm(qk[:, :, :n_heads], q_norm_w, eps), rms_norm(qk[:, :, n_heads:], k_norm_w, eps)], dim=2)
     qk = apply_rope(qk, cos, sin)  # q and k at once: eager, that is half the rope kernels
     q = qk[:, :, :n_heads].transpose(1, 2).reshape(B, n_kv, (n_heads // n_kv) * T, D)
-    return x, q, qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
+    return q, qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
 
 
 def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float, gemv_rows: int = 0):
@@ -267,28 +276,34 @@ class LayerFns:
     prefix_attention: Callable | None = None  # masks in prefix form: see fledge.engine.attention
     gemv_rows: int = 0  # forwards of at most this many rows (batch x tokens) multiply as reductions: see `linear`
     prefill_buckets: bool = False  # batch-1 prefills through these functions, padded: see Transformer.prefill
+    split_heads: Callable = split_heads  # attn_in's second half, on its own for the few-rows path
+    few_rows: int = 0  # forwards of more than gemv_rows and at most this many rows: fledge.engine.few_rows
 
     @classmethod
     def compiled(cls, mode: str | None = None, decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS,
-                 prefix_kernel: bool = True, gemv_rows: int = GEMV_ROWS, prefill_buckets: bool = False) -> "LayerFns":
+                 prefix_kernel: bool = True, gemv_rows: int = GEMV_ROWS, prefill_buckets: bool = False,
+                 few_rows: int = 0) -> "LayerFns":
         """`mode`: torch.compile's (e.g. "max-autotune-no-cudagraphs": Triton GEMM templates
         with fused epilogues, autotuned per shape; the engine captures its own graphs).
         `decode_attention_min_rows`: row groups from this size decode through the matmul
         attention (1: every decode step) — where the prefix kernel does not serve them.
         `prefix_kernel`: decode and verify steps attend through attention.prefix_attention
         (on a GPU, for head sizes it takes). `gemv_rows`: see `linear` (0: cuBLAS always).
-        `prefill_buckets`: see `Transformer.prefill`."""
+        `prefill_buckets`: see `Transformer.prefill`. `few_rows`: forwards of more than
+        `gemv_rows` and at most this many rows run the Triton kernels of engine.few_rows
+        (0: none; at most few_rows.MAX_ROWS)."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
         # back to eager after the eighth.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        fns = (torch.compile(f, fullgraph=True, dynamic=False, mode=mode) for f in (attn_in, attn_out, final_norm))
+        fns = (torch.compile(f, fullgraph=True, dynamic=False, mode=mode) for f in (attn_in, attn_out, final_norm, split_heads))
         # Dynamic: decode attention meets every (rows, span) pair of a run; its kernels are a
         # matmul library call and a softmax either way.
-        return cls(*fns, decode_attention=torch.compile(decode_attention, fullgraph=True, dynamic=True),
+        ain, aout, fnorm, heads = fns
+        return cls(ain, aout, fnorm, decode_attention=torch.compile(decode_attention, fullgraph=True, dynamic=True),
                    decode_attention_min_rows=decode_attention_min_rows,
                    prefix_attention=prefix_attention if prefix_kernel else None, gemv_rows=gemv_rows,
-                   prefill_buckets=prefill_buckets)
+                   prefill_buckets=prefill_buckets, split_heads=heads, few_rows=min(few_rows, MAX_FEW_ROWS))
 
 
 class RMSNorm(nn.Module):
@@ -357,15 +372,19 @@ class Transformer(nn.Module):
         """The layer stack; `attention(i, q, k, v)` is layer i's attention. Returns (logits [B, K, V]
         fp32, or with `hidden_only` the final-normed states [B, K, H]; aux [B, T, 3H] or None)."""
         f, a, delta, captured = fns, self.args, None, {}
+        rows = x.shape[0] * x.shape[1]
+        few = f.gemv_rows < rows <= f.few_rows and fr.usable(rows, a.dim, a.head_dim, a.intermediate_size, x.device)
         for i, layer in enumerate(self.layers):
             at, ff = layer.attention, layer.feed_forward
             qn, kn = (at.q_norm.weight, at.k_norm.weight) if a.qk_norm else (None, None)
-            x, q, k, v = f.attn_in(x, delta, layer.attention_norm.weight, at.wqkv.weight, at.wqkv.bias, qn, kn,
-                                 cos, sin, a.norm_eps, a.n_heads, a.n_kv_heads, f.gemv_rows)
+            ain = (x, delta, layer.attention_norm.weight, at.wqkv.weight, at.wqkv.bias, qn, kn, cos, sin, a.norm_eps,
+                   a.n_heads, a.n_kv_heads)
+            x, q, k, v = fr.attn_in(f.split_heads, *ain) if few else f.attn_in(*ain, f.gemv_rows)
             if aux_ids is not None and i in aux_ids:
                 captured[i] = x
-            x, delta = f.attn_out(x, attention(i, q, k, v), at.wo.weight, at.wo.bias, layer.ffn_norm.weight,
-                                  ff.w13.weight, ff.w13.bias, ff.w2.weight, ff.w2.bias, a.norm_eps, f.gemv_rows)
+            aout = (x, attention(i, q, k, v), at.wo.weight, at.wo.bias, layer.ffn_norm.weight,
+                    ff.w13.weight, ff.w13.bias, ff.w2.weight, ff.w2.bias, a.norm_eps)
+            x, delta = fr.attn_out(*aout) if few else f.attn_out(*aout, f.gemv_rows)
         if logits_idx is not None:
             idx = logits_idx[..., None].expand(-1, -1, x.shape[-1])
             x, delta = x.gather(1, idx), delta.gather(1, idx)
