@@ -149,7 +149,7 @@ def bench(args) -> dict:
     # the first prompt of each bucket, so that no config compiles a prefill shape on the clock.
     firsts = {}
     for i, p in enumerate(prompts):
-        firsts.setdefault(prefill_bucket(len(p), 1 << 30), i)
+        firsts.setdefault(prefill_bucket(len(p)), i)
     warm_idx = sorted({0, *firsts.values()}) if args.prefill_buckets else [0]
     for name, run in configs.items():
         warm = SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0)

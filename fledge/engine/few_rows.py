@@ -1,4 +1,4 @@
-"""A layer's matmuls for a forward of a few rows (a verify step at batch 1: 2 to 64 new tokens)
+"""A layer's matmuls for a forward of a few rows (a verify step at batch 1: 2 to 16 new tokens)
 as Triton kernels, with the ops around each fused in: the residual add and RMS norm before it,
 the bias, SiLU(gate) * up, or the residual add after it.
 
@@ -7,8 +7,8 @@ bench/results/profile_round_fast_topk_nvidia_h200.json, random weights). Of its 
 kernels, cuBLAS's 120 small GEMMs took 0.44 ms (3.7 us each) and the seven norm, SiLU, rope and
 copy kernels a layer around them 0.22 ms more, where a one-row decode step fuses those into its
 reductions (model.linear). Here one program loads a BLOCK_N x K slice of the weight once for
-all rows (tl.dot over 16-64 rows, the pads masked), so a layer is four matmul kernels, the
-rope, and the attention.
+all rows (tl.dot over 16 rows, the pads masked), all of it at once, so a layer is four matmul
+kernels, the rope and the attention.
 
 Rounding follows the eager layer functions in the order of operations (the sum rounded to the
 activations' dtype before the norm, the norm before its weight, each matmul output before
@@ -24,83 +24,94 @@ from fledge.engine.attention import kernel_available, triton
 if triton is not None:
     import triton.language as tl
 
-MAX_ROWS = 64  # tl.dot's row tile: 16 to 64
+MAX_ROWS = 16  # tl.dot's smallest row tile; the whole x [16, K] sits in registers
+MAX_K = 2048
 
 
-def block_k(k: int) -> int:
-    """The K step for an input of width k: the widest of 64, 32, 16 that divides it (0: none)."""
-    return next((b for b in (64, 32, 16) if k % b == 0), 0)
+def k_split(k: int) -> tuple[int, int]:
+    """An input width k as a + b, powers of two from 16 with a >= b (a power of two k as two
+    halves), or (0, 0). A program loads x and its weight slice as these two tiles at once: one
+    memory round trip, where a loop over K waited for each step's loads in turn (5.8 us a
+    matmul on the H200 against cuBLAS's 3.7; session 7's first form)."""
+    if k < 32 or k > MAX_K:
+        return 0, 0
+    a = 1 << (k.bit_length() - 1)
+    a, b = (a // 2, a // 2) if a == k else (a, k - a)
+    return (a, b) if b >= 16 and b & (b - 1) == 0 else (0, 0)
 
 
 def usable(rows: int, dim: int, head_dim: int, intermediate: int, device: torch.device) -> bool:
     """Whether a forward of `rows` rows (batch x tokens) of these widths can take these kernels."""
-    return (1 <= rows <= MAX_ROWS and kernel_available(device) and block_k(dim) > 0
-            and block_k(intermediate) > 0 and head_dim in (16, 32, 64, 128))
+    return (1 <= rows <= MAX_ROWS and kernel_available(device) and k_split(dim)[0] > 0
+            and k_split(intermediate)[0] > 0 and head_dim in (16, 32, 64, 128))
 
 
 if triton is not None:
     @triton.jit
-    def _load_rows(X, DELTA, rows, rmask, k, M, TR, sxb, sxt, sxh, sdm, BLOCK_K: tl.constexpr, ADD: tl.constexpr):
-        """Input columns [k, k + BLOCK_K) of every row: x, or x + delta rounded to x's dtype. Row m
-        of X is (m // TR, m % TR) over strides (sxb, sxt), column c is (c // BLOCK_K, c % BLOCK_K)
+    def _load_x(X, DELTA, rows, rmask, c0, TR, sxb, sxt, sxh, sdm, KC: tl.constexpr, HEAD: tl.constexpr,
+                ADD: tl.constexpr):
+        """Input columns [c0, c0 + KC) of every row: x, or x + delta rounded to x's dtype. Row m
+        of X is (m // TR, m % TR) over strides (sxb, sxt), column c is (c // HEAD, c % HEAD)
         over (sxh, 1): a plain [M, K] or the attention's heads [B, T, H, D] without a copy."""
-        kk = tl.arange(0, BLOCK_K)
-        ptr = X + ((rows // TR) * sxb + (rows % TR) * sxt)[:, None] + (k // BLOCK_K) * sxh + kk[None, :]
+        c = c0 + tl.arange(0, KC)
+        ptr = X + ((rows // TR) * sxb + (rows % TR) * sxt)[:, None] + ((c // HEAD) * sxh + c % HEAD)[None, :]
         x = tl.load(ptr, mask=rmask[:, None], other=0.0)
         if ADD:
-            d = tl.load(DELTA + rows[:, None] * sdm + k + kk[None, :], mask=rmask[:, None], other=0.0)
+            d = tl.load(DELTA + rows[:, None] * sdm + c[None, :], mask=rmask[:, None], other=0.0)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
         return x
 
     @triton.jit
-    def _rows_linear(X, DELTA, XOUT, NW, W, BIAS, RES, Y, M, N, K, TR, sxb, sxt, sxh, sdm, swn, eps,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                     HAS_RES: tl.constexpr, IEEE: tl.constexpr):
-        """Y [M, N] = epilogue(prologue(X) @ W[:N].T): program p makes columns [p*BLOCK_N, +BLOCK_N).
-        Prologue: + DELTA (ADD; program 0 stores the sum in XOUT), RMS norm with weight NW (NORM).
-        Epilogue: + BIAS; GATED: SiLU(that) * (the same from W[N:2N]); + RES (HAS_RES)."""
+    def _normed(x, NW, c0, rstd, KC: tl.constexpr):
+        """x * rstd rounded to x's dtype, times the norm's weight, rounded (model.rms_norm's order)."""
+        nw = tl.load(NW + c0 + tl.arange(0, KC)).to(tl.float32)
+        return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]).to(x.dtype)
+
+    @triton.jit
+    def _dot(x, w, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(x, tl.trans(w), input_precision="ieee")
+        return tl.dot(x, tl.trans(w))
+
+    @triton.jit
+    def _rows_linear(X, DELTA, XOUT, NW, W, BIAS, RES, Y, M, N, TR, sxb, sxt, sxh, sdm, swn, eps,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KA: tl.constexpr, KB: tl.constexpr,
+                     HEAD: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GATED: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr):
+        """Y [M, N] = epilogue(prologue(X) @ W[:N].T) over K = KA + KB input columns: program p
+        makes columns [p*BLOCK_N, +BLOCK_N). Prologue: + DELTA (ADD; program 0 stores the sum in
+        XOUT), RMS norm with weight NW (NORM). Epilogue: + BIAS; GATED: SiLU(that) * (the same
+        from W[N:2N]); + RES (HAS_RES)."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         rmask = rows < M
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
-        kk = tl.arange(0, BLOCK_K)
+        ka, kb = tl.arange(0, KA), KA + tl.arange(0, KB)
+        # Every load first, so that they are in flight together.
+        xa = _load_x(X, DELTA, rows, rmask, 0, TR, sxb, sxt, sxh, sdm, KA, HEAD, ADD)
+        xb = _load_x(X, DELTA, rows, rmask, KA, TR, sxb, sxt, sxh, sdm, KB, HEAD, ADD)
+        wp = W + cols[:, None] * swn
+        wa = tl.load(wp + ka[None, :], mask=cmask[:, None], other=0.0)
+        wb = tl.load(wp + kb[None, :], mask=cmask[:, None], other=0.0)
+        if GATED:
+            w3a = tl.load(wp + N * swn + ka[None, :], mask=cmask[:, None], other=0.0)
+            w3b = tl.load(wp + N * swn + kb[None, :], mask=cmask[:, None], other=0.0)
+        if ADD:
+            if pid == 0:
+                tl.store(XOUT + rows[:, None] * sdm + ka[None, :], xa, mask=rmask[:, None])
+                tl.store(XOUT + rows[:, None] * sdm + kb[None, :], xb, mask=rmask[:, None])
         if NORM:
-            ss = tl.zeros([BLOCK_M], tl.float32)
-            for k in range(0, K, BLOCK_K):
-                x = _load_rows(X, DELTA, rows, rmask, k, M, TR, sxb, sxt, sxh, sdm, BLOCK_K, ADD)
-                if ADD:
-                    if pid == 0:
-                        tl.store(XOUT + rows[:, None] * sdm + k + kk[None, :], x, mask=rmask[:, None])
-                xf = x.to(tl.float32)
-                ss += tl.sum(xf * xf, 1)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            x = _load_rows(X, DELTA, rows, rmask, k, M, TR, sxb, sxt, sxh, sdm, BLOCK_K, ADD)
-            if NORM:
-                nw = tl.load(NW + k + kk).to(tl.float32)
-                x = ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]).to(x.dtype)
-            wp = W + cols[:, None] * swn + k + kk[None, :]
-            w = tl.load(wp, mask=cmask[:, None], other=0.0)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-            if GATED:
-                w3 = tl.load(wp + N * swn, mask=cmask[:, None], other=0.0)
-                if IEEE:
-                    acc3 += tl.dot(x, tl.trans(w3), input_precision="ieee")
-                else:
-                    acc3 += tl.dot(x, tl.trans(w3))
+            fa, fb = xa.to(tl.float32), xb.to(tl.float32)
+            rstd = 1.0 / tl.sqrt((tl.sum(fa * fa, 1) + tl.sum(fb * fb, 1)) / (KA + KB) + eps)
+            xa, xb = _normed(xa, NW, 0, rstd, KA), _normed(xb, NW, KA, rstd, KB)
+        acc = _dot(xa, wa, IEEE) + _dot(xb, wb, IEEE)
         dt = Y.dtype.element_ty
         y = acc
         if HAS_BIAS:
             y += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            up = acc3
+            up = _dot(xa, w3a, IEEE) + _dot(xb, w3b, IEEE)
             if HAS_BIAS:
                 up += tl.load(BIAS + N + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             g = y.to(dt).to(tl.float32)
@@ -112,10 +123,9 @@ if triton is not None:
         tl.store(Y + rows[:, None] * N + cols[None, :], y.to(dt), mask=omask)
 
     # On a GPU each shape picks its tile by measurement, in the warm-up run before a graph is
-    # captured (capture_cuda_graph); the interpreter takes the first.
-    _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-                for n in (16, 32, 64) for w in (4,) for s in (2, 4)]
-    _tuned = triton.autotune(_CONFIGS, key=["M", "N", "K", "ADD", "NORM", "GATED", "HAS_RES"])(_rows_linear)
+    # captured (capture_cuda_graph); the interpreter takes one. No K loop, so no stages.
+    _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=1) for n in (16, 32) for w in (4, 8)]
+    _tuned = triton.autotune(_CONFIGS, key=["M", "N", "KA", "KB", "ADD", "NORM", "GATED", "HAS_RES"])(_rows_linear)
 
 
 def rows_linear(x, w, b=None, *, delta=None, norm_w=None, eps: float = 0.0, residual=None, gated: bool = False):
@@ -128,15 +138,15 @@ def rows_linear(x, w, b=None, *, delta=None, norm_w=None, eps: float = 0.0, resi
     M = B * T
     if x.dim() == 4:  # heads: column h*D + d is x[b, t, h, d]
         H, D = x.shape[2:]
-        K, bk, TR, sxb, sxt, sxh = H * D, D, T, x.stride(0), x.stride(1), x.stride(2)
+        K, head, TR, sxb, sxt, sxh = H * D, D, T, x.stride(0), x.stride(1), x.stride(2)
         assert x.stride(3) == 1
     else:
         x = x.contiguous()
         K = x.shape[-1]
-        bk = block_k(K)
-        TR, sxb, sxt, sxh = M, 0, K, bk
+        head, TR, sxb, sxt, sxh = 16, M, 0, K, 16
+    ka, kb = k_split(K)
     N = w.shape[0] // (2 if gated else 1)
-    assert bk and w.shape[1] == K and w.stride(1) == 1 and M <= MAX_ROWS and (delta is None or norm_w is not None)
+    assert ka and w.shape[1] == K and w.stride(1) == 1 and M <= MAX_ROWS and (delta is None or norm_w is not None)
     y = torch.empty(B, T, N, dtype=x.dtype, device=x.device)
     xout = torch.empty(B, T, K, dtype=x.dtype, device=x.device) if delta is not None else y
     if delta is not None:
@@ -146,14 +156,13 @@ def rows_linear(x, w, b=None, *, delta=None, norm_w=None, eps: float = 0.0, resi
     dummy = y
     args = (x, delta if delta is not None else dummy, xout, norm_w if norm_w is not None else dummy, w,
             b if b is not None else dummy, residual if residual is not None else dummy, y,
-            M, N, K, TR, sxb, sxt, sxh, K, w.stride(0), eps)
-    flags = dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_K=bk, ADD=delta is not None,
-                 NORM=norm_w is not None, HAS_BIAS=b is not None, GATED=gated, HAS_RES=residual is not None,
-                 IEEE=x.dtype == torch.float32)
+            M, N, TR, sxb, sxt, sxh, K, w.stride(0), eps)
+    flags = dict(BLOCK_M=MAX_ROWS, KA=ka, KB=kb, HEAD=head, ADD=delta is not None, NORM=norm_w is not None,
+                 HAS_BIAS=b is not None, GATED=gated, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32)
     if x.device.type == "cuda":
         _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
     else:
-        _rows_linear[(triton.cdiv(N, 32),)](*args, BLOCK_N=32, **flags)
+        _rows_linear[(triton.cdiv(N, 16),)](*args, BLOCK_N=16, **flags)
     return (xout, y) if delta is not None else y
 
 

@@ -235,10 +235,11 @@ DECODE_ATTENTION_MIN_ROWS = 64  # default: a row group this large decodes throug
 GEMV_ROWS = 4
 
 
-def prefill_bucket(length: int, max_len: int) -> int:
+def prefill_bucket(length: int) -> int:
     """The padded length of a batch-1 prefill under LayerFns.prefill_buckets: the power of two
-    from 64 that holds it, at most the cache's size."""
-    return min(max(64, 1 << (length - 1).bit_length()), max_len)
+    from 64 that holds it. Not bounded by the cache: the pads' K/V are never written to it (a
+    bound by the cache's size made a new shape, so a compile, of every cache size)."""
+    return max(64, 1 << (length - 1).bit_length())
 
 
 def write_kv(cache_kv, slots, k, v) -> None:
@@ -448,15 +449,15 @@ class Transformer(nn.Module):
         # than the launches it saves in a one-off forward. With `prefill_buckets`, a request's
         # prompt (batch 1, into a cache) is padded to a bucket length instead, a power of two from
         # 64, and runs the compiled functions: a few shapes, compiled once each. The pads come
-        # after every real token, so causal attention keeps them out; their K/V land in slots
-        # that decoding overwrites before any mask lets a query see them. On the H200 an eager
+        # after every real token, so causal attention keeps them out, and their K/V are not
+        # written to the cache (so a bucket may be longer than the cache). On the H200 an eager
         # batch-1 prefill spent 12-14 ms launching kernels before a request's first step
         # (bench/results/engine_nvidia_h200.json, prefill_ms_per_prompt). A cuDNN plan per length
         # would cost more still when decoding follows; training's feature pass meets its few
         # padded lengths again and again, and keeps SDPA's choice.
         fns, real = LayerFns(), T
         if self.fns.prefill_buckets and cache is not None and B == 1:
-            fns, T = self.fns, prefill_bucket(T, cache.max_len)
+            fns, T = self.fns, prefill_bucket(T)
             input_ids = F.pad(input_ids, (0, T - real))
         x = self.tok_embeddings(input_ids)
         cos, sin = self.rope(torch.arange(T, device=x.device).expand(B, T), x.dtype)
@@ -466,8 +467,8 @@ class Transformer(nn.Module):
 
         def attention(i, q, k, v):
             if cache is not None:
-                cache.kv[i][0, where, :, :T] = k
-                cache.kv[i][1, where, :, :T] = v
+                cache.kv[i][0, where, :, :real] = k[:, :, :real]
+                cache.kv[i][1, where, :, :real] = v[:, :, :real]
             k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))  # plain heads: flash takes no GQA here
             return F.scaled_dot_product_attention(q.view(B, -1, T, q.shape[-1]), k, v, is_causal=True)
 
