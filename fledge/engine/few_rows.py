@@ -128,12 +128,14 @@ if triton is not None:
     _tuned = triton.autotune(_CONFIGS, key=["M", "N", "KA", "KB", "ADD", "NORM", "GATED", "HAS_RES"])(_rows_linear)
 
 
-def rows_linear(x, w, b=None, *, delta=None, norm_w=None, eps: float = 0.0, residual=None, gated: bool = False):
+def rows_linear(x, w, b=None, *, delta=None, norm_w=None, eps: float = 0.0, residual=None, gated: bool = False,
+                config: tuple[int, int] | None = None):
     """For x [B, T, K] (or the attention's output as heads [B, T, H, D], a view): with `delta`,
     x = x + delta first; with `norm_w`, the RMS norm of that (weight norm_w, `eps`) is the input;
     y = input @ w.T + b — or, `gated`, SiLU(input @ w1.T + b1) * (input @ w3.T + b3) with w the
     two stacked, as MLP.w13 — plus `residual` [B, T, N] if given. Returns y [B, T, N], or (x, y)
-    with `delta` (x: the sum, the stream the next ops read)."""
+    with `delta` (x: the sum, the stream the next ops read). `config` (BLOCK_N, num_warps) skips
+    the autotuner (bench/few_rows_micro.py compares them)."""
     B, T = x.shape[:2]
     M = B * T
     if x.dim() == 4:  # heads: column h*D + d is x[b, t, h, d]
@@ -159,7 +161,9 @@ def rows_linear(x, w, b=None, *, delta=None, norm_w=None, eps: float = 0.0, resi
             M, N, TR, sxb, sxt, sxh, K, w.stride(0), eps)
     flags = dict(BLOCK_M=MAX_ROWS, KA=ka, KB=kb, HEAD=head, ADD=delta is not None, NORM=norm_w is not None,
                  HAS_BIAS=b is not None, GATED=gated, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32)
-    if x.device.type == "cuda":
+    if config is not None:
+        _rows_linear[(triton.cdiv(N, config[0]),)](*args, BLOCK_N=config[0], num_warps=config[1], num_stages=1, **flags)
+    elif x.device.type == "cuda":
         _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
     else:
         _rows_linear[(triton.cdiv(N, 16),)](*args, BLOCK_N=16, **flags)
