@@ -1,7 +1,10 @@
-"""One matmul of a verify step, alone: cuBLAS (F.linear, nothing fused) against
-engine.few_rows' kernel (its fusions included) at each tile config, for SmolLM2-135M's four
-layer matmuls at 8 and 16 rows. Each is timed in a CUDA graph that runs it over 30 different
-weights in turn, as a forward's 30 layers do, so the weights come from memory, not L2.
+"""One matmul of a verify step, alone: SmolLM2-135M's four layer matmuls through cuBLAS
+(F.linear, nothing fused; o_proj with its copy of the attention's output into rows), and
+o_proj as engine.few_rows' kernel (residual add included) at each tile config, at 8 and 16
+rows. Each is timed in a CUDA graph that runs it over 30 different weights in turn, as a
+forward's 30 layers do, so the weights come from memory, not L2. (Session 7's first run,
+bench/results/few_rows_micro_session7_nvidia_h200.json, also timed fused forms of the other
+three; `git show dc260ee:bench/few_rows_micro.py` is that script.)
 
     python bench/few_rows_micro.py [--out FILE]
 """
@@ -14,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from fledge.engine.few_rows import rows_linear
+import fledge.engine.few_rows as fr
 from fledge.util import atomic_write_json
 
 DIM, INTER, HEADS, KV, D, LAYERS = 576, 1536, 9, 3, 64, 30
@@ -55,27 +58,23 @@ def main(argv=None) -> int:
           "o": [torch.randn(DIM, HEADS * D, device=dev, dtype=dt) / 24 for _ in range(LAYERS)],
           "w13": [torch.randn(2 * INTER, DIM, device=dev, dtype=dt) / 24 for _ in range(LAYERS)],
           "w2": [torch.randn(DIM, INTER, device=dev, dtype=dt) / 40 for _ in range(LAYERS)]}
-    nw = torch.ones(DIM, device=dev, dtype=dt)
     rows_out = []
     for M in (8, 16):
-        x, delta = torch.randn(1, M, DIM, device=dev, dtype=dt), torch.randn(1, M, DIM, device=dev, dtype=dt)
+        x = torch.randn(1, M, DIM, device=dev, dtype=dt)
         act = torch.randn(1, M, INTER, device=dev, dtype=dt)
         o = torch.randn(1, KV, (HEADS // KV) * M, D, device=dev, dtype=dt)
         heads = o.reshape(1, HEADS, M, D).transpose(1, 2)
         cublas = {"qkv": lambda w: F.linear(x, w), "o": lambda w: F.linear(heads.reshape(1, M, -1), w),
                   "w13": lambda w: F.linear(x, w), "w2": lambda w: F.linear(act, w)}
-        fused = {"qkv": lambda w, c: rows_linear(x, w, delta=delta, norm_w=nw, eps=1e-5, config=c),
-                 "o": lambda w, c: rows_linear(heads, w, residual=x, config=c),
-                 "w13": lambda w, c: rows_linear(x, w, norm_w=nw, eps=1e-5, gated=True, config=c),
-                 "w2": lambda w, c: rows_linear(act, w, config=c)}
         for name in ws:
             row = {"rows": M, "matmul": name, "cublas_us": graph_us(lambda: [cublas[name](w) for w in ws[name]])}
-            row["fused_us"] = {f"{n}x{w}": graph_us(lambda: [fused[name](wt, (n, w)) for wt in ws[name]]) for n, w in CONFIGS}
-            row["autotuned_us"] = graph_us(lambda: [fused[name](wt, None) for wt in ws[name]])
-            best = min(row["fused_us"], key=row["fused_us"].get)
+            if name == "o":
+                row["kernel_us"] = {}
+                for c in CONFIGS:
+                    row["kernel_us"]["%dx%d" % c] = graph_us(lambda: [fr.o_proj(x, o, w, config=c) for w in ws[name]])
             rows_out.append(row)
-            print(f"M={M:2d} {name:>4}: cuBLAS {row['cublas_us']:5.2f} us, autotuned {row['autotuned_us']:5.2f}, "
-                  f"best {best} {row['fused_us'][best]:5.2f}  | " + " ".join(f"{k}:{v:.2f}" for k, v in row["fused_us"].items()))
+            extra = " ".join(f"{k}:{v:.2f}" for k, v in row.get("kernel_us", {}).items())
+            print(f"M={M:2d} {name:>4}: cuBLAS {row['cublas_us']:5.2f} us  {extra}")
     atomic_write_json(args.out, {"device": torch.cuda.get_device_name(dev), "dtype": "bfloat16", "layers": LAYERS,
                                  "rows": rows_out})
     print(f"wrote {args.out}")

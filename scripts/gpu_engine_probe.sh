@@ -17,14 +17,11 @@ part() {  # part NAME CMD...: run, log to $OUT/NAME.log, remember a failure
     "$@" 2>&1 | tee "$OUT/$name.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("$name")
 }
-# Session 7: the few-rows kernels (verify forwards; and decode too with --gemv-rows 0) against
-# the same call's cuBLAS verify, and prefill buckets.
+# Session 7: o_proj through engine.few_rows for verify forwards against the same call's
+# cuBLAS verify, and each verify matmul alone.
 trees=(--tree 7,1,8 --tree 5,4,16)
 part round python3 bench/profile_round.py --compile "${trees[@]}" --out "$OUT/profile_round.json"
 part round_few_rows python3 bench/profile_round.py --compile --kernels --few-rows 16 "${trees[@]}" \
     --out "$OUT/profile_round_few_rows.json"
-part round_few_rows_decode python3 bench/profile_round.py --compile --few-rows 16 --gemv-rows 0 --tree 7,1,8 \
-    --out "$OUT/profile_round_few_rows_decode.json"
-part round_prefill_buckets python3 bench/profile_round.py --compile --prefill-buckets --few-rows 16 --tree 5,4,16 \
-    --prompt-lens 90,200,700 --out "$OUT/profile_round_prefill_buckets.json"
+part micro python3 bench/few_rows_micro.py --out "$OUT/few_rows_micro.json"
 (( ${#failed[@]} == 0 )) || { echo "failed: ${failed[*]}"; exit 1; }

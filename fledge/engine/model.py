@@ -185,13 +185,19 @@ def split_heads(qkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_k
 
 
 def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float, gemv_rows: int = 0):
-    """o_proj and its residual add, then the MLP (gate and up in one matmul). Returns (x after
-    attention, the MLP output: the next layer adds it). `o` is [B, n_heads or n_kv, *, D].
-    With `gemv_rows` (see `linear`), gate and up are two sums over the same K, so that they
-    and SiLU(gate) * up fuse into one kernel."""
+    """o_proj and its residual add, then `mlp`. Returns (x after attention, the MLP output: the
+    next layer adds it). `o` is [B, n_heads or n_kv, *, D]."""
     B, T, _ = x.shape
     o = o.reshape(B, -1, T, o.shape[-1]).transpose(1, 2).reshape(B, T, -1)
     x = x + linear(o, wo, bo, gemv_rows)
+    return x, mlp(x, norm_w, w13, b13, w2, b2, eps, gemv_rows)
+
+
+def mlp(x, norm_w, w13, b13, w2, b2, eps: float, gemv_rows: int = 0):
+    """The MLP of the normed stream, gate and up in one matmul. With `gemv_rows` (see `linear`),
+    gate and up are two sums over the same K, so that they and SiLU(gate) * up fuse into one
+    kernel."""
+    B, T, _ = x.shape
     h = rms_norm(x, norm_w, eps)
     if B * T <= gemv_rows:
         n = w13.shape[0] // 2
@@ -200,7 +206,7 @@ def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float, gemv_rows: int 
     else:
         gate, up = linear(h, w13, b13).chunk(2, dim=-1)
         act = F.silu(gate) * up
-    return x, linear(act, w2, b2, gemv_rows)
+    return linear(act, w2, b2, gemv_rows)
 
 
 def final_norm(x, delta, weight, eps: float):
@@ -277,8 +283,8 @@ class LayerFns:
     prefix_attention: Callable | None = None  # masks in prefix form: see fledge.engine.attention
     gemv_rows: int = 0  # forwards of at most this many rows (batch x tokens) multiply as reductions: see `linear`
     prefill_buckets: bool = False  # batch-1 prefills through these functions, padded: see Transformer.prefill
-    split_heads: Callable = split_heads  # attn_in's second half, on its own for the few-rows path
-    few_rows: int = 0  # forwards of more than gemv_rows and at most this many rows: fledge.engine.few_rows
+    mlp: Callable = mlp  # attn_out's second half, on its own for the few-rows path
+    few_rows: int = 0  # forwards of more than gemv_rows and at most this many rows: o_proj by engine.few_rows
 
     @classmethod
     def compiled(cls, mode: str | None = None, decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS,
@@ -291,20 +297,20 @@ class LayerFns:
         `prefix_kernel`: decode and verify steps attend through attention.prefix_attention
         (on a GPU, for head sizes it takes). `gemv_rows`: see `linear` (0: cuBLAS always).
         `prefill_buckets`: see `Transformer.prefill`. `few_rows`: forwards of more than
-        `gemv_rows` and at most this many rows run the Triton kernels of engine.few_rows
-        (0: none; at most few_rows.MAX_ROWS)."""
+        `gemv_rows` and at most this many rows run o_proj as engine.few_rows' kernel (0: none;
+        at most few_rows.MAX_ROWS)."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
         # back to eager after the eighth.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        fns = (torch.compile(f, fullgraph=True, dynamic=False, mode=mode) for f in (attn_in, attn_out, final_norm, split_heads))
+        fns = (torch.compile(f, fullgraph=True, dynamic=False, mode=mode) for f in (attn_in, attn_out, final_norm, mlp))
         # Dynamic: decode attention meets every (rows, span) pair of a run; its kernels are a
         # matmul library call and a softmax either way.
-        ain, aout, fnorm, heads = fns
+        ain, aout, fnorm, mlp_fn = fns
         return cls(ain, aout, fnorm, decode_attention=torch.compile(decode_attention, fullgraph=True, dynamic=True),
                    decode_attention_min_rows=decode_attention_min_rows,
                    prefix_attention=prefix_attention if prefix_kernel else None, gemv_rows=gemv_rows,
-                   prefill_buckets=prefill_buckets, split_heads=heads, few_rows=min(few_rows, MAX_FEW_ROWS))
+                   prefill_buckets=prefill_buckets, mlp=mlp_fn, few_rows=min(few_rows, MAX_FEW_ROWS))
 
 
 class RMSNorm(nn.Module):
@@ -374,18 +380,21 @@ class Transformer(nn.Module):
         fp32, or with `hidden_only` the final-normed states [B, K, H]; aux [B, T, 3H] or None)."""
         f, a, delta, captured = fns, self.args, None, {}
         rows = x.shape[0] * x.shape[1]
-        few = f.gemv_rows < rows <= f.few_rows and fr.usable(rows, a.dim, a.head_dim, a.intermediate_size, x.device)
+        few = f.gemv_rows < rows <= f.few_rows and fr.usable(rows, a.n_heads, a.head_dim, x.device)
         for i, layer in enumerate(self.layers):
             at, ff = layer.attention, layer.feed_forward
             qn, kn = (at.q_norm.weight, at.k_norm.weight) if a.qk_norm else (None, None)
-            ain = (x, delta, layer.attention_norm.weight, at.wqkv.weight, at.wqkv.bias, qn, kn, cos, sin, a.norm_eps,
-                   a.n_heads, a.n_kv_heads)
-            x, q, k, v = fr.attn_in(f.split_heads, *ain) if few else f.attn_in(*ain, f.gemv_rows)
+            x, q, k, v = f.attn_in(x, delta, layer.attention_norm.weight, at.wqkv.weight, at.wqkv.bias, qn, kn,
+                                   cos, sin, a.norm_eps, a.n_heads, a.n_kv_heads, f.gemv_rows)
             if aux_ids is not None and i in aux_ids:
                 captured[i] = x
-            aout = (x, attention(i, q, k, v), at.wo.weight, at.wo.bias, layer.ffn_norm.weight,
-                    ff.w13.weight, ff.w13.bias, ff.w2.weight, ff.w2.bias, a.norm_eps)
-            x, delta = fr.attn_out(*aout) if few else f.attn_out(*aout, f.gemv_rows)
+            o = attention(i, q, k, v)
+            mlp_w = (layer.ffn_norm.weight, ff.w13.weight, ff.w13.bias, ff.w2.weight, ff.w2.bias, a.norm_eps)
+            if few:  # o_proj reads the attention's output in place (see engine.few_rows)
+                x = fr.o_proj(x, o, at.wo.weight, at.wo.bias)
+                delta = f.mlp(x, *mlp_w, f.gemv_rows)
+            else:
+                x, delta = f.attn_out(x, o, at.wo.weight, at.wo.bias, *mlp_w, f.gemv_rows)
         if logits_idx is not None:
             idx = logits_idx[..., None].expand(-1, -1, x.shape[-1])
             x, delta = x.gather(1, idx), delta.gather(1, idx)
