@@ -92,7 +92,7 @@ BLOCK_N, NUM_WARPS = 16, 4
 def o_proj(x, o, w, b=None, config: tuple[int, int] = (BLOCK_N, NUM_WARPS)):
     """x + o_proj(o) for the stream x [B, T, N] and the attention's output o [B, n_kv, G*T, D]
     (query row g*T + t of kv head h is head h*G + g at token t: see model.attn_in), read in
-    place. Returns [B, T, N] in x's dtype. : (BLOCK_N, num_warps)."""
+    place. Returns [B, T, N] in x's dtype. `config`: (BLOCK_N, num_warps)."""
     B, T, N = x.shape
     heads = o.reshape(B, -1, T, o.shape[-1]).transpose(1, 2)  # [B, T, H, D], a view
     H, D = heads.shape[2:]
