@@ -30,7 +30,7 @@ from fledge.bench import load_prompts
 from fledge.engine.cli import eos_ids, load_drafter, pick_device, pick_dtype
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
-from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target, prefill_bucket
+from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.engine.spec import generate_spec
 from fledge.engine.stats import SpecStats
 from fledge.target import load_target
@@ -101,8 +101,7 @@ def bench(args) -> dict:
     dtype = pick_dtype(args.dtype, device)
     t = load_target(args.target, dtype=dtype, device=device)
     def compiled(**kw):  # the engine's compiled layer functions, with this run's choices
-        return LayerFns.compiled(**{"gemv_rows": args.gemv_rows, "prefill_buckets": args.prefill_buckets,
-                                    "few_rows": args.few_rows, **kw})
+        return LayerFns.compiled(**{"gemv_rows": args.gemv_rows, "few_rows": args.few_rows, **kw})
 
     target = build_engine_target(t.model, dtype, device, fns=compiled() if args.compile else LayerFns())
     eos = eos_ids(t.model, t.tokenizer)
@@ -145,16 +144,9 @@ def bench(args) -> dict:
     ar_out = [ar_runner(target, eos, graphs)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
     n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
     results, per_prompt = {}, {}
-    # Compile / capture / allocator warm-up, untimed: the first prompt, and with prefill buckets
-    # the first prompt of each bucket, so that no config compiles a prefill shape on the clock.
-    firsts = {}
-    for i, p in enumerate(prompts):
-        firsts.setdefault(prefill_bucket(len(p)), i)
-    warm_idx = sorted({0, *firsts.values()}) if args.prefill_buckets else [0]
     for name, run in configs.items():
-        warm = SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0)
-        for i in warm_idx:
-            run(prompts[i], warm, ar_out[i][:16])
+        warm = SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0)  # compile, capture, allocator: untimed
+        run(prompts[0], warm, ar_out[0][:16])
         todo = list(zip(prompts, ar_out))[:n_hf if name in hf_names else None]
         timed, matches, stats, prefill = [], 0, [], []
         for rep in range(args.repeats):
@@ -188,7 +180,7 @@ def bench(args) -> dict:
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
             "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
-            "prefill_buckets": args.prefill_buckets, "few_rows": args.few_rows, "hf_prompts": n_hf if hf_names else 0,
+            "few_rows": args.few_rows, "hf_prompts": n_hf if hf_names else 0,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
             "results": results}
@@ -226,8 +218,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
                    help="the drafter's tree bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
-    p.add_argument("--prefill-buckets", action="store_true",
-                   help="with --compile: batch-1 prefills padded to power-of-two lengths through the compiled layers")
     p.add_argument("--few-rows", type=int, default=0,
                    help="with --compile: forwards of more than --gemv-rows and at most this many rows through "
                         "engine.few_rows' Triton kernels (verify steps)")

@@ -90,8 +90,6 @@ def main(argv=None) -> int:
                                                                "as reductions (model.linear)")
     p.add_argument("--few-rows", type=int, default=0, help="with --compile: forwards of more than --gemv-rows and at "
                                                            "most this many rows through engine.few_rows' kernels")
-    p.add_argument("--prefill-buckets", action="store_true",
-                   help="with --compile: batch-1 prefills padded to power-of-two lengths through the compiled layers")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
                    help="drafter bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
     p.add_argument("--kernels", action="store_true", help="also each config's propose and verify kernels "
@@ -106,7 +104,7 @@ def main(argv=None) -> int:
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     hf = smollm2_random(dt, dev)
     fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel, gemv_rows=args.gemv_rows,
-                            prefill_buckets=args.prefill_buckets, few_rows=args.few_rows) \
+                            few_rows=args.few_rows) \
         if args.compile else LayerFns()
     target = build_engine_target(hf, dt, dev, fns=fns)
     torch.manual_seed(1)
@@ -165,7 +163,7 @@ def main(argv=None) -> int:
     atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": str(dt).removeprefix("torch."),
                             "compiled_layers": args.compile, "compile_mode": args.mode,
                             "prefix_kernel": getattr(target, "prefix_kernel", False), "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
-                            "prefill_buckets": args.prefill_buckets, "few_rows": args.few_rows,
+                            "few_rows": args.few_rows,
                             "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "ar_ms_per_step": ar_ms, "rows": rows,
                             "new_prompt_lengths": fresh_prompts, "few_rows_check": check})

@@ -195,43 +195,6 @@ def test_compiled_gemv_layers_equal_eager(family):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow  # torch.compile on the CPU
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_bucketed_prefill_equals_eager(family):
-    """LayerFns.compiled(prefill_buckets=True): a batch-1 prefill padded to its bucket and run
-    through the compiled functions gives eager's logits, aux states and cache slots at every
-    length, the pads' K/V are not written (a bucket may exceed the cache), and generation gives
-    the same text."""
-    from fledge.draft import Eagle3Draft
-    from fledge.config import DraftConfig
-    from fledge.engine.drafters import Eagle3Drafter, SpecConfig
-    from fledge.engine.model import LayerFns
-    from fledge.engine.spec import generate_spec
-    hf = make_tiny(family, seed=5)
-    eager = build_engine_target(hf, torch.float32, "cpu")
-    bucketed = build_engine_target(hf, torch.float32, "cpu",
-                                   fns=LayerFns.compiled(prefix_kernel=False, gemv_rows=0, prefill_buckets=True))
-    for n, size in ((3, 160), (70, 100)):  # buckets 64 and 128
-        ids = torch.randint(0, 301, (1, n))
-        ce, cb = eager.new_cache(1, size), bucketed.new_cache(1, size)
-        le, ae = eager.prefill(ids, ce, aux_ids=(0, 1), logits_idx=torch.tensor([[n - 1]]))
-        lb, ab = bucketed.prefill(ids, cb, aux_ids=(0, 1), logits_idx=torch.tensor([[n - 1]]))
-        torch.testing.assert_close(lb, le, rtol=1e-4, atol=1e-4)
-        assert ab.shape == ae.shape and ab.shape[1] == n
-        torch.testing.assert_close(ab, ae, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(cb.kv[..., :n, :], ce.kv[..., :n, :], rtol=1e-4, atol=1e-4)
-        assert ce.kv[..., n:, :].abs().max() == 0 == cb.kv[..., n:, :].abs().max()
-        hidden = bucketed.prefill(ids, bucketed.new_cache(1, 160), hidden_only=True)[0]
-        assert hidden.shape[:2] == (1, n)
-    prompt = torch.randint(0, 301, (11,)).tolist()
-    params = SamplingParams(max_new_tokens=10)
-    ar = generate_ar(eager, [prompt], params, [])[0][0]
-    assert generate_ar(bucketed, [prompt], params, [])[0][0] == ar
-    torch.manual_seed(6)
-    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()
-    assert generate_spec(bucketed, Eagle3Drafter(draft, SpecConfig(3, 2, 6), bucketed), prompt, params, [])[0] == ar
-
-
 def test_generation_stops_at_eos_per_row():
     model = build_engine_target(make_tiny("llama", seed=2), torch.float32, "cpu")
     prompts = [torch.randint(0, 301, (n,)).tolist() for n in (5, 8)]

@@ -241,13 +241,6 @@ DECODE_ATTENTION_MIN_ROWS = 64  # default: a row group this large decodes throug
 GEMV_ROWS = 4
 
 
-def prefill_bucket(length: int) -> int:
-    """The padded length of a batch-1 prefill under LayerFns.prefill_buckets: the power of two
-    from 64 that holds it. Not bounded by the cache: the pads' K/V are never written to it (a
-    bound by the cache's size made a new shape, so a compile, of every cache size)."""
-    return max(64, 1 << (length - 1).bit_length())
-
-
 def write_kv(cache_kv, slots, k, v) -> None:
     """This step's K and V [B, n_kv, T, D] into one layer's cache [2, B, n_kv, S, D] at `slots` [B, T]."""
     idx = slots[:, None, :, None].expand(k.shape)
@@ -282,21 +275,19 @@ class LayerFns:
     decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS
     prefix_attention: Callable | None = None  # masks in prefix form: see fledge.engine.attention
     gemv_rows: int = 0  # forwards of at most this many rows (batch x tokens) multiply as reductions: see `linear`
-    prefill_buckets: bool = False  # batch-1 prefills through these functions, padded: see Transformer.prefill
     mlp: Callable = mlp  # attn_out's second half, on its own for the few-rows path
     few_rows: int = 0  # forwards of more than gemv_rows and at most this many rows: o_proj by engine.few_rows
 
     @classmethod
     def compiled(cls, mode: str | None = None, decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS,
-                 prefix_kernel: bool = True, gemv_rows: int = GEMV_ROWS, prefill_buckets: bool = False,
-                 few_rows: int = 0) -> "LayerFns":
+                 prefix_kernel: bool = True, gemv_rows: int = GEMV_ROWS, few_rows: int = 0) -> "LayerFns":
         """`mode`: torch.compile's (e.g. "max-autotune-no-cudagraphs": Triton GEMM templates
         with fused epilogues, autotuned per shape; the engine captures its own graphs).
         `decode_attention_min_rows`: row groups from this size decode through the matmul
         attention (1: every decode step) — where the prefix kernel does not serve them.
         `prefix_kernel`: decode and verify steps attend through attention.prefix_attention
         (on a GPU, for head sizes it takes). `gemv_rows`: see `linear` (0: cuBLAS always).
-        `prefill_buckets`: see `Transformer.prefill`. `few_rows`: forwards of more than
+        `few_rows`: forwards of more than
         `gemv_rows` and at most this many rows run o_proj as engine.few_rows' kernel (0: none;
         at most few_rows.MAX_ROWS)."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
@@ -310,7 +301,7 @@ class LayerFns:
         return cls(ain, aout, fnorm, decode_attention=torch.compile(decode_attention, fullgraph=True, dynamic=True),
                    decode_attention_min_rows=decode_attention_min_rows,
                    prefix_attention=prefix_attention if prefix_kernel else None, gemv_rows=gemv_rows,
-                   prefill_buckets=prefill_buckets, mlp=mlp_fn, few_rows=min(few_rows, MAX_FEW_ROWS))
+                   mlp=mlp_fn, few_rows=min(few_rows, MAX_FEW_ROWS))
 
 
 class RMSNorm(nn.Module):
@@ -455,19 +446,12 @@ class Transformer(nn.Module):
         if cache is not None and T > cache.max_len:
             raise FledgeError(f"prefill of {T} tokens > cache of {cache.max_len} slots")
         # Eager layer functions: prompt lengths vary, and a compile per length would cost more
-        # than the launches it saves in a one-off forward. With `prefill_buckets`, a request's
-        # prompt (batch 1, into a cache) is padded to a bucket length instead, a power of two from
-        # 64, and runs the compiled functions: a few shapes, compiled once each. The pads come
-        # after every real token, so causal attention keeps them out, and their K/V are not
-        # written to the cache (so a bucket may be longer than the cache). On the H200 an eager
-        # batch-1 prefill spent 12-14 ms launching kernels before a request's first step
-        # (bench/results/engine_nvidia_h200.json, prefill_ms_per_prompt). A cuDNN plan per length
-        # would cost more still when decoding follows; training's feature pass meets its few
-        # padded lengths again and again, and keeps SDPA's choice.
-        fns, real = LayerFns(), T
-        if self.fns.prefill_buckets and cache is not None and B == 1:
-            fns, T = self.fns, prefill_bucket(T)
-            input_ids = F.pad(input_ids, (0, T - real))
+        # than the launches it saves in a one-off forward. (Padding a batch-1 prompt to a
+        # power-of-two bucket through the compiled functions saved nothing on the H200: 26.3
+        # against 26.1 ms a request, bench/results/engine_nvidia_h200_prefill_buckets.json;
+        # the time goes to host work, not kernels.) A cuDNN plan per length would cost more
+        # still when decoding follows; training's feature pass meets its few padded lengths
+        # again and again, and keeps SDPA's choice.
         x = self.tok_embeddings(input_ids)
         cos, sin = self.rope(torch.arange(T, device=x.device).expand(B, T), x.dtype)
         rep = self.args.n_heads // self.args.n_kv_heads
@@ -476,16 +460,13 @@ class Transformer(nn.Module):
 
         def attention(i, q, k, v):
             if cache is not None:
-                cache.kv[i][0, where, :, :real] = k[:, :, :real]
-                cache.kv[i][1, where, :, :real] = v[:, :, :real]
+                cache.kv[i][0, where, :, :T] = k
+                cache.kv[i][1, where, :, :T] = v
             k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))  # plain heads: flash takes no GQA here
             return F.scaled_dot_product_attention(q.view(B, -1, T, q.shape[-1]), k, v, is_causal=True)
 
         with one_off_attention() if cache is not None else contextlib.nullcontext():
-            out, aux = self._run(fns, x, cos, sin, attention, aux_ids, logits_idx, hidden_only)
-        if T == real:
-            return out, aux
-        return (out if logits_idx is not None else out[:, :real]), (None if aux is None else aux[:, :real])
+            return self._run(LayerFns(), x, cos, sin, attention, aux_ids, logits_idx, hidden_only)
 
     @classmethod
     def from_hf(cls, hf_model, dtype, device, compile: bool | str = False, fns: LayerFns | None = None) -> "Transformer":
