@@ -16,6 +16,7 @@ import dataclasses
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,6 +51,45 @@ def round_kernels(target, drafter, prompt) -> dict:
         print(f"  {name}: {out[name]['kernel_us']:.0f} us of kernels in {out[name]['launches']} launches")
         for k, n, us in out[name]["top"][:8]:
             print(f"    {us:8.1f} us {n:4d}x  {k[:90]}")
+    return out
+
+
+@torch.no_grad()
+def prefill_profile(target, prompt, iters: int = 5) -> dict:
+    """Where a request's time before its first step goes: one batch-1 prefill into a fresh
+    cache, as generate_ar runs it, timed on the host (synchronised) against the GPU time of its
+    kernels, with the host ops that took the most time themselves. Kernels far below the wall
+    time mean host work (dispatch, guards, allocation), which a CUDA graph would remove."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = next(target.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    ids, last = torch.tensor([prompt], device=dev), torch.tensor([[len(prompt) - 1]], device=dev)
+
+    def run():
+        target.prefill(ids, target.new_cache(1, len(prompt) + 64), logits_idx=last)
+    for _ in range(3):
+        run()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / iters
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            run()
+        sync()
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    out = {"wall_ms": wall_ms, "kernel_ms": sum(e.time_range.elapsed_us() for e in gpu) / iters / 1e3,
+           "launches": round(len(gpu) / iters),
+           "top_host_ops": [[e.key[:80], round(e.count / iters), e.self_cpu_time_total / iters / 1e3] for e in host]}
+    print(f"  prefill of {len(prompt)} tokens: {wall_ms:.2f} ms wall, {out['kernel_ms']:.2f} ms of kernels in "
+          f"{out['launches']} launches; host ops by self time (ms/prefill):")
+    for name, n, ms in out["top_host_ops"][:8]:
+        print(f"    {ms:7.3f} {n:5d}x  {name}")
     return out
 
 
@@ -92,7 +132,7 @@ def main(argv=None) -> int:
                                                            "most this many rows through engine.few_rows' kernels")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
                    help="drafter bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
-    p.add_argument("--kernels", action="store_true", help="also each config's propose and verify kernels "
+    p.add_argument("--kernels", action="store_true", help="also a prefill's host and GPU time, and each config's propose and verify kernels "
                                                           "(torch.profiler, compiled drafter, eager calls)")
     p.add_argument("--device", default="cuda", help="cpu only to check the script runs")
     p.add_argument("--out")
@@ -116,6 +156,7 @@ def main(argv=None) -> int:
     _, ar = generate_ar(target, [prompt], params, [])
     ar_ms = ar["decode_ms"] / ar["decode_steps"]
     check = few_rows_check(hf, target, dt, dev, prompt) if args.few_rows else {}
+    prefill = prefill_profile(target, prompt) if args.kernels and dev.type == "cuda" else {}
     shapes = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["7,1,8", "5,4,16", "8,8,64"])]
     rows = [{"config": "AR", "ms": ar_ms}]
     print(f"AR: {ar_ms:.3f} ms/step ({'compiled' if args.compile else 'eager'} layers)")
@@ -166,7 +207,8 @@ def main(argv=None) -> int:
                             "few_rows": args.few_rows,
                             "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "ar_ms_per_step": ar_ms, "rows": rows,
-                            "new_prompt_lengths": fresh_prompts, "few_rows_check": check})
+                            "new_prompt_lengths": fresh_prompts, "few_rows_check": check,
+                            "prefill_profile": prefill})
     print(f"wrote {out}")
     return 0
 

@@ -18,9 +18,9 @@ part() {  # part NAME CMD...: run, log to $OUT/NAME.log, remember a failure
     [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("$name")
 }
 # Session 7: o_proj through engine.few_rows for verify forwards against the same call's
-# cuBLAS verify, and each verify matmul alone.
+# cuBLAS verify, each verify matmul alone, and where a prefill's time goes (--kernels).
 trees=(--tree 7,1,8 --tree 5,4,16)
-part round python3 bench/profile_round.py --compile "${trees[@]}" --out "$OUT/profile_round.json"
+part round python3 bench/profile_round.py --compile --kernels "${trees[@]}" --out "$OUT/profile_round.json"
 part round_few_rows python3 bench/profile_round.py --compile --kernels --few-rows 16 "${trees[@]}" \
     --out "$OUT/profile_round_few_rows.json"
 part micro python3 bench/few_rows_micro.py --out "$OUT/few_rows_micro.json"
