@@ -81,3 +81,24 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path):
     assert rows["oracle chain 7"]["accept_length"] == 8.0
     assert rows["oracle chain 7"]["histogram"] == [0] * 7 + [4]
     assert 1.0 <= rows["eagle3 chain 7"]["accept_length"] <= 8.0
+
+
+def test_profile_round_checks_and_prefill_profile_on_a_tiny_target():
+    """profile_round's two GPU-lease helpers, run here on a tiny target: few_rows_check finds
+    the few-rows path (interpreted) equal to the plain one in fp32, and prefill_profile reports
+    a wall time and the host ops that took it."""
+    import torch
+
+    import profile_round
+    from conftest import make_tiny
+    from fledge.engine import build_engine_target
+    from fledge.engine.model import LayerFns
+    hf = make_tiny("llama", seed=2)
+    target = build_engine_target(hf, torch.float32, "cpu", fns=LayerFns(few_rows=16))
+    prompt = torch.randint(0, 301, (11,)).tolist()
+    check = profile_round.few_rows_check(hf, target, torch.float32, torch.device("cpu"), prompt, widths=(4, 8))
+    assert set(check) == {4, 8}
+    assert all(c["max_abs_diff"] < 1e-4 and c["argmax_agree"] == 1.0 for c in check.values())
+    prof = profile_round.prefill_profile(target, prompt, iters=2)
+    assert prof["wall_ms"] > 0 and prof["launches"] == 0  # no GPU here: no kernels
+    assert any(name.startswith("aten::") and ms > 0 for name, _, ms in prof["top_host_ops"])
