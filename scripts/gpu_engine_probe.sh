@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Engine speed probes that need no model download (SmolLM2-135M's shapes, random weights):
-# which attention reads the KV cache fastest (batch 1 to regeneration sizes, decode and
-# verify), where a compiled decode step's time goes, what a speculative round costs and which
-# kernels its propose and verify run — earlier sessions' parts are in git history. One GPU call, ~5 minutes:
+# Engine speed probes that need no model download (SmolLM2-135M's shapes, random weights): what
+# a speculative round costs and which kernels its propose and verify run, with and without the
+# few-rows o_proj, each verify matmul alone, and where a prefill's time goes. Earlier sessions'
+# parts (attention, decode profiles, batched AR) are in git history. One GPU call, ~3 minutes:
 #   bash scripts/gpu_engine_probe.sh            (results in $OUT, default /tmp/probe_out)
 # Every part runs even if one before it fails; the script exits 1 if any failed.
 set -uo pipefail

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fledge.engine.attention import kernel_available, triton
+from fledge.engine.attention import kernel_available, kernel_takes, triton
 
 if triton is not None:
     import triton.language as tl
@@ -40,7 +40,7 @@ def k_split(k: int) -> tuple[int, int]:
 
 def usable(rows: int, n_heads: int, head_dim: int, device: torch.device) -> bool:
     """Whether a forward of `rows` rows (batch x tokens) can take the kernel."""
-    return (1 <= rows <= MAX_ROWS and kernel_available(device) and head_dim in (16, 32, 64, 128)
+    return (1 <= rows <= MAX_ROWS and kernel_available(device) and kernel_takes(head_dim)
             and k_split(n_heads * head_dim)[0] > 0)
 
 

@@ -22,7 +22,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from fledge.engine import few_rows as fr
 from fledge.engine.attention import Prefix, kernel_available, kernel_takes, prefix_attention
-from fledge.engine.few_rows import MAX_ROWS as MAX_FEW_ROWS
 from fledge.util import FledgeError
 
 COMPACT_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -158,30 +157,23 @@ def linear(x, w, b, gemv_rows: int = 0):
 def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int,
             gemv_rows: int = 0):
     """Residual add of the previous layer's MLP output (`delta`; None in layer 0), attention
-    norm, q/k/v in one matmul, then `split_heads`. Returns (x = the stream entering this
-    layer, HF hidden_states[i]; q, k, v as split_heads)."""
-    if delta is not None:
-        x = x + delta
-    qkv = linear(rms_norm(x, norm_w, eps), wqkv, bqkv, gemv_rows)
-    return (x, *split_heads(qkv, q_norm_w, k_norm_w, cos, sin, eps, n_heads, n_kv))
-
-
-def split_heads(qkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int):
-    """q/k norm (Qwen3) and rope of a q/k/v projection [B, T, (n_heads + 2 n_kv) D]. Returns q
-    [B, n_kv, G*T, D]; k and v [B, n_kv, T, D], views: the prefix kernel reads them where they
-    are, so stacking them would cost a kernel.
+    norm, q/k/v in one matmul, q/k norm (Qwen3), rope. Returns (x = the stream entering this
+    layer, HF hidden_states[i]; q [B, n_kv, G*T, D]; k and v [B, n_kv, T, D], views: the
+    prefix kernel reads them where they are, so stacking them would cost a kernel).
 
     GQA without copying K/V: the G query heads sharing a kv head (HF maps q head h to kv head
     h // G) become G*T query rows of that kv head; masks repeat their rows G times to match."""
-    B, T, _ = qkv.shape
+    if delta is not None:
+        x = x + delta
+    B, T, _ = x.shape
     D = cos.shape[-1]
-    qkv = qkv.view(B, T, n_heads + 2 * n_kv, D)
+    qkv = linear(rms_norm(x, norm_w, eps), wqkv, bqkv, gemv_rows).view(B, T, n_heads + 2 * n_kv, D)
     qk, v = qkv[:, :, :n_heads + n_kv], qkv[:, :, n_heads + n_kv:]
     if q_norm_w is not None:
         qk = torch.cat([rms_norm(qk[:, :, :n_heads], q_norm_w, eps), rms_norm(qk[:, :, n_heads:], k_norm_w, eps)], dim=2)
     qk = apply_rope(qk, cos, sin)  # q and k at once: eager, that is half the rope kernels
     q = qk[:, :, :n_heads].transpose(1, 2).reshape(B, n_kv, (n_heads // n_kv) * T, D)
-    return q, qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
+    return x, q, qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
 
 
 def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float, gemv_rows: int = 0):
@@ -287,9 +279,8 @@ class LayerFns:
         attention (1: every decode step) — where the prefix kernel does not serve them.
         `prefix_kernel`: decode and verify steps attend through attention.prefix_attention
         (on a GPU, for head sizes it takes). `gemv_rows`: see `linear` (0: cuBLAS always).
-        `few_rows`: forwards of more than
-        `gemv_rows` and at most this many rows run o_proj as engine.few_rows' kernel (0: none;
-        at most few_rows.MAX_ROWS)."""
+        `few_rows`: forwards of more than `gemv_rows` and at most this many rows run o_proj as
+        engine.few_rows' kernel (0: none; at most few_rows.MAX_ROWS)."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
         # back to eager after the eighth.
@@ -301,7 +292,7 @@ class LayerFns:
         return cls(ain, aout, fnorm, decode_attention=torch.compile(decode_attention, fullgraph=True, dynamic=True),
                    decode_attention_min_rows=decode_attention_min_rows,
                    prefix_attention=prefix_attention if prefix_kernel else None, gemv_rows=gemv_rows,
-                   mlp=mlp_fn, few_rows=min(few_rows, MAX_FEW_ROWS))
+                   mlp=mlp_fn, few_rows=min(few_rows, fr.MAX_ROWS))
 
 
 class RMSNorm(nn.Module):
