@@ -5,7 +5,7 @@ Eager or compiled, a layer's o_proj first copies the attention's [B, n_kv, G*T, 
 [B, T, H*D] rows for cuBLAS, then adds the result to the stream. Here one program loads a
 BLOCK_N x K slice of the weight and every row's K inputs at once (two power-of-two K tiles,
 tl.dot over 16 rows, the pads masked): one memory round trip and one kernel. On the H200, 30
-layers' weights in turn, 8 rows: 2.83 us a layer against 5.13 for the copy and cuBLAS
+layers' weights in turn, 8 rows: 2.80 us a layer against 5.07 for the copy and cuBLAS
 (bench/results/few_rows_micro_nvidia_h200.json).
 
 The same kernel with the norm, gate/up and down matmuls fused in (session 7's first forms)
