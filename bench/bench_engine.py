@@ -31,6 +31,7 @@ from fledge.engine.cli import eos_ids, load_drafter, pick_device, pick_dtype
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
+from fledge.engine.resident import Resident
 from fledge.engine.spec import generate_spec
 from fledge.engine.stats import SpecStats
 from fledge.target import load_target
@@ -62,28 +63,31 @@ def hf_runner(hf, eos, device, static_len: int | None = None):
     return run
 
 
-def ar_runner(target, eos, graphs: bool):
+def ar_runner(target, eos, graphs: bool, resident=None):
     def run(prompt, params, _ar):
-        rows, st = generate_ar(target, [prompt], params, eos, use_cuda_graph=graphs)
+        rows, st = generate_ar(target, [prompt], params, eos, use_cuda_graph=graphs, resident=resident)
         return rows[0], (st["prefill_ms"] + st["decode_ms"]) / 1e3, None, st["prefill_ms"]
     return run
 
 
-def oracle_runner(target, eos, graphs: bool, spec):
+def oracle_runner(target, eos, graphs: bool, spec, resident=None):
     """The oracle drafts the greedy continuation the verify step itself computes, found by a
     first, untimed pass fed AR's tokens. In bf16 a decode step and a verify step may round a
     near-tie apart; an oracle fed AR's tokens would then draft the wrong text for the rest of
     the request (an accept length of 1.3 at H200 bf16, session 5). In fp32 both passes are AR."""
     def run(prompt, params, ar):
-        own, _ = generate_spec(target, OracleDrafter(spec, [prompt + ar]), prompt, params, eos, use_cuda_graph=graphs)
-        out, st = generate_spec(target, OracleDrafter(spec, [prompt + own]), prompt, params, eos, use_cuda_graph=graphs)
+        own, _ = generate_spec(target, OracleDrafter(spec, [prompt + ar]), prompt, params, eos, use_cuda_graph=graphs,
+                               resident=resident)
+        out, st = generate_spec(target, OracleDrafter(spec, [prompt + own]), prompt, params, eos, use_cuda_graph=graphs,
+                                resident=resident)
         return out, st.wall_ms / 1e3, st, st.prefill_ms
     return run
 
 
-def spec_runner(target, eos, graphs: bool, make_drafter):
+def spec_runner(target, eos, graphs: bool, make_drafter, resident=None):
     def run(prompt, params, ar):
-        out, st = generate_spec(target, make_drafter(prompt, ar), prompt, params, eos, use_cuda_graph=graphs)
+        out, st = generate_spec(target, make_drafter(prompt, ar), prompt, params, eos, use_cuda_graph=graphs,
+                                resident=resident)
         return out, st.wall_ms / 1e3, st, st.prefill_ms
     return run
 
@@ -113,18 +117,30 @@ def bench(args) -> dict:
     # Run order = the order below: the baseline and the drafters first, then the references and
     # the AR variants, so that a run cut short (a device call's limit) loses the least.
     configs, hf_names = {}, set()
-    configs["engine AR"] = ar_runner(target, eos, graphs)
     if args.drafter:
         fast = args.fast_topk
         eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype, args.compile, fast)
-        configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_chain)
+    # One cache per engine target for every request, the prefill captured per bucket before any
+    # clock (engine.resident); --eager-prefill: a fresh cache and an eager prefill per request.
+    aux_sets = [None] + ([eagle_chain.aux_ids] if args.drafter else [])
+    resident_len = -(-(max(map(len, prompts)) + args.max_new_tokens + 64) // 64) * 64
+
+    def resident(model):
+        return None if args.eager_prefill else Resident(model, resident_len, aux_sets, use_graph=graphs)
+    res = resident(target)
+    configs["engine AR"] = ar_runner(target, eos, graphs, res)
+    if args.drafter:
+        configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_chain, res)
         for text in args.tree or ["5,4,16"]:
             tree = load_drafter(args.drafter, parse_tree(text), t.model, target, device, dtype, args.compile, fast)
-            configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda p, ar, d=tree: d)
-    configs["oracle chain 7"] = oracle_runner(target, eos, graphs, chain7)
+            configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda p, ar, d=tree: d, res)
+    configs["oracle chain 7"] = oracle_runner(target, eos, graphs, chain7, res)
     ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
     configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(
-        target, eos, graphs, lambda p, ar: NgramDrafter(ngram, args.ngram))
+        target, eos, graphs, lambda p, ar: NgramDrafter(ngram, args.ngram), res)
+    if res is not None:  # the same engine with a fresh cache and an eager prefill per request
+        configs["engine AR (eager prefill)"] = ar_runner(target, eos, graphs)
+        configs["oracle chain 7 (eager prefill)"] = oracle_runner(target, eos, graphs, chain7)
     if not args.skip_hf:  # HF eager costs ~7.5 s a prompt on the H200: skip it to bench all 80
         configs["hf eager"] = hf_runner(t.model, eos, device)
         if device.type == "cuda":
@@ -132,16 +148,17 @@ def bench(args) -> dict:
             configs["hf static (compiled)"] = hf_runner(t.model, eos, device, static_len)
         hf_names = {n for n in configs if n.startswith("hf ")}
     if args.compile:  # the same engine without torch.compile, to show what compiling buys
-        configs["engine AR (not compiled)"] = ar_runner(build_engine_target(t.model, dtype, device), eos, graphs)
+        plain = build_engine_target(t.model, dtype, device)
+        configs["engine AR (not compiled)"] = ar_runner(plain, eos, graphs, resident(plain))
         # and compiled, but with decode attention through SDPA over spans (session 4's engine)
         spans = build_engine_target(t.model, dtype, device, fns=compiled(prefix_kernel=False))
-        configs["engine AR (SDPA over spans)"] = ar_runner(spans, eos, graphs)
+        configs["engine AR (SDPA over spans)"] = ar_runner(spans, eos, graphs, resident(spans))
         if args.gemv_rows:  # and with every matmul through cuBLAS
             cublas = build_engine_target(t.model, dtype, device, fns=compiled(gemv_rows=0, few_rows=0))
-            configs["engine AR (cuBLAS matmuls)"] = ar_runner(cublas, eos, graphs)
+            configs["engine AR (cuBLAS matmuls)"] = ar_runner(cublas, eos, graphs, resident(cublas))
 
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
-    ar_out = [ar_runner(target, eos, graphs)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
+    ar_out = [ar_runner(target, eos, graphs, res)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
     n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
     results, per_prompt = {}, {}
     for name, run in configs.items():
@@ -180,7 +197,7 @@ def bench(args) -> dict:
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
             "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
-            "few_rows": args.few_rows, "hf_prompts": n_hf if hf_names else 0,
+            "few_rows": args.few_rows, "resident_prefill": res is not None, "hf_prompts": n_hf if hf_names else 0,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
             "results": results}
@@ -216,6 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baselines")
     p.add_argument("--hf-prompts", type=int, help="run the HF baselines on the first N prompts only (default all)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
+    p.add_argument("--eager-prefill", action="store_true",
+                   help="a fresh cache and an eager prefill per request (no engine.resident; no eager-prefill rows)")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
                    help="the drafter's tree bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
     p.add_argument("--few-rows", type=int, default=0,

@@ -27,7 +27,8 @@ from fledge.engine.attention import Prefix
 from fledge.engine.drafters import DraftInput, Eagle3Drafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
-from fledge.engine.spec import generate_spec, verify_forward
+from fledge.engine.resident import Resident
+from fledge.engine.spec import RoundState, fused_round, generate_spec, verify_forward
 from fledge.util import atomic_write_json
 from profile_decode import kernels_us
 from random_target import smollm2_random
@@ -55,7 +56,7 @@ def round_kernels(target, drafter, prompt) -> dict:
 
 
 @torch.no_grad()
-def prefill_profile(target, prompt, iters: int = 5) -> dict:
+def prefill_profile(target, prompt, aux_ids, iters: int = 5) -> dict:
     """Where a request's time before its first step goes: one batch-1 prefill into a fresh
     cache, as generate_ar runs it, timed on the host (synchronised) against the GPU time of its
     kernels, with the host ops that took the most time themselves. Kernels far below the wall
@@ -86,10 +87,63 @@ def prefill_profile(target, prompt, iters: int = 5) -> dict:
     out = {"wall_ms": wall_ms, "kernel_ms": sum(e.time_range.elapsed_us() for e in gpu) / iters / 1e3,
            "launches": round(len(gpu) / iters),
            "top_host_ops": [[e.key[:80], round(e.count / iters), e.self_cpu_time_total / iters / 1e3] for e in host]}
+    # The same prefill replayed from its bucket's graph over the resident cache (engine.resident)
+    res = Resident(target, len(prompt) + 64, aux_sets=[None, aux_ids])
+    for key in (None, aux_ids):
+        for _ in range(3):
+            res.prefill(ids, key)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            res.prefill(ids, key)
+        sync()
+        out["resident_wall_ms" if key is None else "resident_aux_wall_ms"] = (time.perf_counter() - t0) * 1e3 / iters
     print(f"  prefill of {len(prompt)} tokens: {wall_ms:.2f} ms wall, {out['kernel_ms']:.2f} ms of kernels in "
-          f"{out['launches']} launches; host ops by self time (ms/prefill):")
+          f"{out['launches']} launches; resident (graph of its bucket) {out['resident_wall_ms']:.2f} ms, with aux "
+          f"{out['resident_aux_wall_ms']:.2f}; host ops by self time (ms/prefill):")
     for name, n, ms in out["top_host_ops"][:8]:
         print(f"    {ms:7.3f} {n:5d}x  {name}")
+    return out
+
+
+@torch.no_grad()
+def round_gap(target, drafter, prompt, rounds: int = 64) -> dict:
+    """A fused round's graph replayed `rounds` times back to back with one sync at the end, and
+    the same replays each followed by the host read generate_spec makes (`.tolist()`). The
+    difference is host time per round the GPU waits for: what running rounds ahead of the host
+    could save."""
+    spec, dev = drafter.spec, next(target.parameters()).device
+    size = -(-(len(prompt) + rounds * spec.path_len + spec.num_draft_tokens) // 64) * 64
+    cache = target.new_cache(1, size)
+    drafter.start(1, size)
+    aux_width = None if drafter.aux_ids is None else 3 * target.args.dim
+    state = RoundState.allocate(spec, dev, aux_width, next(target.parameters()).dtype)
+    run = fused_round(target, cache, drafter, state, dev.type == "cuda")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    ids = torch.tensor([prompt], device=dev)
+    L = torch.tensor([len(prompt)], device=dev)
+
+    def start():  # generate_spec's prefill and first propose
+        drafter.start(1, size)
+        logits, aux = target.prefill(ids, cache, aux_ids=drafter.aux_ids, logits_idx=(L - 1)[:, None])
+        root = logits[:, 0].argmax(-1)
+        drafter.observe(ids, aux, L, root, torch.zeros_like(L))
+        state.cache_len.copy_(L)
+        state.set_tree(drafter.propose(DraftInput(root, state.cache_len, [])))
+    out = {}
+    for synced in (False, True):
+        start()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            result = run()
+            if synced:
+                result.tolist()
+        sync()
+        out["synced_ms" if synced else "back_to_back_ms"] = (time.perf_counter() - t0) * 1e3 / rounds
+    out["host_gap_ms"] = out["synced_ms"] - out["back_to_back_ms"]
+    print(f"  {rounds} rounds: {out['back_to_back_ms']:.3f} ms a round back to back, {out['synced_ms']:.3f} with a "
+          f"host read after each")
     return out
 
 
@@ -157,7 +211,7 @@ def main(argv=None) -> int:
     _, ar = generate_ar(target, [prompt], params, [])
     ar_ms = ar["decode_ms"] / ar["decode_steps"]
     check = few_rows_check(hf, target, dt, dev, prompt) if args.few_rows else {}
-    prefill = prefill_profile(target, prompt) if args.kernels and dev.type == "cuda" else {}
+    prefill = prefill_profile(target, prompt, tuple(draft.cfg.aux_layer_ids)) if args.kernels and dev.type == "cuda" else {}
     shapes = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["7,1,8", "5,4,16", "8,8,64"])]
     rows = [{"config": "AR", "ms": ar_ms}]
     print(f"AR: {ar_ms:.3f} ms/step ({'compiled' if args.compile else 'eager'} layers)")
@@ -182,6 +236,7 @@ def main(argv=None) -> int:
             row["break_even_accept"] = row["round_ms"] / ar_ms  # accept length at which the round pays
             if args.kernels and compiled and not fresh and dev.type == "cuda":
                 row["kernels"] = round_kernels(target, drafter, prompt)
+                row["round_gap"] = round_gap(target, drafter, prompt)
             rows.append(row)
             print(f"{row['config']:>10} {('fresh' if fresh else 'compiled') if compiled else 'eager':>9} {row['round_ms']:>9.3f} {row['draft_ms']:>7.3f} "
                   f"{row['verify_ms']:>7.3f} {row['other_ms']:>7.3f} {row['break_even_accept']:>18.2f} {row['prefill_ms']:>11.1f}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Engine speed probes that need no model download (SmolLM2-135M's shapes, random weights): what
-# a speculative round costs and which kernels its propose and verify run, with and without the
-# few-rows o_proj, each verify matmul alone, and where a prefill's time goes. Earlier sessions'
-# parts (attention, decode profiles, batched AR) are in git history. One GPU call, ~3 minutes:
+# a speculative round costs, which kernels its propose and verify run, how long the host keeps
+# the GPU waiting between rounds, and where a prefill's time goes. Earlier sessions' parts
+# (few-rows kernels, attention, decode profiles, batched AR) are in git history. One GPU call, ~2 minutes:
 #   bash scripts/gpu_engine_probe.sh            (results in $OUT, default /tmp/probe_out)
 # Every part runs even if one before it fails; the script exits 1 if any failed.
 set -uo pipefail
@@ -17,11 +17,7 @@ part() {  # part NAME CMD...: run, log to $OUT/NAME.log, remember a failure
     "$@" 2>&1 | tee "$OUT/$name.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("$name")
 }
-# Session 7: o_proj through engine.few_rows for verify forwards against the same call's
-# cuBLAS verify, each verify matmul alone, and where a prefill's time goes (--kernels).
-trees=(--tree 7,1,8 --tree 5,4,16)
-part round python3 bench/profile_round.py --compile --kernels "${trees[@]}" --out "$OUT/profile_round.json"
-part round_few_rows python3 bench/profile_round.py --compile --kernels --few-rows 16 "${trees[@]}" \
-    --out "$OUT/profile_round_few_rows.json"
-part micro python3 bench/few_rows_micro.py --out "$OUT/few_rows_micro.json"
+# Session 8: where a prefill's time goes, eager against its resident graph (engine.resident),
+# and each fused round's host gap (back-to-back replays against one host read a round).
+part round python3 bench/profile_round.py --compile --kernels --tree 7,1,8 --tree 5,4,16 --out "$OUT/profile_round.json"
 (( ${#failed[@]} == 0 )) || { echo "failed: ${failed[*]}"; exit 1; }

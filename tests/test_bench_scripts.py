@@ -63,8 +63,9 @@ def test_regen_bench_engine_matches_hf_in_fp32(tmp_path):
 
 def test_engine_bench_rows_equal_ar_in_fp32(tmp_path):
     """bench_engine end to end on the CPU with the shipped drafter: in fp32 every row's text is
-    AR's, the oracle accepts every draft (17 tokens = the prefill's + two full rounds of 8), and
-    every engine row reports its per-request time before the first step."""
+    AR's (resident rows and the eager-prefill rows alike), the oracle accepts every draft (17
+    tokens = the prefill's + two full rounds of 8), and every engine row reports its
+    per-request time before the first step."""
     import bench_engine
     out = tmp_path / "engine.json"
     drafter = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m"
@@ -72,7 +73,8 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path):
                               "--max-new-tokens", "17", "--device", "cpu", "--dtype", "float32",
                               "--skip-hf", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert set(rows) == {"engine AR", "eagle3 chain 7", "eagle3 tree 3,2,6", "oracle chain 7", "ngram 3 chain 4"}
+    assert set(rows) == {"engine AR", "eagle3 chain 7", "eagle3 tree 3,2,6", "oracle chain 7", "ngram 3 chain 4",
+                         "engine AR (eager prefill)", "oracle chain 7 (eager prefill)"}
     for name, row in rows.items():
         assert row["match_ar"] == row["prompts"] == 2, name
         assert row["tokens"] == rows["engine AR"]["tokens"], name
@@ -84,9 +86,9 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path):
 
 
 def test_profile_round_checks_and_prefill_profile_on_a_tiny_target():
-    """profile_round's two GPU-lease helpers, run here on a tiny target: few_rows_check finds
-    the few-rows path (interpreted) equal to the plain one in fp32, and prefill_profile reports
-    a wall time and the host ops that took it."""
+    """profile_round's GPU-lease helpers, run here on a tiny target: few_rows_check finds the
+    few-rows path (interpreted) equal to the plain one in fp32, prefill_profile reports a wall
+    time (eager and resident) and the host ops that took it, and round_gap times replays."""
     import torch
 
     import profile_round
@@ -99,6 +101,13 @@ def test_profile_round_checks_and_prefill_profile_on_a_tiny_target():
     check = profile_round.few_rows_check(hf, target, torch.float32, torch.device("cpu"), prompt, widths=(4, 8))
     assert set(check) == {4, 8}
     assert all(c["max_abs_diff"] < 1e-4 and c["argmax_agree"] == 1.0 for c in check.values())
-    prof = profile_round.prefill_profile(target, prompt, iters=2)
+    prof = profile_round.prefill_profile(target, prompt, (2, 4, 5), iters=2)
     assert prof["wall_ms"] > 0 and prof["launches"] == 0  # no GPU here: no kernels
+    assert prof["resident_wall_ms"] > 0 and prof["resident_aux_wall_ms"] > 0
     assert any(name.startswith("aten::") and ms > 0 for name, _, ms in prof["top_host_ops"])
+    from fledge.config import DraftConfig
+    from fledge.draft import Eagle3Draft
+    from fledge.engine.drafters import Eagle3Drafter, SpecConfig
+    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()
+    gap = profile_round.round_gap(target, Eagle3Drafter(draft, SpecConfig(3, 2, 6), target), prompt, rounds=4)
+    assert gap["back_to_back_ms"] > 0 and gap["synced_ms"] > 0

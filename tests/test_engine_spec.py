@@ -111,11 +111,11 @@ def test_stats_follow_sglang_definitions():
 
 
 # --------------------------------------------------------------------------- on tiny targets
-def tiny_setup(family, vocab=24, seed=0):
+def tiny_setup(family, vocab=24, seed=0, **overrides):
     """A tiny target and a random drafter nudged to imitate it (fc passes the highest aux state
     through, the head is the target's), so drafts are often accepted and the accept/compact/
     re-feed paths run with multi-token rounds; its attention still matters (the 0.3 scale)."""
-    hf = make_tiny(family, seed=seed, vocab_size=vocab)
+    hf = make_tiny(family, seed=seed, vocab_size=vocab, **overrides)
     target = build_engine_target(hf, torch.float32, "cpu")
     torch.manual_seed(seed + 1)
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()

@@ -144,23 +144,26 @@ def _now(device) -> float:
 # --------------------------------------------------------------------------- generation
 @torch.no_grad()
 def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids, cache_len=None,
-                use_cuda_graph=True, check_every: int = 16, row_group: int = ROW_GROUP):
+                use_cuda_graph=True, check_every: int = 16, row_group: int = ROW_GROUP, resident=None):
     """Generate for a batch of prompts. Returns (per-row new tokens, each ending at its first eos
     (included, as HF does) or at max_new_tokens; stats dict).
 
     `check_every`: finished rows are checked every this many steps (a host sync), so up to
     that many extra steps may run after the last row ends; their tokens are discarded.
     `row_group`: rows per group of the length-sorted batch (see below).
+    `resident`: an engine.resident.Resident of `model` (batch 1): its cache and captured prefill.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise FledgeError("generate_ar: every prompt needs at least one token")
     device = next(model.parameters()).device
     B, lens = len(prompts), [len(p) for p in prompts]
+    if resident is not None and B != 1:
+        raise FledgeError(f"generate_ar: a resident target serves batch 1, not {B}")
     need = max(lens) + params.max_new_tokens
-    cache_len = cache_len or -(-need // 64) * 64  # multiples of 64 keep SDPA's mask aligned
+    cache_len = resident.max_len if resident is not None else cache_len or -(-need // 64) * 64  # 64s: SDPA's mask aligned
     if cache_len < need:
         raise FledgeError(f"cache_len {cache_len} < longest prompt + max_new_tokens = {need}")
-    cache = model.new_cache(B, cache_len)
+    cache = resident.cache if resident is not None else model.new_cache(B, cache_len)
     gen = torch.Generator(device=device).manual_seed(params.seed)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
 
@@ -177,8 +180,11 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     for r, b in enumerate(order):
         ids[r, :lens[b]] = torch.tensor(prompts[b])
     ids, lengths = ids.to(device), torch.tensor(slens, device=device)
-    logits = torch.cat([model.prefill(ids[r0:r1, :w], cache, logits_idx=(lengths[r0:r1] - 1)[:, None], rows=(r0, r1))[0]
-                        for (r0, r1), w in zip(groups, longest)])
+    if resident is not None:
+        logits = resident.prefill(ids)[0]
+    else:
+        logits = torch.cat([model.prefill(ids[r0:r1, :w], cache, logits_idx=(lengths[r0:r1] - 1)[:, None], rows=(r0, r1))[0]
+                            for (r0, r1), w in zip(groups, longest)])
     tok = sample_token(logits[:, 0], params, gen)
     t1 = _now(device)
 

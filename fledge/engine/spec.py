@@ -147,7 +147,7 @@ def fused_round(target, cache, drafter, state: RoundState, use_graph: bool):
 
 @torch.no_grad()
 def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len: int | None = None,
-                  use_cuda_graph: bool = True, phased: bool = False):
+                  use_cuda_graph: bool = True, phased: bool = False, resident=None):
     """One prompt (batch 1). Returns (new tokens, ending at the first eos (included) or at
     max_new_tokens — the same cut as generate_ar; SpecStats).
 
@@ -155,13 +155,16 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     CUDA); host drafters (n-gram, probes) propose before it and observe after it. `phased`, and
     sampling, run the round as separate steps instead — verify and the EAGLE-3 drafter's
     propose/observe each a graph on CUDA, acceptance eager — timing each: SpecStats then
-    splits the round into draft / verify / other."""
+    splits the round into draft / verify / other. `resident`: an engine.resident.Resident of
+    `target`, whose cache and captured prefill (with the drafter's aux ids) the request uses."""
     if not prompt:
         raise FledgeError("generate_spec: the prompt is empty")
     spec: SpecConfig = drafter.spec
     device = next(target.parameters()).device
     size = cache_size(len(prompt), params.max_new_tokens, spec, cache_len)
-    cache = target.new_cache(1, size)
+    if resident is not None:  # the same check against the resident cache; the drafter's rows stay per request
+        cache_size(len(prompt), params.max_new_tokens, spec, resident.max_len)
+    cache = resident.cache if resident is not None else target.new_cache(1, size)
     drafter.start(1, size)
     graphs = use_cuda_graph and device.type == "cuda"
     fused = params.temperature == 0 and not phased
@@ -179,7 +182,10 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     ids = torch.tensor([prompt], device=device)
     L = len(prompt)
     cache_len_t = torch.tensor([L], device=device)
-    logits, aux = target.prefill(ids, cache, aux_ids=drafter.aux_ids, logits_idx=(cache_len_t - 1)[:, None])
+    if resident is not None:
+        logits, aux = resident.prefill(ids, drafter.aux_ids)
+    else:
+        logits, aux = target.prefill(ids, cache, aux_ids=drafter.aux_ids, logits_idx=(cache_len_t - 1)[:, None])
     root = sample_token(logits[:, 0], params, gen)
     drafter.observe(ids, aux, cache_len_t, root, torch.zeros_like(cache_len_t))
     out = [root.item()]
