@@ -58,49 +58,50 @@ def round_kernels(target, drafter, prompt) -> dict:
 @torch.no_grad()
 def prefill_profile(target, prompt, aux_ids, iters: int = 5) -> dict:
     """Where a request's time before its first step goes: one batch-1 prefill into a fresh
-    cache, as generate_ar runs it, timed on the host (synchronised) against the GPU time of its
-    kernels, with the host ops that took the most time themselves. Kernels far below the wall
-    time mean host work (dispatch, guards, allocation), which a CUDA graph would remove."""
+    cache, as generate_ar runs it without a resident, timed on the host (synchronised) and
+    interleaved with the same prompt replayed from its bucket's graph over a resident cache
+    (engine.resident; with and without aux states); then the eager one under torch.profiler:
+    the GPU time of its kernels and the host ops that took the most time themselves. Kernels
+    far below the wall time mean host work (dispatch, guards, allocation).
+    The profiler goes last: in session 8's first probe an eager prefill timed after it took
+    25.9 ms against 12.0 before (bench/results/profile_round_session8a_nvidia_h200.json)."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = next(target.parameters()).device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     ids, last = torch.tensor([prompt], device=dev), torch.tensor([[len(prompt) - 1]], device=dev)
+    res = Resident(target, 2 * len(prompt) + 64, aux_sets=[None, aux_ids])  # a bucket holds the prompt
 
-    def run():
+    def eager():
         target.prefill(ids, target.new_cache(1, len(prompt) + 64), logits_idx=last)
-    for _ in range(3):
-        run()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run()
-    sync()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / iters
+    runs = {"wall_ms": eager, "resident_wall_ms": lambda: res.prefill(ids),
+            "resident_aux_wall_ms": lambda: res.prefill(ids, aux_ids)}
+    times = {k: [] for k in runs}
+    for rep in range(4):  # interleaved, so that a drift in host speed shows in all three alike
+        for key, fn in runs.items():
+            for _ in range(2 if rep == 0 else 0):
+                fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            sync()
+            times[key].append((time.perf_counter() - t0) * 1e3 / iters)
+    out = {k: statistics.median(v[1:]) for k, v in times.items()}
+    out["all_ms"] = times
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(iters):
-            run()
+            eager()
         sync()
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
-    out = {"wall_ms": wall_ms, "kernel_ms": sum(e.time_range.elapsed_us() for e in gpu) / iters / 1e3,
-           "launches": round(len(gpu) / iters),
-           "top_host_ops": [[e.key[:80], round(e.count / iters), e.self_cpu_time_total / iters / 1e3] for e in host]}
-    # The same prefill replayed from its bucket's graph over the resident cache (engine.resident)
-    res = Resident(target, len(prompt) + 64, aux_sets=[None, aux_ids])
-    for key in (None, aux_ids):
-        for _ in range(3):
-            res.prefill(ids, key)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            res.prefill(ids, key)
-        sync()
-        out["resident_wall_ms" if key is None else "resident_aux_wall_ms"] = (time.perf_counter() - t0) * 1e3 / iters
-    print(f"  prefill of {len(prompt)} tokens: {wall_ms:.2f} ms wall, {out['kernel_ms']:.2f} ms of kernels in "
-          f"{out['launches']} launches; resident (graph of its bucket) {out['resident_wall_ms']:.2f} ms, with aux "
-          f"{out['resident_aux_wall_ms']:.2f}; host ops by self time (ms/prefill):")
+    out.update({"kernel_ms": sum(e.time_range.elapsed_us() for e in gpu) / iters / 1e3,
+                "launches": round(len(gpu) / iters),
+                "top_host_ops": [[e.key[:80], round(e.count / iters), e.self_cpu_time_total / iters / 1e3] for e in host]})
+    print(f"  prefill of {len(prompt)} tokens: {out['wall_ms']:.2f} ms wall eager, resident (its bucket's graph) "
+          f"{out['resident_wall_ms']:.2f} ms, with aux {out['resident_aux_wall_ms']:.2f}; eager: {out['kernel_ms']:.2f} ms "
+          f"of kernels in {out['launches']} launches; host ops by self time (ms/prefill):")
     for name, n, ms in out["top_host_ops"][:8]:
         print(f"    {ms:7.3f} {n:5d}x  {name}")
     return out
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
     _, ar = generate_ar(target, [prompt], params, [])
     ar_ms = ar["decode_ms"] / ar["decode_steps"]
     check = few_rows_check(hf, target, dt, dev, prompt) if args.few_rows else {}
-    prefill = prefill_profile(target, prompt, tuple(draft.cfg.aux_layer_ids)) if args.kernels and dev.type == "cuda" else {}
+    profiled = []
     shapes = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["7,1,8", "5,4,16", "8,8,64"])]
     rows = [{"config": "AR", "ms": ar_ms}]
     print(f"AR: {ar_ms:.3f} ms/step ({'compiled' if args.compile else 'eager'} layers)")
@@ -235,11 +236,15 @@ def main(argv=None) -> int:
                    "other_ms": med(ph.other_ms)}
             row["break_even_accept"] = row["round_ms"] / ar_ms  # accept length at which the round pays
             if args.kernels and compiled and not fresh and dev.type == "cuda":
-                row["kernels"] = round_kernels(target, drafter, prompt)
                 row["round_gap"] = round_gap(target, drafter, prompt)
+                profiled.append((row, drafter))  # torch.profiler after every timing: see prefill_profile
             rows.append(row)
             print(f"{row['config']:>10} {('fresh' if fresh else 'compiled') if compiled else 'eager':>9} {row['round_ms']:>9.3f} {row['draft_ms']:>7.3f} "
                   f"{row['verify_ms']:>7.3f} {row['other_ms']:>7.3f} {row['break_even_accept']:>18.2f} {row['prefill_ms']:>11.1f}")
+    for row, drafter in profiled:
+        print(f"kernels of {row['config']}:")
+        row["kernels"] = round_kernels(target, drafter, prompt)
+    prefill = prefill_profile(target, prompt, tuple(draft.cfg.aux_layer_ids)) if args.kernels and dev.type == "cuda" else {}
     fresh_prompts = {}
     if args.prompt_lens:  # one request per new length: mean prefill ms, AR and each drafter config
         g = torch.Generator().manual_seed(3)

@@ -157,6 +157,27 @@ def test_greedy_spec_equals_ar(family):
     assert out == ar_eos and out[-1] == eos[0]
 
 
+def test_rounds_queued_ahead_stay_inside_an_exact_cache():
+    """With the cache exactly prompt + max_new_tokens + num_draft_tokens slots and an oracle
+    that fills every round, the round queued ahead of the host (spec.Ahead) must wait where it
+    could overrun the cache (an index error here); the text, accepted counts and round count
+    are those of the unqueued phased rounds."""
+    hf, target, draft = tiny_setup("llama", vocab=32, initializer_range=0.15)
+    prompt = torch.randint(0, 32, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    longer = generate_ar(target, [prompt], SamplingParams(temperature=0.0, max_new_tokens=32), eos_ids=[])[0][0]
+    for new in (16, 17, 21):
+        params = SamplingParams(temperature=0.0, max_new_tokens=new)
+        ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
+        assert ar == longer[:new]
+        spec = SpecConfig(4, 1, 5)
+        exact = len(prompt) + new + spec.num_draft_tokens
+        # The oracle knows text past max_new_tokens: a round queued after the last needed one would fill up.
+        for drafter in (OracleDrafter(spec, [prompt + longer]), Eagle3Drafter(draft, SpecConfig(3, 3, 9), target)):
+            fused, fs = generate_spec(target, drafter, prompt, params, eos_ids=[], cache_len=exact + drafter.spec.num_draft_tokens - 5)
+            phased, ps = generate_spec(target, drafter, prompt, params, eos_ids=[], phased=True)
+            assert fused == phased == ar and fs.accepted == ps.accepted and len(fs.round_ms) == fs.steps
+
+
 def test_fused_rounds_equal_phased_rounds():
     """The fused round (one graph on CUDA) and the phased one (each step apart, timed) are the
     same algorithm: same tokens, same accepted counts, for device and host drafters."""
@@ -229,6 +250,9 @@ def test_eagle_draft_cache_matches_recompute():
     generated, stats = generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=20), eos_ids=[])
     assert sum(stats.accepted) > 0  # some rounds moved the cache by more than one token
     to_target = draft.target_ids()
+    # A round queued past the end (spec.Ahead) proposes from a context the output does not hold.
+    rounds = [r for r in rounds if r[0] + 1 <= len(prompt + generated)]
+    assert len(rounds) >= stats.steps
     with torch.no_grad():
         for L, last, proposed in rounds:
             ctx = (prompt + generated)[:L + 1]  # the verified tokens and the root
