@@ -255,6 +255,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
         done = any(t in eos for t in new)
         stats.accepted.append(accepted)
     t_end = clock.now()  # after any round queued past the end: its time counts
+    clock.wait(t_end)
 
     marks = marks[:len(stats.accepted)]
     out = cut_at_eos(out[:params.max_new_tokens], eos)

@@ -25,6 +25,11 @@ class Clock:
         event.record()
         return event
 
+    def wait(self, mark) -> None:
+        """Until the GPU has passed `mark` (ms needs both ends done)."""
+        if self.cuda:
+            mark.synchronize()
+
     def ms(self, start, end) -> float:
         return start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
 
