@@ -4,14 +4,10 @@
 
 Configs: HF generate (eager; static cache, auto-compiled, GPU only; --skip-hf leaves them out),
 engine AR, oracle chain (the engine's ceiling), n-gram, EAGLE-3 chain 7 and one row per --tree
-(with --drafter). Engine rows keep one cache per target across requests and replay the prefill
-from a graph per prompt-length bucket (engine.resident); "eager prefill" rows show AR and the
-oracle with a fresh cache and an eager prefill per request (--eager-prefill: every row so).
---compile compiles the engine's layer functions for every engine row, the AR baseline included,
-and the drafter; it adds AR rows uncompiled, compiled but attending through SDPA over attention
-spans instead of the prefix kernel, and with the prefix kernel's splits merged by a second
-kernel (variants, not baselines: what each part buys; the matmul and mem-efficient SDPA
-variants of session 4 lost, see NOTES.md). Ratios are against engine AR from the
+(with --drafter). --compile compiles the engine's layer functions for every engine row, the AR
+baseline included, and the drafter; it adds AR rows uncompiled, and compiled but attending
+through SDPA over attention spans instead of the prefix kernel (variants, not baselines: what
+each part buys; the matmul and mem-efficient SDPA variants of session 4 lost, see NOTES.md). Ratios are against engine AR from the
 same run — HF rows against engine AR on the same prompts (--hf-prompts runs HF on fewer); `match_ar` counts prompts
 whose output equals engine AR's token for token (exact in fp32; in bf16 a verify over many
 tokens rounds differently from a 1-token step, so near-ties may flip). Prints a table and
@@ -21,8 +17,6 @@ writes bench/results/engine_<device>.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import re
 import sys
 import time
@@ -33,7 +27,6 @@ from tqdm import tqdm
 from transformers import StaticCache
 
 from fledge.bench import load_prompts
-from fledge.engine.attention import prefix_attention
 from fledge.engine.cli import eos_ids, load_drafter, pick_device, pick_dtype
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
@@ -160,10 +153,6 @@ def bench(args) -> dict:
         # and compiled, but with decode attention through SDPA over spans (session 4's engine)
         spans = build_engine_target(t.model, dtype, device, fns=compiled(prefix_kernel=False))
         configs["engine AR (SDPA over spans)"] = ar_runner(spans, eos, graphs, resident(spans))
-        # and with the prefix attention's splits merged by a second kernel (before session 8)
-        two = build_engine_target(t.model, dtype, device, fns=dataclasses.replace(
-            compiled(), prefix_attention=functools.partial(prefix_attention, merge_in_kernel=False)))
-        configs["engine AR (merge kernel)"] = ar_runner(two, eos, graphs, resident(two))
         if args.gemv_rows:  # and with every matmul through cuBLAS
             cublas = build_engine_target(t.model, dtype, device, fns=compiled(gemv_rows=0, few_rows=0))
             configs["engine AR (cuBLAS matmuls)"] = ar_runner(cublas, eos, graphs, resident(cublas))

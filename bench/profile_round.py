@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import re
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
-from fledge.engine.attention import Prefix, prefix_attention
+from fledge.engine.attention import Prefix
 from fledge.engine.drafters import DraftInput, Eagle3Drafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
@@ -172,26 +171,6 @@ def few_rows_check(hf, target, dt, dev, prompt, widths=(2, 8, 16)) -> dict:
     return out
 
 
-@torch.no_grad()
-def merge_check(dev, dt, slots: int = 1024, widths=(1, 8, 64)) -> dict:
-    """The prefix kernel with its splits merged by the last split to finish against the same
-    call with the second merge kernel, at SmolLM2's attention shapes on random inputs: equal to
-    the bit (True), as on the CPU's interpreter, or not."""
-    g = torch.Generator(device=dev).manual_seed(5)
-    out = {}
-    for T in widths:
-        q = torch.randn(1, 3, 3 * T, 64, device=dev, dtype=dt, generator=g)
-        k, v = (torch.randn(1, 3, slots, 64, device=dev, dtype=dt, generator=g) for _ in "kv")
-        kn, vn = (torch.randn(1, 3, T, 64, device=dev, dtype=dt, generator=g) for _ in "kv")
-        lengths = torch.randint(0, slots - T, (1,), device=dev, generator=g)
-        prefix = Prefix(lengths, torch.ones(1, T, T, dtype=torch.bool, device=dev).tril())
-        two = prefix_attention(q, kn, vn, k.clone(), v.clone(), prefix, merge_in_kernel=False)
-        one = [prefix_attention(q, kn, vn, k.clone(), v.clone(), prefix) for _ in range(3)]
-        out[T] = all(torch.equal(o, two) for o in one)
-    print(f"  in-kernel merge equals the merge kernel to the bit at {slots} slots: {out}")
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tree", action="append", help="STEPS,TOPK,NUM_DRAFT_TOKENS (default: chain 7, 5,4,16, 8,8,64)")
@@ -207,8 +186,6 @@ def main(argv=None) -> int:
                                                                "as reductions (model.linear)")
     p.add_argument("--few-rows", type=int, default=0, help="with --compile: forwards of more than --gemv-rows and at "
                                                            "most this many rows through engine.few_rows' kernels")
-    p.add_argument("--merge-kernel", action="store_true", help="with --compile: the prefix attention's splits merged by "
-                                                               "a second kernel (before session 8), not by the last split")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
                    help="drafter bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
     p.add_argument("--kernels", action="store_true", help="also a prefill's host and GPU time, and each config's propose and verify kernels "
@@ -225,8 +202,6 @@ def main(argv=None) -> int:
     fns = LayerFns.compiled(args.mode, prefix_kernel=not args.no_prefix_kernel, gemv_rows=args.gemv_rows,
                             few_rows=args.few_rows) \
         if args.compile else LayerFns()
-    if args.merge_kernel:
-        fns = dataclasses.replace(fns, prefix_attention=functools.partial(prefix_attention, merge_in_kernel=False))
     target = build_engine_target(hf, dt, dev, fns=fns)
     torch.manual_seed(1)
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config, draft_vocab_size=16384), hf,
@@ -238,7 +213,6 @@ def main(argv=None) -> int:
     ar_ms = ar["decode_ms"] / ar["decode_steps"]
     check = few_rows_check(hf, target, dt, dev, prompt) if args.few_rows else {}
     profiled = []
-    merged = merge_check(dev, dt) if dev.type == "cuda" else {}
     shapes = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["7,1,8", "5,4,16", "8,8,64"])]
     rows = [{"config": "AR", "ms": ar_ms}]
     print(f"AR: {ar_ms:.3f} ms/step ({'compiled' if args.compile else 'eager'} layers)")
@@ -291,7 +265,7 @@ def main(argv=None) -> int:
     atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": str(dt).removeprefix("torch."),
                             "compiled_layers": args.compile, "compile_mode": args.mode,
                             "prefix_kernel": getattr(target, "prefix_kernel", False), "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
-                            "few_rows": args.few_rows, "merge_kernel": args.merge_kernel, "merge_check": merged,
+                            "few_rows": args.few_rows,
                             "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "ar_ms_per_step": ar_ms, "rows": rows,
                             "new_prompt_lengths": fresh_prompts, "few_rows_check": check,

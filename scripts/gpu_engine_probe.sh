@@ -18,14 +18,6 @@ part() {  # part NAME CMD...: run, log to $OUT/NAME.log, remember a failure
     [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("$name")
 }
 # Session 8: where a prefill's time goes, eager against its resident graph (engine.resident),
-# each fused round's host gap (back-to-back replays against one host read a round), and the
-# rounds as generate_spec now runs them (the next one queued before the host reads the last).
-# Both with the prefix attention's splits merged by the last split to finish (the default since
-# session 8) and by a second kernel (before).
-trees=(--tree 7,1,8 --tree 5,4,16)
-part round python3 bench/profile_round.py --compile --kernels "${trees[@]}" --out "$OUT/profile_round.json"
-part round_merge_kernel python3 bench/profile_round.py --compile --kernels --merge-kernel "${trees[@]}" \
-    --out "$OUT/profile_round_merge_kernel.json"
-# and with o_proj through engine.few_rows (session 7: verify -3%, rounds within that session's noise)
-part round_few_rows python3 bench/profile_round.py --compile --few-rows 16 "${trees[@]}" --out "$OUT/profile_round_few_rows.json"
+# and each fused round's host gap (back-to-back replays against one host read a round).
+part round python3 bench/profile_round.py --compile --kernels --tree 7,1,8 --tree 5,4,16 --out "$OUT/profile_round.json"
 (( ${#failed[@]} == 0 )) || { echo "failed: ${failed[*]}"; exit 1; }

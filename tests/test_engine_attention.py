@@ -54,26 +54,6 @@ def test_kernel_equals_sdpa_on_random_masks(B, n_kv, G, T, S, D):
     assert torch.equal(k, k_want) and torch.equal(v, v_want)  # the kernel wrote the new slots, nothing else
 
 
-@pytest.mark.parametrize("B,n_kv,G,T,S", [(1, 3, 3, 1, 384), (1, 1, 4, 20, 300), (2, 1, 3, 8, 256)])
-def test_merge_in_kernel_equals_merge_kernel_to_the_bit(B, n_kv, G, T, S):
-    """The last split to arrive merges (prefix_attention's default) against the second merge
-    kernel: the same output bit for bit, over several splits and, at G*T = 80 rows, two row
-    blocks; the counters are back at zero after every call, so one prefix serves many."""
-    g = torch.Generator().manual_seed(S + T)
-    D = 16
-    q, k, v = (torch.randn(B, n_kv, n, D, generator=g) for n in (G * T, S, S))
-    k_new, v_new = (torch.randn(B, n_kv, T, D, generator=g) for _ in "kv")
-    lengths = torch.randint(0, S - T + 1, (B,), generator=g)
-    causal = Prefix(lengths, torch.ones(B, T, T, dtype=torch.bool).tril())
-    prefix = causal.for_kernel(Prefix.counters_for(B, n_kv, G * T))
-    two = prefix_attention(q, k_new, v_new, k.clone(), v.clone(), prefix, merge_in_kernel=False)
-    for _ in range(2):
-        one = prefix_attention(q, k_new, v_new, k.clone(), v.clone(), prefix)
-        assert torch.equal(one, two) and not prefix.arrivals.any()
-    want, _, _ = reference(q, k_new, v_new, k, v, causal)
-    torch.testing.assert_close(one.double(), want, atol=1e-5, rtol=1e-5)
-
-
 def test_kernel_reads_nothing_past_a_rows_slots():
     """Slots past lengths + T hold garbage (NaN): they must not leak in."""
     B, n_kv, G, T, S, D = 2, 2, 2, 3, 96, 16

@@ -38,20 +38,11 @@ class Prefix:
 
     lengths: torch.Tensor
     local: torch.Tensor
-    arrivals: torch.Tensor | None = None  # int32 zeros: the kernel's split counters (see prefix_attention)
 
-    def for_kernel(self, counters: int = 0) -> "Prefix":
-        """The dtypes the kernel reads (int32 lengths, int8 local) and `counters` zeroed split
-        counters: made once per forward, not once per layer (a kernel each). Every layer's
-        kernel leaves its counters at zero again, so the layers share them."""
-        arrivals = torch.zeros(counters, dtype=torch.int32, device=self.lengths.device) if counters else None
-        return Prefix(self.lengths.to(torch.int32), self.local.to(torch.int8), arrivals)
-
-    @staticmethod
-    def counters_for(batch: int, n_kv: int, query_rows: int) -> int:
-        """Split counters a kernel call over `query_rows` rows per kv head can use: one per
-        (row, kv head, block of at least 16 query rows)."""
-        return batch * n_kv * -(-query_rows // 16)
+    def for_kernel(self) -> "Prefix":
+        """The dtypes the kernel reads (int32 lengths, int8 local): convert once per forward,
+        not once per layer (two copy kernels each)."""
+        return Prefix(self.lengths.to(torch.int32), self.local.to(torch.int8))
 
     @classmethod
     def causal_decode(cls, lengths: torch.Tensor) -> "Prefix":
@@ -118,45 +109,19 @@ if triton is not None:
         return m_new, den * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
     @triton.jit
-    def _merge_rows(PART, ML, OUT, rows, rmask, n_split, R, D: tl.constexpr, NS: tl.constexpr):
-        """Rescale each split's sum to the global max and normalise into OUT (rows x D,
-        contiguous). PART: this kv head's partial sums [n_split, R, D]; ML: its running max and
-        denominator [n_split, 2, R]. The loop over splits is unrolled (NS >= n_split), so its
-        loads do not wait for one another; it adds the splits in their order, whoever merges.
-        Loads skip L1 (.cg): other programs wrote these."""
-        d = tl.arange(0, D)
-        sp = tl.arange(0, NS)
-        smask = (sp < n_split)[:, None] & rmask[None, :]
-        m_all = tl.load(ML + sp[:, None] * 2 * R + rows[None, :], mask=smask, other=-1e30, cache_modifier=".cg")
-        m = tl.max(m_all, 0)
-        den_all = tl.load(ML + sp[:, None] * 2 * R + R + rows[None, :], mask=smask, other=0.0, cache_modifier=".cg")
-        den = tl.sum(tl.exp(m_all - m[None, :]) * den_all, 0)
-        acc = tl.zeros([rows.shape[0], D], tl.float32)
-        for s in tl.static_range(NS):
-            live = rmask & (tl.full(rows.shape, s, tl.int32) < n_split)
-            w = tl.exp(tl.load(ML + s * 2 * R + rows, mask=live, other=-1e30, cache_modifier=".cg") - m)
-            part = tl.load(PART + s * R * D + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
-                           cache_modifier=".cg")
-            acc += w[:, None] * part
-        tl.store(OUT + rows[:, None] * D + d[None, :], (acc / tl.where(rmask, den, 1.0)[:, None]).to(OUT.dtype.element_ty),
-                 mask=rmask[:, None])
-
-    @triton.jit
-    def _attend_split(Q, KN, VN, K, V, LENS, LOCAL, O, ML, OUT, ARRIVALS,
+    def _attend_split(Q, KN, VN, K, V, LENS, LOCAL, O, ML,
                       sq_b, sq_h, sq_r, skn_b, skn_h, skn_t, svn_b, svn_h, svn_t,
                       sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sl_b, sl_t, sl_j,
                       so_b, so_h, so_s, so_r, n_kv, R, T, S, chunk, scale,
                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                      FINAL: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr, NS: tl.constexpr):
+                      FINAL: tl.constexpr, IEEE: tl.constexpr):
         """One program: query rows [rb*BLOCK_R, +BLOCK_R) of kv head h of row b (query row r is
         new token r % T) over slots [split*chunk, +chunk) up to the row's length + T: the cached
         ones, seen by every row, and the T new tokens at length + j, whose K/V come from KN/VN
         (this step's projection) and are seen as `local` says; the first row block writes
         them into the cache.
         FINAL: the only split, so the output is normalised and stored in O's dtype; else O gets
-        the unnormalised fp32 sum and ML the running max and denominator, merged into OUT by
-        _merge_splits or, with MERGE, by the row block's last split to arrive (its counter in
-        ARRIVALS, left at zero for the next call)."""
+        the unnormalised fp32 sum and ML the running max and denominator, for _merge_splits."""
         bh, rb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // n_kv, bh % n_kv
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -198,32 +163,38 @@ if triton is not None:
             ml = ML + ((b * n_kv + h) * tl.num_programs(2) + sp) * 2 * R
             tl.store(ml + rows, m, mask=rmask)
             tl.store(ml + R + rows, den, mask=rmask)
-            if MERGE:
-                tl.debug_barrier()  # every thread's stores done before this split counts as arrived
-                counter = ARRIVALS + bh * tl.num_programs(1) + rb
-                if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-                    _merge_rows(O + b * so_b + h * so_h, ML + (b * n_kv + h) * tl.num_programs(2) * 2 * R,
-                                OUT + bh * R * D, rows, rmask, tl.num_programs(2), R, D, NS)
-                    tl.atomic_xchg(counter, 0)
 
     @triton.jit
     def _merge_splits(PART, ML, O, n_split, R, BLOCK_R: tl.constexpr, D: tl.constexpr, NS: tl.constexpr):
-        """_merge_rows as its own kernel: program bh is row b's kv head h, as in _attend_split."""
+        """Rescale each split's sum to the global max and normalise into O [B, n_kv, R, D]
+        (contiguous; program bh is row b's kv head h, as in _attend_split). The loop over the
+        splits is unrolled (NS >= n_split): its loads do not wait for one another."""
         bh, rb = tl.program_id(0), tl.program_id(1)
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-        _merge_rows(PART + bh * n_split * R * D, ML + bh * n_split * 2 * R, O + bh * R * D, rows, rows < R, n_split, R, D, NS)
+        rmask = rows < R
+        d = tl.arange(0, D)
+        ml = ML + bh * n_split * 2 * R
+        sp = tl.arange(0, NS)
+        smask = (sp < n_split)[:, None] & rmask[None, :]
+        m_all = tl.load(ml + sp[:, None] * 2 * R + rows[None, :], mask=smask, other=-1e30)  # [NS, BLOCK_R]
+        m = tl.max(m_all, 0)
+        den = tl.sum(tl.exp(m_all - m[None, :]) * tl.load(ml + sp[:, None] * 2 * R + R + rows[None, :], mask=smask, other=0.0), 0)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for s in tl.static_range(NS):
+            live = rmask & (tl.full([BLOCK_R], s, tl.int32) < n_split)
+            w = tl.exp(tl.load(ml + s * 2 * R + rows, mask=live, other=-1e30) - m)
+            part = tl.load(PART + (bh * n_split + s) * R * D + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+            acc += w[:, None] * part
+        tl.store(O + bh * R * D + rows[:, None] * D + d[None, :], (acc / tl.where(rmask, den, 1.0)[:, None]).to(O.dtype.element_ty),
+                 mask=rmask[:, None])
 
 
-def prefix_attention(q, k_new, v_new, k_cache, v_cache, prefix: Prefix, merge_in_kernel: bool = True) -> torch.Tensor:
+def prefix_attention(q, k_new, v_new, k_cache, v_cache, prefix: Prefix) -> torch.Tensor:
     """Write this step's K/V into the cache and attend. q [B, n_kv, G*T, D] (query row r of a kv
     head is new token r % T, as model.attn_in lays out GQA); k_new/v_new [B, n_kv, T, D], any
     strides but the last; k_cache/v_cache [B, n_kv, S, D], one layer's cache, which gets the new
     tokens at slots lengths + 0..T-1. Returns [B, n_kv, G*T, D] in q's dtype. No host sync and
-    static shapes: CUDA-graph safe.
-
-    `merge_in_kernel`: the last split of each row block to finish merges them all, counted in
-    `prefix.arrivals` (made here when the prefix has too few: a zeroing kernel per call), instead
-    of a second kernel. The same sums in the same order: the output is the same to the bit."""
+    static shapes: CUDA-graph safe."""
     B, n_kv, R, D = q.shape
     S, T = k_cache.shape[2], prefix.local.shape[1]
     q, k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_new, v_new))
@@ -237,21 +208,17 @@ def prefix_attention(q, k_new, v_new, k_cache, v_cache, prefix: Prefix, merge_in
     part = out if final else torch.empty(B, n_kv, n_split, R, D, dtype=torch.float32, device=q.device)
     ml = part if final else torch.empty(B, n_kv, n_split, 2, R, dtype=torch.float32, device=q.device)
     so = (out.stride(0), out.stride(1), 0, out.stride(2)) if final else part.stride()[:4]
-    n_rb = -(-R // block_r)
-    merge = merge_in_kernel and not final
-    if prefix.lengths.dtype != torch.int32 or prefix.local.dtype != torch.int8 or \
-            (merge and (prefix.arrivals is None or prefix.arrivals.numel() < B * n_kv * n_rb)):
-        prefix = prefix.for_kernel(B * n_kv * n_rb if merge else 0)
+    if prefix.lengths.dtype != torch.int32 or prefix.local.dtype != torch.int8:
+        prefix = prefix.for_kernel()
     local, lengths = prefix.local, prefix.lengths
-    ns = triton.next_power_of_2(n_split)
-    _attend_split[(B * n_kv, n_rb, n_split)](
-        q, k_new, v_new, k_cache, v_cache, lengths, local, part, ml, out, prefix.arrivals if merge else lengths,
+    _attend_split[(B * n_kv, -(-R // block_r), n_split)](
+        q, k_new, v_new, k_cache, v_cache, lengths, local, part, ml,
         q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
         v_new.stride(0), v_new.stride(1), v_new.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), local.stride(0), local.stride(1), local.stride(2),
         *so, n_kv, R, T, S, chunk, D ** -0.5,
-        BLOCK_R=block_r, BLOCK_N=BLOCK_N, D=D, FINAL=final, IEEE=q.dtype == torch.float32, MERGE=merge, NS=ns,
-        num_warps=4)
-    if not final and not merge:
-        _merge_splits[(B * n_kv, -(-R // merge_r))](part, ml, out, n_split, R, BLOCK_R=merge_r, D=D, NS=ns, num_warps=4)
+        BLOCK_R=block_r, BLOCK_N=BLOCK_N, D=D, FINAL=final, IEEE=q.dtype == torch.float32, num_warps=4)
+    if not final:
+        _merge_splits[(B * n_kv, -(-R // merge_r))](part, ml, out, n_split, R, BLOCK_R=merge_r, D=D,
+                                                    NS=triton.next_power_of_2(n_split), num_warps=4)
     return out

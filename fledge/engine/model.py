@@ -409,9 +409,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         if isinstance(mask, Prefix):
             if self.prefix_kernel:
-                B, T = input_ids.shape
-                kernel = self.fns.prefix_attention
-                mask = mask.for_kernel(Prefix.counters_for(B, self.args.n_kv_heads, T * self.args.n_heads // self.args.n_kv_heads))
+                kernel, mask = self.fns.prefix_attention, mask.for_kernel()
 
                 def attention(i, q, k, v):  # the kernel writes the cache itself, at lengths + t
                     return kernel(q, k, v, cache.kv[i][0], cache.kv[i][1], mask)
