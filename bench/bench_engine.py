@@ -237,7 +237,7 @@ def main(argv=None) -> int:
                    help="a fresh cache and an eager prefill per request (no engine.resident; no eager-prefill rows)")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
                    help="the drafter's tree bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
-    p.add_argument("--few-rows", type=int, default=0,
+    p.add_argument("--few-rows", type=int, default=16,
                    help="with --compile: forwards of more than --gemv-rows and at most this many rows through "
                         "engine.few_rows' Triton kernels (verify steps)")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS,

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
                                                                    "through SDPA's dense masks, not the prefix kernel")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS, help="with --compile: matmuls of at most this many rows "
                                                                "as reductions (model.linear)")
-    p.add_argument("--few-rows", type=int, default=0, help="with --compile: forwards of more than --gemv-rows and at "
+    p.add_argument("--few-rows", type=int, default=16, help="with --compile: forwards of more than --gemv-rows and at "
                                                            "most this many rows through engine.few_rows' kernels")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
                    help="drafter bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")

@@ -134,7 +134,7 @@ def test_compiled_batched_decode_equals_eager():
     from fledge.engine.model import LayerFns
     hf = make_tiny("llama", seed=6)
     eager = build_engine_target(hf, torch.float32, "cpu")
-    fns, calls = LayerFns.compiled(decode_attention_min_rows=4, prefix_kernel=False), []
+    fns, calls = LayerFns.compiled(decode_attention_min_rows=4, prefix_kernel=False, few_rows=0), []
 
     def counted(*a):
         calls.append(a[0].shape[0])
@@ -182,7 +182,7 @@ def test_compiled_gemv_layers_equal_eager(family):
     from fledge.engine.model import LayerFns
     hf = make_tiny(family, seed=7)
     eager = build_engine_target(hf, torch.float32, "cpu")
-    gemv = build_engine_target(hf, torch.float32, "cpu", fns=LayerFns.compiled(prefix_kernel=False, gemv_rows=4))
+    gemv = build_engine_target(hf, torch.float32, "cpu", fns=LayerFns.compiled(prefix_kernel=False, gemv_rows=4, few_rows=0))
     g = torch.Generator().manual_seed(14)
     prompts = [torch.randint(0, 301, (int(n),), generator=g).tolist() for n in (7, 3, 11, 5, 9)]
     params = SamplingParams(max_new_tokens=10)

@@ -458,3 +458,21 @@ def test_topk_forms_equal_torch_topk():
     ties = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])  # ties go to the lower index
     for topk in (topk_by_max, topk_by_rank):
         assert topk(ties, 3)[1].tolist() == [[1, 2, 4]]
+
+
+def test_compiled_accept_equals_eager_with_ties():
+    """The fused round's compiled acceptance (spec.accept_greedy through torch.compile, as on
+    CUDA) against eager on random trees whose logits tie often (values 0-2 over 7 tokens): the
+    same bonus, path, counts and aux rows, so ties break to the lowest token id in both."""
+    from fledge.engine.spec import accept_greedy, accept_greedy_compiled
+    g = torch.Generator().manual_seed(11)
+    for trial in range(4):
+        B, V, N = 2, 7, 9
+        parents = torch.tensor([int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)])  # node i's parent < i
+        tree = make_tree(torch.randint(0, V, (B,), generator=g), torch.randint(0, V, (B, N - 1), generator=g),
+                         parents.expand(B, -1))
+        logits = torch.randint(0, 3, (B, N, V), generator=g).float()
+        aux = torch.randn(B, N, 5, generator=g)
+        args = (logits, tree.tokens, tree.parents, tree.depth, tree.anc, aux, 4)
+        for want, got in zip(accept_greedy(*args), accept_greedy_compiled(*args)):
+            assert torch.equal(want, got), trial

@@ -199,7 +199,7 @@ def prefix_attention(q, k_new, v_new, k_cache, v_cache, prefix: Prefix) -> torch
     S, T = k_cache.shape[2], prefix.local.shape[1]
     q, k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_new, v_new))
     block_r = min(64, max(16, triton.next_power_of_2(R)))
-    merge_r = 16  # the merge's tile holds every split: keep its rows few
+    merge_r = 4  # the merge's tile holds every split: few rows a program, more programs for a verify's rows
     n_split = min(MAX_SPLITS, _splits(B * n_kv, S, q.device))
     chunk = -(-(-(-S // n_split)) // BLOCK_N) * BLOCK_N
     n_split = -(-S // chunk)

@@ -154,6 +154,9 @@ def linear(x, w, b, gemv_rows: int = 0):
     return F.linear(x, w, b)
 
 
+VERIFY_ROWS = 64  # new tokens up to which attn_in lays q and k out in one buffer (verify steps)
+
+
 def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: float, n_heads: int, n_kv: int,
             gemv_rows: int = 0):
     """Residual add of the previous layer's MLP output (`delta`; None in layer 0), attention
@@ -172,8 +175,15 @@ def attn_in(x, delta, norm_w, wqkv, bqkv, q_norm_w, k_norm_w, cos, sin, eps: flo
     if q_norm_w is not None:
         qk = torch.cat([rms_norm(qk[:, :, :n_heads], q_norm_w, eps), rms_norm(qk[:, :, n_heads:], k_norm_w, eps)], dim=2)
     qk = apply_rope(qk, cos, sin)  # q and k at once: eager, that is half the rope kernels
-    q = qk[:, :, :n_heads].transpose(1, 2).reshape(B, n_kv, (n_heads // n_kv) * T, D)
-    return x, q, qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
+    G, k = n_heads // n_kv, qk[:, :, n_heads:].transpose(1, 2)
+    q = qk[:, :, :n_heads].transpose(1, 2).reshape(B, n_kv, G * T, D)
+    if 1 < T <= VERIFY_ROWS:
+        # A verify's q rows and k of each kv head in one buffer: compiled, the rope writes both in
+        # one kernel, where q apart (copied into its row layout) and k took one each. (A decode
+        # step's q is a view already; a prefill's attention reshapes q back into heads.)
+        rows = torch.cat([q, k], dim=2)
+        q, k = rows[:, :, :G * T], rows[:, :, G * T:]
+    return x, q, k, v.transpose(1, 2)
 
 
 def attn_out(x, o, wo, bo, norm_w, w13, b13, w2, b2, eps: float, gemv_rows: int = 0):
@@ -272,7 +282,7 @@ class LayerFns:
 
     @classmethod
     def compiled(cls, mode: str | None = None, decode_attention_min_rows: int = DECODE_ATTENTION_MIN_ROWS,
-                 prefix_kernel: bool = True, gemv_rows: int = GEMV_ROWS, few_rows: int = 0) -> "LayerFns":
+                 prefix_kernel: bool = True, gemv_rows: int = GEMV_ROWS, few_rows: int = fr.MAX_ROWS) -> "LayerFns":
         """`mode`: torch.compile's (e.g. "max-autotune-no-cudagraphs": Triton GEMM templates
         with fused epilogues, autotuned per shape; the engine captures its own graphs).
         `decode_attention_min_rows`: row groups from this size decode through the matmul
@@ -280,7 +290,10 @@ class LayerFns:
         `prefix_kernel`: decode and verify steps attend through attention.prefix_attention
         (on a GPU, for head sizes it takes). `gemv_rows`: see `linear` (0: cuBLAS always).
         `few_rows`: forwards of more than `gemv_rows` and at most this many rows run o_proj as
-        engine.few_rows' kernel (0: none; at most few_rows.MAX_ROWS)."""
+        engine.few_rows' kernel (0: none; at most few_rows.MAX_ROWS). On the H200 (random weights,
+        session 8, rounds queued ahead of the host) it took 0.04 ms off a verify and a round:
+        chain 7 1.804 against 1.844 ms, (5,4,16) 1.802 against 1.846
+        (bench/results/profile_round_few_rows_session8_nvidia_h200.json against profile_round_session8_nvidia_h200.json)."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
         # back to eager after the eighth.
@@ -454,7 +467,7 @@ class Transformer(nn.Module):
                 cache.kv[i][0, where, :, :T] = k
                 cache.kv[i][1, where, :, :T] = v
             k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))  # plain heads: flash takes no GQA here
-            return F.scaled_dot_product_attention(q.view(B, -1, T, q.shape[-1]), k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q.reshape(B, -1, T, q.shape[-1]), k, v, is_causal=True)
 
         with one_off_attention() if cache is not None else contextlib.nullcontext():
             return self._run(LayerFns(), x, cos, sin, attention, aux_ids, logits_idx, hidden_only)

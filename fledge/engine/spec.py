@@ -82,11 +82,29 @@ def compact(cache, cache_len: torch.Tensor, path: torch.Tensor) -> None:
 def keep_path(cache, tree: Tree, best: torch.Tensor, start: torch.Tensor, aux, length: int):
     """After verification: move the accepted path root → best into the cache (compact) and
     return (n = its nodes, accepted + 1; its tokens [B, length]; its aux states or None)."""
-    path = path_to(best, tree, length)
+    path, n, tokens, aux = path_of(tree, best, aux, length)
     compact(cache, start, path)
+    return n, tokens, aux
+
+
+def path_of(tree: Tree, best, aux, length: int):
+    """(path node indices [B, length], n = its nodes, its tokens, its aux states or None)."""
+    path = path_to(best, tree, length)
     n = tree.depth.gather(1, best[:, None])[:, 0] + 1
     aux = None if aux is None else aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
-    return n, tree.tokens.gather(1, path), aux
+    return path, n, tree.tokens.gather(1, path), aux
+
+
+def accept_greedy(logits, tokens, parents, depth, anc, aux, length: int):
+    """verify_greedy and path_of in one function, which the fused round compiles on CUDA: ~20
+    small eager kernels a round (argmax, compares, the path's scatter and gathers) become a few.
+    Returns (bonus, path, n, path tokens, path aux or None)."""
+    tree = Tree(tokens, parents, depth, anc)
+    best, bonus = verify_greedy(logits, tree)
+    return (bonus, *path_of(tree, best, aux, length))
+
+
+accept_greedy_compiled = torch.compile(accept_greedy, fullgraph=True, dynamic=False)
 
 
 @dataclass
@@ -123,12 +141,13 @@ def fused_round(target, cache, drafter, state: RoundState, use_graph: bool):
     a few times (each from cache_len 0, so it stays inside the cache), so it is built before the
     prefill, which rewrites everything those runs touched; the caller then sets `state`."""
     D = drafter.spec.path_len
+    accept = accept_greedy_compiled if use_graph else accept_greedy
 
     def body():
         tree, start = state.tree, state.cache_len
         logits, aux = verify_forward(target, cache, tree, start, drafter.aux_ids)
-        best, bonus = verify_greedy(logits, tree)
-        n, path_tokens, aux = keep_path(cache, tree, best, start, aux, D)
+        bonus, path, n, path_tokens, aux = accept(logits, tree.tokens, tree.parents, tree.depth, tree.anc, aux, D)
+        compact(cache, start, path)
         if aux is not None:
             state.aux.copy_(aux)
         state.start.copy_(start)
