@@ -18,6 +18,10 @@ part() {  # part NAME CMD...: run, log to $OUT/NAME.log, remember a failure
     [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("$name")
 }
 # Session 8: where a prefill's time goes, eager against its resident graph (engine.resident),
-# and each fused round's host gap (back-to-back replays against one host read a round).
-part round python3 bench/profile_round.py --compile --kernels --tree 7,1,8 --tree 5,4,16 --out "$OUT/profile_round.json"
+# each fused round's host gap (back-to-back replays against one host read a round), and the
+# verify as it now runs (few_rows o_proj, one q/k buffer, 4-row merge tiles, compiled
+# acceptance) against the same call without the few-rows o_proj.
+trees=(--tree 7,1,8 --tree 5,4,16)
+part round python3 bench/profile_round.py --compile --kernels "${trees[@]}" --out "$OUT/profile_round.json"
+part round_no_few_rows python3 bench/profile_round.py --compile --few-rows 0 "${trees[@]}" --out "$OUT/profile_round_no_few_rows.json"
 (( ${#failed[@]} == 0 )) || { echo "failed: ${failed[*]}"; exit 1; }
