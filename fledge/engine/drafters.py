@@ -195,7 +195,7 @@ class Eagle3Drafter:
         shape = (2, batch, cfg.num_key_value_heads, self.max_len + scratch, cfg.head_dim)  # K and V side by side
         if self.kv is not None and tuple(self.kv.shape) == shape:
             # The same buffers again, zeroed: nothing is allocated per request. (New buffers cost
-            # no recompile either: the "fresh" rows of bench/results/profile_round_nvidia_h200.json.)
+            # no recompile either: the "fresh" rows of bench/results/profile_round_session5_nvidia_h200.json.)
             self.kv.zero_()
             self.last.zero_()
             return
