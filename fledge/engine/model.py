@@ -291,9 +291,9 @@ class LayerFns:
         (on a GPU, for head sizes it takes). `gemv_rows`: see `linear` (0: cuBLAS always).
         `few_rows`: forwards of more than `gemv_rows` and at most this many rows run o_proj as
         engine.few_rows' kernel (0: none; at most few_rows.MAX_ROWS). On the H200 (random weights,
-        session 8, rounds queued ahead of the host) it took 0.04 ms off a verify and a round:
-        chain 7 1.804 against 1.844 ms, (5,4,16) 1.802 against 1.846
-        (bench/results/profile_round_few_rows_session8_nvidia_h200.json against profile_round_session8_nvidia_h200.json)."""
+        session 8, same call) it took 0.04 ms off a verify and a round: chain 7 verify 1.006
+        against 1.047 ms, round 1.644 against 1.683 (bench/results/profile_round_nvidia_h200.json
+        against profile_round_no_few_rows_nvidia_h200.json)."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
         # back to eager after the eighth.
