@@ -14,6 +14,9 @@ drafts). That is exactly what a draft sees at inference with a KV cache after co
 Losses are sums over trained rows divided by the global count of trained rows of the whole
 optimizer step (known from the data alone), so any split across ranks and micro-batches gives
 the same gradient: two ranks with batch b equal one rank with batch 2b.
+
+SIGINT or SIGTERM pauses a run after its current optimizer step, checkpoint saved (exit 130);
+the same command resumes it exactly, as it resumes one killed outright from its last save.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import json
 import math
 import os
 import random
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -404,6 +409,49 @@ def export(run: Run) -> Path:
     return out
 
 
+class Paused(Exception):
+    """Training stopped by SIGINT/SIGTERM between optimizer steps, its checkpoint saved: the
+    same command resumes it exactly."""
+
+    def __init__(self, step: int, total: int, checkpoint: Path):
+        super().__init__(f"paused at step {step} of {total}; {checkpoint} holds the run: rerun the same command to resume")
+        self.step = step
+
+
+@contextlib.contextmanager
+def pause_on_signal():
+    """Yields a flag (a one-element list) that the first SIGINT or SIGTERM sets; a second one
+    interrupts as it normally would. So a run cut by `timeout -s INT` (a 10-minute GPU call)
+    or by Ctrl-C loses nothing past its last optimizer step. Outside the main thread, where no
+    handler can be installed, the flag never rises."""
+    flag, old = [False], {}
+
+    def handler(signum, frame):
+        if flag[0]:
+            raise KeyboardInterrupt
+        flag[0] = True
+
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield flag
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def any_rank(flag: bool, device) -> bool:
+    """Whether any rank saw the signal: ranks must stop at the same step (checkpoints are collective)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 # --------------------------------------------------------------------------- logging
 def write_curves(path: Path, history: list[dict]) -> None:
     import matplotlib
@@ -439,7 +487,8 @@ def print_table(rec: dict) -> None:
 
 # --------------------------------------------------------------------------- the loop
 def train(cfg: TrainConfig, target) -> dict:
-    """Train (resuming from `<out>/checkpoint` if present); returns the last eval record."""
+    """Train (resuming from `<out>/checkpoint` if present); returns the last eval record.
+    Raises `Paused` after a SIGINT/SIGTERM, the checkpoint saved at the step it stopped."""
     run = setup(cfg, target)
     out = Path(cfg.out)
     key = resume_key(run)
@@ -452,7 +501,7 @@ def train(cfg: TrainConfig, target) -> dict:
     bar = tqdm(total=run.total_steps, initial=start, unit="step", disable=run.rank != 0)
     last = {}
     t0, tokens, window = time.perf_counter(), 0, torch.zeros(3, cfg.ttt_steps)
-    with open(metrics, "a") if run.rank == 0 else contextlib.nullcontext() as f:
+    with open(metrics, "a") if run.rank == 0 else contextlib.nullcontext() as f, pause_on_signal() as stop:
         for step in range(start, run.total_steps):
             stats, ntok = train_step(run, step)
             tokens, window = tokens + ntok, window + stats.cpu()
@@ -476,10 +525,16 @@ def train(cfg: TrainConfig, target) -> dict:
                 history += new
                 if any(r["kind"] == "eval" for r in new):
                     write_curves(out / "curves.png", history)
-            if done % cfg.save_every == 0 or done == run.total_steps:
+            saved = done % cfg.save_every == 0 or done == run.total_steps
+            if saved:
                 save_checkpoint(run, done, key)
             t0 += time.perf_counter() - paused
             bar.update(1)
+            if done < run.total_steps and any_rank(stop[0], run.device):
+                if not saved:
+                    save_checkpoint(run, done, key)
+                bar.close()
+                raise Paused(done, run.total_steps, out / "checkpoint")
     bar.close()
     path = export(run)
     if dist.is_initialized():
@@ -491,7 +546,14 @@ def run_train(args) -> int:
     from fledge.target import load_target
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
-    result = train(cfg, load_target(cfg.target))
+    try:
+        result = train(cfg, load_target(cfg.target))
+    except Paused as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"fledge train: {e}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 130
     if int(os.environ.get("RANK", 0)) == 0:
         if result["eval"]:
             print_table(result["eval"])

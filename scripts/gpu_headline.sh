@@ -35,11 +35,12 @@
 #          REGEN_BENCH_NEW=8 REGEN_BENCH_STREAM=5 HF_PROMPTS=1
 #
 # A stage cut off by the 10-minute limit resumes when rerun (regen appends; train resumes from
-# its checkpoint with the same planned step count). Every stage prints the device time it used.
+# its checkpoint with the same planned step count). A training run longer than one call:
+# TRAIN_DEADLINE=$(( $(date +%s) + 540 )) pauses it in time, checkpoint saved; rerun `train`. Every stage prints the device time it used.
 #
 # Knobs (environment), defaults for the H200; the CPU check above scales them down:
 #   WORK OUT DEVICE DTYPE  SETS REGEN_BATCH REGEN_CHUNK MAX_NEW LIMIT  TRAIN_BATCH MAX_LEN VOCAB_SIZE EPOCHS LR
-#   TTT_STEPS PROBE_STEPS EVAL_EVERY WORKERS INIT  BENCH_PROMPTS BENCH_NEW HF_PROMPTS FP32_PROMPTS
+#   TTT_STEPS PROBE_STEPS PLAN_FROM SAFETY EVAL_EVERY SAVE_EVERY TRAIN_DEADLINE WORKERS INIT  BENCH_PROMPTS BENCH_NEW HF_PROMPTS FP32_PROMPTS
 #   REGEN_BENCH_BATCHES REGEN_BENCH_ENGINE_ONLY REGEN_BENCH_NEW REGEN_BENCH_STREAM  SAMPLED (0: no sampled regen pass)
 #   ENGINE_ARGS (more bench_engine flags)
 #   SIDE (0: no side work on GPU 1)  SCALE_STEPS SCALE_BATCH (global batch of the scaling runs)
@@ -220,19 +221,42 @@ train() {
                   --batch-size "$batch" --max-len "$max_len" --lr "$LR" --ttt-steps "${TTT_STEPS:-7}"
                   --device "$DEVICE")
     if [[ ! -f $WORK/plan.json ]]; then   # kept: a resumed run must plan the same step count
-        local t0=$SECONDS
-        rm -rf "$WORK/probe"
-        fledge train "${common[@]}" --out "$WORK/probe" --max-steps "$probe_steps" --eval-samples 0 \
-            --log-every $(( (probe_steps + 9) / 10 )) --eval-every 1000000 --save-every 1000000
-        echo "probe: $((SECONDS - t0))s"
-        data plan-steps "$WORK/probe/metrics.jsonl" "$WORK/train.tok.jsonl" "$WORK/plan.json" \
-            --batch "$batch" --seconds "$budget" --epochs "${EPOCHS:-12}"
+        local rate=${PLAN_FROM:-}
+        if [[ -z $rate ]]; then
+            local t0=$SECONDS
+            rm -rf "$WORK/probe"
+            fledge train "${common[@]}" --out "$WORK/probe" --max-steps "$probe_steps" --eval-samples 0 \
+                --log-every $(( (probe_steps + 9) / 10 )) --eval-every 1000000 --save-every 1000000
+            echo "probe: $((SECONDS - t0))s"
+            rate=$WORK/probe/metrics.jsonl
+        fi
+        # PLAN_FROM: the metrics.jsonl of an earlier run of this recipe on this data (its later
+        # windows' target tok/s plan the steps; no probe). Session 6's 60-step probe read 105.8K
+        # where its run then averaged 137.1K: the budget was planned a quarter short.
+        data plan-steps "$rate" "$WORK/train.tok.jsonl" "$WORK/plan.json" \
+            --batch "$batch" --seconds "$budget" --epochs "${EPOCHS:-12}" --safety "${SAFETY:-0.85}"
     fi
     local steps t1=$SECONDS
     steps=$(python3 -c "import json; print(json.load(open('$WORK/plan.json'))['max_steps'])")
     if [[ ! -f $WORK/run/result.json ]]; then   # written last: a killed run resumes from its checkpoint
-        fledge train "${common[@]}" --out "$WORK/run" --max-steps "$steps" --eval-data "$WORK/heldout.tok.jsonl" \
-            --log-every 20 --eval-every "${EVAL_EVERY:-200}" --save-every 200
+        # TRAIN_DEADLINE (epoch seconds): pause the run then (SIGINT: it saves at its current step)
+        # so that a 10-minute call ends in time; the next call's `train` resumes it exactly.
+        local limit=() rc=0
+        if [[ -n ${TRAIN_DEADLINE:-} ]]; then
+            local left=$((TRAIN_DEADLINE - $(date +%s)))
+            (( left > 30 )) || { echo "training: ${left}s before TRAIN_DEADLINE; not started (rerun 'train')"; report_time train; return 0; }
+            limit=(timeout -s INT -k 45 "$left")
+        fi
+        "${limit[@]}" python3 -m fledge.cli train "${common[@]}" --out "$WORK/run" --max-steps "$steps" \
+            --eval-data "$WORK/heldout.tok.jsonl" --log-every 20 --eval-every "${EVAL_EVERY:-200}" \
+            --save-every "${SAVE_EVERY:-200}" || rc=$?
+        if [[ $rc == 124 || $rc == 130 ]]; then
+            mkdir -p "$OUT" && cp "$WORK/run/metrics.jsonl" "$OUT/train_metrics_so_far.jsonl"
+            echo "training: paused after $((SECONDS - t1))s (checkpoint kept); rerun 'train' to continue"
+            report_time train
+            return 0
+        fi
+        (( rc == 0 )) || { echo "gpu_headline: training failed (exit $rc)" >&2; exit "$rc"; }
         echo "training: $((SECONDS - t1))s for $steps steps"
     fi
     fledge export "$WORK/run/draft" "$WORK/drafter" --shard-size-mb 15 --overwrite

@@ -145,7 +145,7 @@ def plan_steps(probe_metrics: Path, train_tok: Path, batch: int, seconds: float,
     per_epoch = len(lengths) // batch
     fit = int(safety * seconds * tok_s / per_step)
     steps = max(1, min(fit, epochs * per_epoch))
-    return {"probe_target_tok_s": round(tok_s), "tokens_per_step": round(per_step), "steps_per_epoch": per_epoch,
+    return {"probe": str(probe_metrics), "probe_target_tok_s": round(tok_s), "tokens_per_step": round(per_step), "steps_per_epoch": per_epoch,
             "budget_s": seconds, "safety": safety, "steps_fitting": fit, "max_steps": steps,
             "epochs": round(steps / max(per_epoch, 1), 2), "expected_s": round(steps * per_step / tok_s)}
 

@@ -224,6 +224,47 @@ def test_kill9_then_resume_gives_the_same_curve(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+PAUSABLE = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+from conftest import make_tiny
+from fledge.target import Target
+from fledge.train import Paused, TrainConfig, train
+try:
+    train(TrainConfig(**json.loads(sys.argv[1])), Target(make_tiny("llama"), None, "tiny", None))
+except Paused:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.slow
+def test_sigint_pauses_with_a_checkpoint_and_resumes_the_same_curve(tmp_path):
+    """SIGINT mid-run (as `timeout -s INT` sends at a GPU call's limit): the run saves at the
+    step it reached although no save was due, exits 130, and the rerun ends bit-equal to an
+    uninterrupted run."""
+    write_data(tmp_path / "data.jsonl", n=48, lo=20, hi=40)
+
+    def cmd(out):
+        kw = json.dumps({**config(tmp_path, out, max_steps=12, save_every=1000).__dict__})
+        return [sys.executable, "-c", PAUSABLE.format(tests=str(TESTS)), kw]
+
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ref = subprocess.Popen(cmd("ref"), **quiet)
+    child = subprocess.Popen(cmd("paused"), **quiet)
+    metrics = tmp_path / "paused" / "metrics.jsonl"
+    while child.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.005)
+    child.send_signal(signal.SIGINT)
+    assert child.wait() == 130 and ref.wait() == 0
+    step = json.loads((tmp_path / "paused" / "checkpoint" / "meta.json").read_text())["step"]
+    assert 3 <= step < 12 and len(curve(tmp_path / "paused")) == step
+    subprocess.run(cmd("paused"), check=True, **quiet)
+    assert curve(tmp_path / "paused") == curve(tmp_path / "ref")
+    a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "paused")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_engine_features_match_hf_capture(family):
     """Training reads the target through the engine's compact model (feature_model): its aux and
