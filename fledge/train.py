@@ -63,6 +63,7 @@ class TrainConfig:
     eval_data: str | None = None      # held-out set; None: `eval_samples` split off the training set
     eval_samples: int = 64
     aux_layers: tuple[int, ...] | None = None
+    draft_intermediate_size: int | None = None  # a fresh draft's MLP width (default: the target's; engines read it from config.json)
     max_len: int = 2048
     ttt_steps: int = 7
     step_decay: float = 0.8
@@ -93,7 +94,9 @@ class TrainConfig:
                   (self.parallel in ("ddp", "fsdp"), f"parallel {self.parallel!r}: ddp or fsdp"),
                   (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
                   (min(self.log_every, self.eval_every, self.save_every, self.epochs) >= 1, "intervals/epochs must be >= 1"),
-                  (not (self.init and self.vocab), "--init brings its own vocab; drop --vocab")]
+                  (not (self.init and self.vocab), "--init brings its own vocab; drop --vocab"),
+                  (not (self.init and self.draft_intermediate_size), "--init brings its own shape; drop --draft-intermediate-size"),
+                  (self.draft_intermediate_size is None or self.draft_intermediate_size >= 1, "draft_intermediate_size must be >= 1")]
         for ok, msg in checks:
             if not ok:
                 raise FledgeError(f"train config: {msg}")
@@ -219,7 +222,8 @@ def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
             raise FledgeError(f"--vocab {cfg.vocab}: made for a {vocab}-token vocab; the target has {tcfg.vocab_size}")
     else:
         ids = torch.arange(tcfg.vocab_size)
-    dcfg = DraftConfig.from_target(tcfg, draft_vocab_size=ids.numel(), aux_layer_ids=cfg.aux_layers)
+    dcfg = DraftConfig.from_target(tcfg, draft_vocab_size=ids.numel(), aux_layer_ids=cfg.aux_layers,
+                                   intermediate_size=cfg.draft_intermediate_size)
     draft = Eagle3Draft.from_target(dcfg, model, ids)
     if cfg.head_init:
         draft.init_head_from(model)
@@ -576,7 +580,7 @@ def add_cli(sub) -> None:
     p.add_argument("--eval-samples", type=int)
     p.add_argument("--aux-layers", type=lambda s: tuple(int(x) for x in s.split(",")), help="canonical ids, e.g. 2,15,27")
     for name, typ in (("max-len", int), ("ttt-steps", int), ("step-decay", float), ("batch-size", int),
-                      ("grad-accum", int), ("epochs", int), ("max-steps", int), ("lr", float), ("warmup", float),
+                      ("draft-intermediate-size", int), ("grad-accum", int), ("epochs", int), ("max-steps", int), ("lr", float), ("warmup", float),
                       ("weight-decay", float), ("clip", float), ("seed", int), ("pad-multiple", int),
                       ("log-every", int), ("eval-every", int), ("save-every", int)):
         p.add_argument(f"--{name}", type=typ, help=f"default {getattr(TrainConfig, name.replace('-', '_'))}")

@@ -40,7 +40,7 @@
 #
 # Knobs (environment), defaults for the H200; the CPU check above scales them down:
 #   WORK OUT DEVICE DTYPE  SETS REGEN_BATCH REGEN_CHUNK MAX_NEW LIMIT  TRAIN_BATCH MAX_LEN VOCAB_SIZE EPOCHS LR
-#   TTT_STEPS PROBE_STEPS PLAN_FROM SAFETY EVAL_EVERY SAVE_EVERY TRAIN_DEADLINE WORKERS INIT  BENCH_PROMPTS BENCH_NEW HF_PROMPTS FP32_PROMPTS
+#   DRAFT_MLP (a fresh draft's MLP width) TTT_STEPS PROBE_STEPS PLAN_FROM SAFETY EVAL_EVERY SAVE_EVERY TRAIN_DEADLINE WORKERS INIT  BENCH_PROMPTS BENCH_NEW HF_PROMPTS FP32_PROMPTS
 #   REGEN_BENCH_BATCHES REGEN_BENCH_ENGINE_ONLY REGEN_BENCH_NEW REGEN_BENCH_STREAM  SAMPLED (0: no sampled regen pass)
 #   ENGINE_ARGS (more bench_engine flags)
 #   SIDE (0: no side work on GPU 1)  SCALE_STEPS SCALE_BATCH (global batch of the scaling runs)
@@ -219,7 +219,7 @@ train() {
     [[ -n ${INIT:-} ]] && start=(--init "$INIT")
     local common=(--target "$TARGET" --data "$WORK/train.tok.jsonl" "${start[@]}"
                   --batch-size "$batch" --max-len "$max_len" --lr "$LR" --ttt-steps "${TTT_STEPS:-7}"
-                  --device "$DEVICE")
+                  --device "$DEVICE" ${DRAFT_MLP:+--draft-intermediate-size "$DRAFT_MLP"})
     if [[ ! -f $WORK/plan.json ]]; then   # kept: a resumed run must plan the same step count
         local rate=${PLAN_FROM:-}
         if [[ -z $rate ]]; then

@@ -26,6 +26,7 @@ from fledge.features import (FeatureStore, TargetHead, feature_model, features_m
                              write_features)
 from fledge.target import Target
 from fledge.train import TTT, TrainConfig, train, unroll
+from fledge.util import FledgeError
 from fledge.vocab import save_vocab
 
 TESTS = Path(__file__).parent
@@ -150,6 +151,30 @@ def test_loss_falls_and_draft_learns(tmp_path):
     warm = train(config(tmp_path, "warm", init=str(tmp_path / "run" / "draft"), max_steps=1, lr=1e-9,
                         eval_samples=8), target)
     assert warm["eval"]["objective"] == pytest.approx(ev["objective"], abs=0.05)
+
+
+def test_wider_draft_mlp_trains_exports_and_drafts(tmp_path):
+    """--draft-intermediate-size: the exported config carries the width (SGLang and vLLM build
+    the MLP from it), the checkpoint loads back at that width, and the engine drafts with it."""
+    from fledge.checkpoint import load_checkpoint
+    from fledge.engine.drafters import Eagle3Drafter, SpecConfig
+    from fledge.engine.model import build_engine_target
+    from fledge.engine.spec import generate_spec
+    from fledge.engine.generate import SamplingParams, generate_ar
+    write_data(tmp_path / "data.jsonl", n=24)
+    target = tiny_target()
+    train(config(tmp_path, max_steps=2, draft_intermediate_size=96), target)
+    out = tmp_path / "run" / "draft"
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 96
+    draft = load_checkpoint(out, embed_from=target.model).float().eval()
+    assert draft.midlayer.mlp.down_proj.weight.shape[1] == 96 != target.model.config.intermediate_size
+    engine = build_engine_target(target.model, torch.float32, "cpu")
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    ar = generate_ar(engine, [[1, 5, 9, 2]], params, eos_ids=[])[0][0]
+    spec, _ = generate_spec(engine, Eagle3Drafter(draft, SpecConfig(3, 2, 6), engine), [1, 5, 9, 2], params, eos_ids=[])
+    assert spec == ar
+    with pytest.raises(FledgeError, match="--draft-intermediate-size"):
+        config(tmp_path, init=str(out), draft_intermediate_size=64)
 
 
 # --------------------------------------------------------------------------- ranks and shards
