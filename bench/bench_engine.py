@@ -157,6 +157,13 @@ def bench(args) -> dict:
             cublas = build_engine_target(t.model, dtype, device, fns=compiled(gemv_rows=0, few_rows=0))
             configs["engine AR (cuBLAS matmuls)"] = ar_runner(cublas, eos, graphs, resident(cublas))
 
+    name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
+    header = {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
+              "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
+              "few_rows": args.few_rows, "resident_prefill": res is not None, "hf_prompts": 0 if args.skip_hf else
+              min(args.hf_prompts or len(prompts), len(prompts)), "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step"}
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
     ar_out = [ar_runner(target, eos, graphs, res)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
     n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
@@ -185,8 +192,15 @@ def bench(args) -> dict:
             row.update({k: s[k] for k in ("accept_length", "accept_rate", "round_ms_per_step", "draft_ms_per_step",
                                           "verify_ms_per_step", "other_ms_per_step", "depth_acceptance", "histogram")})
         results[name] = row
+        with_ratios(results, per_prompt, n_hf, hf_names)
         if args.out:  # so far, in case the run is cut off (a device call's time limit): kept until the final write
-            atomic_write_json(args.out, {"partial": True, "results": results})
+            atomic_write_json(args.out, {**header, "partial": True, "results": results})
+    return {**header, "results": results}
+
+
+def with_ratios(results: dict, per_prompt: dict, n_hf: int, hf_names: set) -> None:
+    """Each row's tok/s against engine AR (the first row), HF rows against engine AR on the
+    prompts HF ran."""
     base = results["engine AR"]["tok_s"]
     ar_sub = [x for x in per_prompt["engine AR"] if x[0] < n_hf]  # engine AR on the prompts HF ran
     base_hf = sum(x[1] for x in ar_sub) / sum(x[2] for x in ar_sub)
@@ -194,13 +208,6 @@ def bench(args) -> dict:
         row["vs_engine_ar"] = row["tok_s"] / (base_hf if name in hf_names else base)
         if name in hf_names:
             row["engine_ar_same_prompts_tok_s"] = base_hf
-    name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
-    return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
-            "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
-            "few_rows": args.few_rows, "resident_prefill": res is not None, "hf_prompts": n_hf if hf_names else 0,
-            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-            "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
-            "results": results}
 
 
 def print_table(report: dict) -> None:

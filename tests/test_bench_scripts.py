@@ -61,13 +61,18 @@ def test_regen_bench_engine_matches_hf_in_fp32(tmp_path):
     assert row["engine_stream"]["prompts"] == 5 and row["engine_stream"]["tokens"] > row["engine"]["tokens"]
 
 
-def test_engine_bench_rows_equal_ar_in_fp32(tmp_path):
+def test_engine_bench_rows_equal_ar_in_fp32(tmp_path, monkeypatch):
     """bench_engine end to end on the CPU with the shipped drafter: in fp32 every row's text is
     AR's (resident rows and the eager-prefill rows alike), the oracle accepts every draft (17
     tokens = the prefill's + two full rounds of 8), and every engine row reports its
-    per-request time before the first step."""
+    per-request time before the first step. The JSON written after each row (what a run cut
+    by a device call's limit leaves) already says what ran where, with ratios."""
     import bench_engine
     out = tmp_path / "engine.json"
+    writes = []
+    write = bench_engine.atomic_write_json
+    monkeypatch.setattr(bench_engine, "atomic_write_json", lambda path, obj: (writes.append(json.loads(json.dumps(obj))),
+                                                                             write(path, obj)))
     drafter = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m"
     assert bench_engine.main(["--drafter", str(drafter), "--tree", "3,2,6", "--num-prompts", "2",
                               "--max-new-tokens", "17", "--device", "cpu", "--dtype", "float32",
@@ -83,6 +88,12 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path):
     assert rows["oracle chain 7"]["accept_length"] == 8.0
     assert rows["oracle chain 7"]["histogram"] == [0] * 7 + [4]
     assert 1.0 <= rows["eagle3 chain 7"]["accept_length"] <= 8.0
+    first, final = writes[0], json.loads(out.read_text())
+    assert first["partial"] and "partial" not in final and len(writes) == len(rows) + 1
+    assert {k: v for k, v in first.items() if k not in ("partial", "results")} == \
+        {k: v for k, v in final.items() if k != "results"}
+    assert final["device"] == "cpu" and final["dtype"] == "float32" and final["hf_prompts"] == 0
+    assert list(first["results"]) == ["engine AR"] and first["results"]["engine AR"]["vs_engine_ar"] == 1.0
 
 
 def test_profile_round_checks_and_prefill_profile_on_a_tiny_target():
