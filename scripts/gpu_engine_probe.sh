@@ -2,7 +2,8 @@
 # Engine speed probes that need no model download (SmolLM2-135M's shapes, random weights): what
 # a speculative round costs, which kernels its propose and verify run, how long the host keeps
 # the GPU waiting between rounds, and where a prefill's time goes. Earlier sessions' parts
-# (few-rows kernels, attention, decode profiles, batched AR) are in git history. One GPU call, ~2 minutes:
+# (few-rows kernels, attention, decode profiles, batched AR) are in git history. Also a training
+# step's split (bench/profile_train.py). One GPU call, ~3 minutes:
 #   bash scripts/gpu_engine_probe.sh            (results in $OUT, default /tmp/probe_out)
 # Every part runs even if one before it fails; the script exits 1 if any failed.
 set -uo pipefail
@@ -24,4 +25,7 @@ part() {  # part NAME CMD...: run, log to $OUT/NAME.log, remember a failure
 trees=(--tree 7,1,8 --tree 5,4,16)
 part round python3 bench/profile_round.py --compile --kernels "${trees[@]}" --out "$OUT/profile_round.json"
 part round_no_few_rows python3 bench/profile_round.py --compile --few-rows 0 "${trees[@]}" --out "$OUT/profile_round_no_few_rows.json"
+# Session 9: where a training step's time goes (features / TTT forward+backward / optimizer,
+# kernels by kind), at the headline run's batch and the data's mean length.
+part train_step python3 bench/profile_train.py --random --out "$OUT/profile_train.json"
 (( ${#failed[@]} == 0 )) || { echo "failed: ${failed[*]}"; exit 1; }

@@ -122,3 +122,20 @@ def test_profile_round_checks_and_prefill_profile_on_a_tiny_target():
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()
     gap = profile_round.round_gap(target, Eagle3Drafter(draft, SpecConfig(3, 2, 6), target), prompt, rounds=4)
     assert gap["back_to_back_ms"] > 0 and gap["synced_ms"] > 0
+
+
+def test_profile_train_splits_a_step_on_a_tiny_target():
+    """profile_train on the CPU: the three phases are timed and add up to about the step, the
+    rate follows from the batch, and kernel names fall into the categories the report uses."""
+    import profile_train
+    from conftest import make_tiny
+    r = profile_train.profile(make_tiny("llama"), batch=2, seq=24, ttt_steps=3, draft_vocab=64, steps=3, warmup=1)
+    parts = r["features_ms"] + r["ttt_fwd_bwd_ms"] + r["optimizer_ms"]
+    assert min(r["features_ms"], r["ttt_fwd_bwd_ms"], r["optimizer_ms"]) > 0
+    assert 0.5 * r["step_ms"] <= parts <= 2 * r["step_ms"]
+    assert r["target_tok_s"] == pytest.approx(2 * 24 / r["step_ms"] * 1e3)
+    assert "kernel_ms" not in r  # kernels are profiled on CUDA only
+    names = {"fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention", "nvjet_tst_64x8_64x16_1x1_v_bz_TNT": "matmul",
+             "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul", "cunn_SoftMaxForward<4, float>": "softmax",
+             "vectorized_elementwise_kernel": "other", "pytorch_flash::flash_fwd_kernel": "attention"}
+    assert {n: profile_train.category(n) for n in names} == names

@@ -1,0 +1,144 @@
+"""Where a training step's time goes: one `fledge train` step (online target features, the
+unrolled TTT forward and backward, the optimizer) on a SmolLM2-135M-shaped target with random
+weights and random tokens, so no download is needed (kernel times depend on shapes, not values).
+
+    python bench/profile_train.py --random [--batch 64 --seq 512 --ttt-steps 7] [--out JSON]
+
+Prints and writes: the step's wall time split into features / TTT forward+backward / optimizer
+(synchronised, medians), target tokens per second, and the GPU kernels of two steps grouped as
+attention, matmul, softmax and the rest, with the top kernels by time. Before the session-9 run
+nothing measured this split; the training-time test attends over every earlier step's keys
+through a dense mask (`train.ttt_mask`), which this shows the price of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from fledge.config import DraftConfig
+from fledge.draft import Eagle3Draft
+from fledge.features import TargetHead, aux_layer_ids_for, feature_model, online_features
+from fledge.train import TTT
+from fledge.util import atomic_write_json
+
+# Kernel name fragments, tried in this order (memory-efficient attention kernels are named
+# fmha_cutlass*, so attention is tried before matmul).
+CATEGORIES = (("attention", ("fmha", "attention", "flash", "attn")),
+              ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul")),
+              ("softmax", ("softmax",)))
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps: int = 8, warmup: int = 3,
+            top: int = 12, seed: int = 0) -> dict:
+    """Time `steps` training steps after `warmup`, then profile two (kernels on CUDA only)."""
+    dev = next(model.parameters()).device
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cfg = model.config.get_text_config()
+    g = torch.Generator().manual_seed(seed)
+    draft_ids = torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab].sort().values
+    draft = Eagle3Draft.from_target(DraftConfig.from_target(cfg, draft_vocab_size=draft_vocab), model, draft_ids)
+    ttt = TTT(draft, ttt_steps, 0.8).to(dev)
+    opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95))
+    target, aux_ids = feature_model(model), aux_layer_ids_for(model)
+    head = TargetHead.from_model(model, draft.target_ids().cpu(), dev)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(dev)
+    attn = torch.ones_like(ids)
+    mask = attn.clone()
+    mask[:, :seq // 4] = 0  # a prompt: no loss there, as in the data
+    norm = torch.full((ttt_steps,), float(batch * seq), device=dev)
+
+    def step(times=None):
+        t0 = time.perf_counter()
+        aux, hidden = online_features(target, aux_ids, ids, attn)
+        probs, tops = head.view(hidden)
+        sync()
+        t1 = time.perf_counter()
+        with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+            loss, _ = ttt(ids, aux, probs, tops, mask, norm)
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if times is not None:
+            times.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3))
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        step(times)
+    feats, fwd_bwd, optim = (statistics.median(x) for x in zip(*times))
+    total = statistics.median(sum(t) for t in times)
+    out = {"batch": batch, "seq": seq, "ttt_steps": ttt_steps, "draft_vocab": draft_vocab, "steps": steps,
+           "step_ms": total, "features_ms": feats, "ttt_fwd_bwd_ms": fwd_bwd, "optimizer_ms": optim,
+           "target_tok_s": batch * seq / total * 1e3}
+    if cuda:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+        per = defaultdict(float)
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name] += e.time_range.elapsed_us() / 2e3  # ms a step
+        cats = defaultdict(float)
+        for name, ms in per.items():
+            cats[category(name)] += ms
+        out["kernel_ms"] = sum(per.values())
+        out["kernel_ms_by_category"] = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
+        out["top_kernels"] = [[name[:100], ms] for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:top]]
+    return out
+
+
+def print_report(r: dict) -> None:
+    print(f"train step, batch {r['batch']} x {r['seq']} tokens, TTT {r['ttt_steps']} steps, draft vocab {r['draft_vocab']}: "
+          f"{r['step_ms']:.1f} ms ({r['target_tok_s']:,.0f} target tok/s)")
+    print(f"  features {r['features_ms']:.1f} ms | TTT forward+backward {r['ttt_fwd_bwd_ms']:.1f} ms | "
+          f"optimizer {r['optimizer_ms']:.1f} ms")
+    if "kernel_ms" in r:
+        print(f"  kernels {r['kernel_ms']:.1f} ms a step: " + ", ".join(
+            f"{k} {v:.1f} ({v / r['kernel_ms']:.0%})" for k, v in r["kernel_ms_by_category"].items()))
+        for name, ms in r["top_kernels"]:
+            print(f"    {ms:8.2f} ms  {name}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--random", action="store_true", help="SmolLM2-135M's shapes, random weights (bench/random_target.py)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seq", type=int, default=512, help="tokens a sequence (the session-9 data: 524 on average)")
+    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--draft-vocab", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    if not args.random:
+        p.error("only --random is implemented: the split depends on shapes, not weights")
+    from random_target import smollm2_random
+    dev = torch.device(args.device)
+    model = smollm2_random(torch.bfloat16 if dev.type == "cuda" else torch.float32, dev)
+    report = profile(model, args.batch, args.seq, args.ttt_steps, args.draft_vocab, args.steps)
+    print_report(report)
+    if args.out:
+        atomic_write_json(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
