@@ -158,9 +158,9 @@ def test_wider_draft_mlp_trains_exports_and_drafts(tmp_path):
     the MLP from it), the checkpoint loads back at that width, and the engine drafts with it."""
     from fledge.checkpoint import load_checkpoint
     from fledge.engine.drafters import Eagle3Drafter, SpecConfig
+    from fledge.engine.generate import SamplingParams, generate_ar
     from fledge.engine.model import build_engine_target
     from fledge.engine.spec import generate_spec
-    from fledge.engine.generate import SamplingParams, generate_ar
     write_data(tmp_path / "data.jsonl", n=24)
     target = tiny_target()
     train(config(tmp_path, max_steps=2, draft_intermediate_size=96), target)
