@@ -157,16 +157,16 @@ def bench(args) -> dict:
             cublas = build_engine_target(t.model, dtype, device, fns=compiled(gemv_rows=0, few_rows=0))
             configs["engine AR (cuBLAS matmuls)"] = ar_runner(cublas, eos, graphs, resident(cublas))
 
+    n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     header = {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
               "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
-              "few_rows": args.few_rows, "resident_prefill": res is not None, "hf_prompts": 0 if args.skip_hf else
-              min(args.hf_prompts or len(prompts), len(prompts)), "prompts": len(prompts),
+              "few_rows": args.few_rows, "resident_prefill": res is not None, "hf_prompts": n_hf if hf_names else 0,
+              "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step"}
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
     ar_out = [ar_runner(target, eos, graphs, res)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
-    n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
     results, per_prompt = {}, {}
     for name, run in configs.items():
         warm = SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0)  # compile, capture, allocator: untimed

@@ -5,7 +5,8 @@ weights and random tokens, so no download is needed (kernel times depend on shap
     python bench/profile_train.py --random [--batch 64 --seq 512 --ttt-steps 7] [--out JSON]
 
 Prints and writes: the step's wall time split into features / TTT forward+backward / optimizer
-(synchronised, medians), target tokens per second, and the GPU kernels of two steps grouped as
+(synchronised, medians), target tokens per second, and the GPU kernels of two steps (after three
+more warm-up steps, `profile_decode.kernels_us`) grouped as
 attention, matmul, softmax and the rest, with the top kernels by time. Before the session-9 run
 nothing measured this split; the training-time test attends over every earlier step's keys
 through a dense mask (`train.ttt_mask`), which this shows the price of.
@@ -87,15 +88,8 @@ def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps
            "step_ms": total, "features_ms": feats, "ttt_fwd_bwd_ms": fwd_bwd, "optimizer_ms": optim,
            "target_tok_s": batch * seq / total * 1e3}
     if cuda:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                step()
-        per = defaultdict(float)
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per[e.name] += e.time_range.elapsed_us() / 2e3  # ms a step
+        from profile_decode import kernels_us
+        per = {name: us / 1e3 for name, (_, us) in kernels_us(step, iters=2).items()}  # ms a step
         cats = defaultdict(float)
         for name, ms in per.items():
             cats[category(name)] += ms

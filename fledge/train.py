@@ -419,7 +419,6 @@ class Paused(Exception):
 
     def __init__(self, step: int, total: int, checkpoint: Path):
         super().__init__(f"paused at step {step} of {total}; {checkpoint} holds the run: rerun the same command to resume")
-        self.step = step
 
 
 @contextlib.contextmanager
