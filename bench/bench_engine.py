@@ -75,11 +75,13 @@ def oracle_runner(target, eos, graphs: bool, spec, resident=None):
     first, untimed pass fed AR's tokens. In bf16 a decode step and a verify step may round a
     near-tie apart; an oracle fed AR's tokens would then draft the wrong text for the rest of
     the request (an accept length of 1.3 at H200 bf16, session 5). In fp32 both passes are AR."""
+    device = next(target.parameters()).device
+
     def run(prompt, params, ar):
-        own, _ = generate_spec(target, OracleDrafter(spec, [prompt + ar]), prompt, params, eos, use_cuda_graph=graphs,
-                               resident=resident)
-        out, st = generate_spec(target, OracleDrafter(spec, [prompt + own]), prompt, params, eos, use_cuda_graph=graphs,
-                                resident=resident)
+        own, _ = generate_spec(target, OracleDrafter(spec, [prompt + ar], device), prompt, params, eos,
+                               use_cuda_graph=graphs, resident=resident)
+        out, st = generate_spec(target, OracleDrafter(spec, [prompt + own], device), prompt, params, eos,
+                                use_cuda_graph=graphs, resident=resident)
         return out, st.wall_ms / 1e3, st, st.prefill_ms
     return run
 

@@ -24,7 +24,7 @@ import torch
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
 from fledge.engine.attention import Prefix
-from fledge.engine.drafters import DraftInput, Eagle3Drafter, SpecConfig
+from fledge.engine.drafters import DraftInput, Eagle3Drafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.engine.resident import Resident
@@ -216,6 +216,27 @@ def main(argv=None) -> int:
     shapes = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["7,1,8", "5,4,16", "8,8,64"])]
     rows = [{"config": "AR", "ms": ar_ms}]
     print(f"AR: {ar_ms:.3f} ms/step ({'compiled' if args.compile else 'eager'} layers)")
+    # The oracle's chain 7 (the engine's ceiling): rounds fed the verify's own greedy text, and
+    # requests against AR's, prefill included, as bench_engine measures them (one prompt here).
+    res = Resident(target, -(-(len(prompt) + params.max_new_tokens + 64) // 64) * 64)  # bench_engine's captured prefill
+    ar_tokens = generate_ar(target, [prompt], params, [], resident=res)[0][0]
+    chain7 = SpecConfig(7, 1, 8)
+    oracle_of = lambda seq: OracleDrafter(chain7, [prompt + seq], dev)  # noqa: E731
+    generate_spec(target, oracle_of(ar_tokens), prompt, SamplingParams(max_new_tokens=16), [], resident=res)
+    own = generate_spec(target, oracle_of(ar_tokens), prompt, params, [], resident=res)[0]
+    walls = []
+    for _ in range(3):
+        _, o = generate_spec(target, oracle_of(own), prompt, params, [], resident=res)
+        walls.append(o.wall_ms)
+    ar_walls = [sum(generate_ar(target, [prompt], params, [], resident=res)[1][k] for k in ("prefill_ms", "decode_ms"))
+                for _ in range(3)]
+    oracle = {"config": "oracle 7,1,8", "round_ms": statistics.median(o.round_ms), "accept_length": o.summary()["accept_length"],
+              "wall_ms": statistics.median(walls), "ar_wall_ms": statistics.median(ar_walls), "prefill_ms": o.prefill_ms,
+              "rounds": o.steps, "tokens": o.generated_tokens}
+    oracle["vs_ar"] = (o.generated_tokens / oracle["wall_ms"]) / (params.max_new_tokens / oracle["ar_wall_ms"])
+    rows.append(oracle)
+    print(f"oracle chain 7: {oracle['round_ms']:.3f} ms a round, accept {oracle['accept_length']:.2f}, {oracle['rounds']} rounds, "
+          f"request {oracle['wall_ms']:.1f} ms against AR's {oracle['ar_wall_ms']:.1f}: {oracle['vs_ar']:.2f}x")
     print(f"{'config':>10} {'drafter':>9} {'round ms':>9} {'draft':>7} {'verify':>7} {'other':>7} {'break-even accept':>18}"
           f" {'prefill ms':>11} (AR {ar['prefill_ms']:.1f})")
     for steps, topk, n in shapes:

@@ -18,13 +18,11 @@ part() {  # part NAME CMD...: run, log to $OUT/NAME.log, remember a failure
     "$@" 2>&1 | tee "$OUT/$name.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("$name")
 }
-# Session 8: where a prefill's time goes, eager against its resident graph (engine.resident),
-# each fused round's host gap (back-to-back replays against one host read a round), and the
-# verify as it now runs (few_rows o_proj, one q/k buffer, 4-row merge tiles, compiled
-# acceptance) against the same call without the few-rows o_proj.
+# Where a prefill's time goes, eager against its resident graph (engine.resident), each fused
+# round's host gap, the propose and verify kernels, and (session 10) the oracle chain 7's round
+# and whole request against AR's, prefill included: the engine's ceiling without a download.
 trees=(--tree 7,1,8 --tree 5,4,16)
 part round python3 bench/profile_round.py --compile --kernels "${trees[@]}" --out "$OUT/profile_round.json"
-part round_no_few_rows python3 bench/profile_round.py --compile --few-rows 0 "${trees[@]}" --out "$OUT/profile_round_no_few_rows.json"
 # Session 9: where a training step's time goes (features / TTT forward+backward / optimizer,
 # kernels by kind), at the headline run's batch and the data's mean length.
 part train_step python3 bench/profile_train.py --random --out "$OUT/profile_train.json"

@@ -205,6 +205,39 @@ def test_generation_stops_at_eos_per_row():
         assert got == (full[:full.index(eos) + 1] if eos in full else full)
 
 
+def test_decoding_stops_once_every_row_has_ended():
+    """The host learns of the last eos without a periodic check (generate.DoneWatch): on the CPU
+    the run takes exactly the steps up to the later row's eos, not up to a multiple of 16."""
+    model = build_engine_target(make_tiny("llama", seed=5, vocab_size=64, initializer_range=0.25), torch.float32, "cpu")
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 7)]
+    free, _ = generate_ar(model, prompts, SamplingParams(max_new_tokens=40), eos_ids=[])
+    eos = next(t for t in free[0][3:] if t in free[1][3:])  # a token both rows write after their third
+    rows, stats = generate_ar(model, prompts, SamplingParams(max_new_tokens=40), eos_ids=[eos])
+    assert [len(r) for r in rows] == [r.index(eos) + 1 for r in free]
+    assert stats["decode_steps"] == max(len(r) for r in rows) - 1 < 39
+
+
+def test_compiled_step_finish_equals_eager():
+    """A greedy decode step's bookkeeping compiled (generate.finish_step, as in the CUDA-graph
+    step) writes what eager writes: argmax column, tokens, done rows (ties included), lengths."""
+    from fledge.engine.generate import finish_step, finish_step_compiled
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 3, (4, 9), generator=g).float()  # ties: the lowest index wins
+    for eos in (torch.tensor([0, 2]), torch.tensor([], dtype=torch.long)):
+        outs = []
+        for finish in (finish_step, finish_step_compiled):
+            bufs = [torch.zeros(4, 6, dtype=torch.long), torch.tensor([2]), torch.tensor([True, False, False, False]),
+                    torch.zeros(4, 1, dtype=torch.long), torch.tensor([5, 6, 7, 8])]
+            finish(logits, eos, *bufs)
+            outs.append(bufs)
+        for want, got in zip(*outs):
+            assert torch.equal(want, got)
+        new, col, done, tokens, lengths = outs[0]
+        assert new[:, 2].tolist() == logits.argmax(-1).tolist() == tokens[:, 0].tolist() and col.item() == 3
+        assert done.tolist() == [True] + [t in eos.tolist() for t in logits.argmax(-1).tolist()[1:]]
+        assert lengths.tolist() == [6, 7, 8, 9]
+
+
 def test_sampling_is_reproducible_with_a_seed():
     model = build_engine_target(make_tiny("qwen2", seed=4), torch.float32, "cpu")
     prompts = [torch.randint(0, 301, (6,)).tolist(), torch.randint(0, 301, (2,)).tolist()]

@@ -183,6 +183,12 @@ def test_rounds_queued_ahead_stay_inside_an_exact_cache():
             fused, fs = generate_spec(target, drafter, prompt, params, eos_ids=[], cache_len=exact + drafter.spec.num_draft_tokens - 5)
             phased, ps = generate_spec(target, drafter, prompt, params, eos_ids=[], phased=True)
             assert fused == phased == ar and fs.accepted == ps.accepted and len(fs.round_ms) == fs.steps
+            # and none is queued past max_new_tokens: proposals = the prefill's + one per round run
+            calls, propose = [], drafter.propose
+            drafter.propose = lambda inp, propose=propose: calls.append(1) or propose(inp)
+            again, gs = generate_spec(target, drafter, prompt, params, eos_ids=[])
+            del drafter.propose
+            assert again == ar and len(calls) == 1 + gs.steps
 
 
 def test_fused_rounds_equal_phased_rounds():
@@ -217,6 +223,30 @@ def test_compiled_engine_equals_eager():
         fast, fs = generate_spec(compiled, Eagle3Drafter(draft, spec, compiled, compile=True, fast_topk=True), prompt, GREEDY,
                                  eos_ids=[])
         assert fast == ar and fs.accepted == es.accepted  # bookkeeping without torch.topk: the same trees
+
+
+def test_compaction_kernel_equals_gather_scatter():
+    """spec.compact's one-kernel move (Triton; the interpreter here) writes the cache exactly as
+    the gather-then-scatter form, for random tree paths whose nodes sit in slots other path
+    entries move into, padded paths included, at two rows."""
+    from fledge.engine.model import KVCache
+    from fledge.engine.spec import compact, path_of
+    g = torch.Generator().manual_seed(6)
+    for trial in range(3):
+        N, D = 12, 6
+        parents = torch.tensor([int(torch.randint(max(0, i - 3), i, (1,), generator=g)) for i in range(1, N)])
+        tree = make_tree(torch.zeros(2, dtype=torch.long), torch.zeros(2, N - 1, dtype=torch.long), parents.expand(2, -1))
+        best = torch.randint(0, N, (2,), generator=g)
+        path = path_of(tree, best, None, D)[0]
+        start = torch.randint(0, 5, (2,), generator=g)
+        kv = torch.randn(3, 2, 2, 2, 24, 16, generator=g)
+        caches = [KVCache(kv.clone()), KVCache(kv.clone())]
+        compact(caches[0], start, path, use_kernel=False)
+        compact(caches[1], start, path)
+        assert torch.equal(caches[0].kv, caches[1].kv), trial
+        b = 0  # the moved rows are where they belong
+        for i, node in enumerate(path[b].tolist()):
+            assert torch.equal(caches[1].kv[:, :, b, :, start[b] + i], kv[:, :, b, :, start[b] + node])
 
 
 def test_chain_equals_make_tree():
@@ -468,19 +498,43 @@ def test_topk_forms_equal_torch_topk():
         assert topk(ties, 3)[1].tolist() == [[1, 2, 4]]
 
 
-def test_compiled_accept_equals_eager_with_ties():
-    """The fused round's compiled acceptance (spec.accept_greedy through torch.compile, as on
-    CUDA) against eager on random trees whose logits tie often (values 0-2 over 7 tokens): the
-    same bonus, path, counts and aux rows, so ties break to the lowest token id in both."""
-    from fledge.engine.spec import accept_greedy, accept_greedy_compiled
+def test_compiled_round_finish_equals_eager_with_ties():
+    """The fused round's compiled acceptance and bookkeeping (spec.finish_round through
+    torch.compile, as on CUDA) against eager on random trees whose logits tie often (values 0-2
+    over 7 tokens): the same path, and the same state buffers written in place (start, cache
+    length, n, path tokens, bonus, aux rows, the host's result), so ties break to the lowest
+    token id in both."""
+    from fledge.engine.spec import finish_round, finish_round_compiled
     g = torch.Generator().manual_seed(11)
     for trial in range(4):
-        B, V, N = 2, 7, 9
+        V, N, D = 7, 9, 4
         parents = torch.tensor([int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)])  # node i's parent < i
-        tree = make_tree(torch.randint(0, V, (B,), generator=g), torch.randint(0, V, (B, N - 1), generator=g),
-                         parents.expand(B, -1))
-        logits = torch.randint(0, 3, (B, N, V), generator=g).float()
-        aux = torch.randn(B, N, 5, generator=g)
-        args = (logits, tree.tokens, tree.parents, tree.depth, tree.anc, aux, 4)
-        for want, got in zip(accept_greedy(*args), accept_greedy_compiled(*args)):
+        tree = make_tree(torch.randint(0, V, (1,), generator=g), torch.randint(0, V, (1, N - 1), generator=g),
+                         parents.expand(1, -1))
+        logits = torch.randint(0, 3, (1, N, V), generator=g).float()
+        aux = torch.randn(1, N, 5, generator=g)
+        outs = []
+        for finish in (finish_round, finish_round_compiled):
+            state = [torch.tensor([20]), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                     torch.zeros(1, D, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1, D, 5),
+                     torch.zeros(D + 2, dtype=torch.long)]
+            path = finish(logits, tree.tokens, tree.parents, tree.depth, tree.anc, aux, D, *state)
+            outs.append([path, *state])
+        for want, got in zip(*outs):
             assert torch.equal(want, got), trial
+        cache_len, start, n = outs[0][1:4]
+        assert start.item() == 20 and cache_len.item() == 20 + n.item() and outs[0][-1][0] == n
+
+
+def test_compiled_oracle_serves_every_sequence_width_with_one_compile():
+    """The oracle's compiled token lookup (CUDA's path, run here on the CPU) equals the eager one
+    for requests whose sequences differ in width, under a recompile limit of 2: compiled with
+    static shapes, every width was a recompile, and 80 MT-Bench requests hit the limit."""
+    import torch._dynamo
+
+    from fledge.engine.drafters import _oracle_tokens, _oracle_tokens_compiled
+    g = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for w in (30, 41, 57, 90, 311):
+            seq, root, at = torch.randint(0, 100, (1, w), generator=g), torch.tensor([5]), torch.tensor([w - 4])
+            assert torch.equal(_oracle_tokens(seq, root, at, 7), _oracle_tokens_compiled(seq, root, at, 7)), w

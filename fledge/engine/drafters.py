@@ -69,6 +69,17 @@ def _pad_chain(tokens: list[int], n: int, fill: int) -> list[int]:
     return (tokens + [tokens[-1] if tokens else fill] * n)[:n]
 
 
+def _oracle_tokens(seq, root, cache_len, num_steps: int):
+    """The chain's tokens: the root, then seq[b] at positions cache_len + 1 .. + num_steps."""
+    idx = (cache_len[:, None] + torch.arange(1, num_steps + 1, device=seq.device)).clamp(max=seq.shape[1] - 1)
+    return torch.cat([root[:, None], seq.gather(1, idx)], dim=1)
+
+
+# dynamic: each request's sequences have their own width; one compile serves them all (static,
+# 80 MT-Bench requests ran into the recompile limit, session 10).
+_oracle_tokens_compiled = torch.compile(_oracle_tokens, fullgraph=True, dynamic=True)
+
+
 class OracleDrafter:
     """Proposes the target's own greedy continuation (from a prior AR run): the ceiling of the
     engine — every draft is accepted under greedy decoding, so accept length = num_steps + 1.
@@ -78,12 +89,18 @@ class OracleDrafter:
     aux_ids = None
     device_only = True
 
-    def __init__(self, spec: SpecConfig, sequences: list[list[int]]):
+    def __init__(self, spec: SpecConfig, sequences: list[list[int]], device=None):
         if spec.topk != 1:
             raise FledgeError("--oracle drafts a chain: use --topk 1")
         if not sequences or not all(sequences):
             raise FledgeError("--oracle: every sequence needs at least one token")
-        self.spec, self.sequences, self.seq = spec, sequences, None
+        self.spec, self.sequences, self.seq, self.shape = spec, sequences, None, None
+        if device is not None:  # the sequences are the oracle's input, not its work: upload them before any clock
+            self._upload(torch.device(device))
+
+    def _upload(self, dev) -> None:
+        width = max(map(len, self.sequences))  # rows padded with their last token
+        self.seq = torch.tensor([s + s[-1:] * (width - len(s)) for s in self.sequences], device=dev)
 
     def start(self, batch: int, max_len: int) -> None:
         pass
@@ -93,12 +110,15 @@ class OracleDrafter:
 
     def propose(self, inp: DraftInput) -> Tree:
         dev = inp.root.device
-        if self.seq is None or self.seq.device != dev:  # rows padded with their last token
-            width = max(map(len, self.sequences))
-            self.seq = torch.tensor([s + s[-1:] * (width - len(s)) for s in self.sequences], device=dev)
-        steps = torch.arange(1, self.spec.num_steps + 1, device=dev)
-        idx = (inp.cache_len[:, None] + steps).clamp(max=self.seq.shape[1] - 1)
-        return chain(inp.root, self.seq.gather(1, idx))
+        if self.seq is None or self.seq.device != dev:
+            self._upload(dev)
+        if self.shape is None or self.shape[0].device != dev:  # a chain's parents, depth and mask never change
+            t = chain(inp.root, inp.root[:, None].expand(-1, self.spec.num_steps))
+            self.shape = (t.parents, t.depth, t.anc)
+        # Compiled on CUDA, where it runs inside each fused round's graph: one kernel, not five.
+        tokens = (_oracle_tokens_compiled if dev.type == "cuda" else _oracle_tokens)(self.seq, inp.root, inp.cache_len,
+                                                                                    self.spec.num_steps)
+        return Tree(tokens, *self.shape)
 
 
 class NgramDrafter:

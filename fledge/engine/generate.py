@@ -127,6 +127,12 @@ def capture_cuda_graph(fn, reset=None, warmup: int = 3):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
+    # A graph's first replay also uploads it to the device: do that here, before any clock.
+    if reset is not None:
+        reset()
+    graph.replay()
+    if reset is not None:
+        reset()
 
     def replay():
         graph.replay()
@@ -135,21 +141,68 @@ def capture_cuda_graph(fn, reset=None, warmup: int = 3):
     return replay
 
 
+class DoneWatch:
+    """Whether every row has ended, as the host can learn it without stalling the stream. On CUDA
+    each step's `done` is copied to pinned memory behind the step, and the host reads the copy
+    of the step `lag` back while the next one is queued: a run ends at most `lag` steps past its
+    last row's eos. (A sync every 16 steps ran up to 16 past it and idled the GPU at each check.)
+    On the CPU every step reads `done` itself: nothing is queued there."""
+
+    def __init__(self, done: torch.Tensor, lag: int = 2):
+        self.done, self.lag, self.cuda = done, lag, done.device.type == "cuda"
+        self.bufs = [torch.empty_like(done, device="cpu").pin_memory() for _ in range(lag + 1)] if self.cuda else []
+        self.pending, self.count = [], 0  # (buffer, event) per queued step, oldest first
+
+    def queued(self) -> None:
+        """Call after queueing each step (and once after the prefill)."""
+        if self.cuda:
+            buf = self.bufs[self.count % len(self.bufs)]
+            buf.copy_(self.done, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending.append((buf, event))
+            self.count += 1
+
+    def all_done(self) -> bool:
+        if not self.cuda:
+            return bool(self.done.all())
+        if len(self.pending) < self.lag:
+            return False
+        buf, event = self.pending.pop(0)
+        event.synchronize()
+        return bool(buf.all())
+
+
 def _now(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
+def finish_step(logits, eos, new, col, done, tokens, lengths) -> None:
+    """A greedy decode step's bookkeeping, in place: its argmax into column `col` of `new` and
+    into `tokens`, rows that wrote an eos marked `done`, lengths and col advanced. Compiled
+    (CUDA graphs), its six small kernels become one or two."""
+    t = logits.argmax(dim=-1)
+    new.index_copy_(1, col, t[:, None])
+    done.logical_or_((t[:, None] == eos).any(-1))  # not isin: it may sort (and sync) for long eos lists
+    tokens.copy_(t[:, None])
+    lengths.add_(1)
+    col.add_(1)
+
+
+finish_step_compiled = torch.compile(finish_step, fullgraph=True)
+
+
 # --------------------------------------------------------------------------- generation
 @torch.no_grad()
 def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids, cache_len=None,
-                use_cuda_graph=True, check_every: int = 16, row_group: int = ROW_GROUP, resident=None):
+                use_cuda_graph=True, row_group: int = ROW_GROUP, resident=None):
     """Generate for a batch of prompts. Returns (per-row new tokens, each ending at its first eos
     (included, as HF does) or at max_new_tokens; stats dict).
 
-    `check_every`: finished rows are checked every this many steps (a host sync), so up to
-    that many extra steps may run after the last row ends; their tokens are discarded.
+    The host learns that every row has ended up to two steps late (DoneWatch): those steps'
+    tokens are discarded, their time counted.
     `row_group`: rows per group of the length-sorted batch (see below).
     `resident`: an engine.resident.Resident of `model` (batch 1): its cache and captured prefill.
     """
@@ -216,12 +269,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
                 logits = decode_logits(model, tokens, lengths, groups, spans, cache)
                 if not greedy:
                     return logits
-                t = logits.argmax(dim=-1)
-                new.index_copy_(1, col, t[:, None])
-                done.logical_or_((t[:, None] == eos).any(-1))  # not isin: it may sort (and sync) for long eos lists
-                tokens.copy_(t[:, None])
-                lengths.add_(1)
-                col.add_(1)
+                (finish_step_compiled if graphs else finish_step)(logits, eos, new, col, done, tokens, lengths)
                 return None
             # After the first capture one warm-up run suffices (it compiles a new shape, if any):
             # at 1,024 rows each run is a full decode step, and a run meets up to ~16 span tuples.
@@ -232,9 +280,10 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
         step_for(spans)  # every capture before the clock: none is decode time
     t2 = _now(device)
 
-    steps = 0
+    steps, watch = 0, DoneWatch(done)
+    watch.queued()  # the prefill's token may be an eos
     while steps < params.max_new_tokens - 1:
-        if steps % check_every == 0 and bool(done.all()):
+        if watch.all_done():
             break
         logits = step_for(spans_at(steps))()
         if not greedy:
@@ -243,6 +292,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
             done |= (tok[:, None] == eos).any(-1)
             tokens.copy_(tok[:, None])
             lengths.add_(1)
+        watch.queued()
         steps += 1
     t3 = _now(device)
 

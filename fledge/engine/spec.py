@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fledge.engine.attention import Prefix
+from fledge.engine.attention import Prefix, kernel_available, kernel_takes, triton
 from fledge.engine.drafters import DraftInput, SpecConfig, target_dims
 from fledge.engine.generate import capture_cuda_graph, cut_at_eos, logits_to_probs, sample_token
 from fledge.engine.model import KVCache
@@ -59,10 +59,40 @@ def static_call(fn, examples, use_graph: bool):
     return call
 
 
-def compact(cache, cache_len: torch.Tensor, path: torch.Tensor) -> None:
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _compact_kv(KV, START, PATH, s_lk, s_b, s_h, s_s, s_pb, n_kv, B, D, BLOCK_D: tl.constexpr, HD: tl.constexpr):
+        """Program (layer and K or V, row b, kv head h): slots start + path[i] → start + i. Every
+        row is loaded before any is stored (a path node may sit in a slot another moves into)."""
+        pid = tl.program_id(0)
+        h, b, lk = pid % n_kv, (pid // n_kv) % B, pid // (n_kv * B)
+        i = tl.arange(0, BLOCK_D)
+        live = (i < D)[:, None]
+        start = tl.load(START + b)
+        src = start + tl.load(PATH + b * s_pb + i, mask=i < D, other=0)
+        base = KV + lk * s_lk + b * s_b + h * s_h
+        d = tl.arange(0, HD)[None, :]
+        rows = tl.load(base + src[:, None] * s_s + d, mask=live)
+        tl.debug_barrier()
+        tl.store(base + (start + i)[:, None] * s_s + d, rows, mask=live)
+
+
+def compact(cache, cache_len: torch.Tensor, path: torch.Tensor, use_kernel: bool = True) -> None:
     """Move the accepted path's entries (tree slots cache_len + path) to the contiguous slots
-    cache_len + 0..len-1. Padding entries land past the new length, where nothing looks."""
+    cache_len + 0..len-1. Padding entries land past the new length, where nothing looks. The
+    engine's own cache moves in one kernel for every layer (a round's graph otherwise ran six:
+    the slot arithmetic and a gather and scatter each for K and V)."""
     B, D = path.shape
+    kv = cache.kv if isinstance(cache, KVCache) else None
+    if (use_kernel and kv is not None and kernel_available(path.device) and kernel_takes(kv.shape[-1])
+            and kv.stride(0) == 2 * kv.stride(1) and kv.stride(-1) == 1 and path.stride(1) == 1):
+        nl, _, _, nkv, _, hd = kv.shape
+        _compact_kv[(nl * 2 * B * nkv,)](kv, cache_len, path, kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
+                                         path.stride(0), nkv, B, D, BLOCK_D=triton.next_power_of_2(D), HD=hd,
+                                         num_warps=1)
+        return
     src = cache_len[:, None] + path
     dst = cache_len[:, None] + torch.arange(D, device=path.device)
     if isinstance(cache, KVCache):
@@ -96,7 +126,7 @@ def path_of(tree: Tree, best, aux, length: int):
 
 
 def accept_greedy(logits, tokens, parents, depth, anc, aux, length: int):
-    """verify_greedy and path_of in one function, which the fused round compiles on CUDA: ~20
+    """verify_greedy and path_of in one function (finish_round's first half): compiled, ~20
     small eager kernels a round (argmax, compares, the path's scatter and gathers) become a few.
     Returns (bonus, path, n, path tokens, path aux or None)."""
     tree = Tree(tokens, parents, depth, anc)
@@ -104,7 +134,26 @@ def accept_greedy(logits, tokens, parents, depth, anc, aux, length: int):
     return (bonus, *path_of(tree, best, aux, length))
 
 
-accept_greedy_compiled = torch.compile(accept_greedy, fullgraph=True, dynamic=False)
+def finish_round(logits, tokens, parents, depth, anc, aux, length: int, cache_len, start, n_out, path_tokens_out,
+                 bonus_out, aux_out, result):
+    """accept_greedy, then the round's bookkeeping written into RoundState's buffers in place:
+    start = the old cache_len, cache_len += n, the path's n, tokens, bonus and aux, and `result`
+    (n, path tokens, bonus) for the host. Returns the path for `compact`. Compiled (CUDA), the
+    eager form's ~10 copies, cat and add after acceptance join its few kernels: at batch 1 each
+    small kernel in a round's graph costs ~2 us, the round ~1 ms."""
+    bonus, path, n, path_tokens, path_aux = accept_greedy(logits, tokens, parents, depth, anc, aux, length)
+    start.copy_(cache_len)
+    cache_len.add_(n)
+    n_out.copy_(n)
+    path_tokens_out.copy_(path_tokens)
+    bonus_out.copy_(bonus)
+    if path_aux is not None:
+        aux_out.copy_(path_aux)
+    result.copy_(torch.cat([n, path_tokens[0], bonus]))
+    return path
+
+
+finish_round_compiled = torch.compile(finish_round, fullgraph=True, dynamic=False)
 
 
 @dataclass
@@ -141,25 +190,18 @@ def fused_round(target, cache, drafter, state: RoundState, use_graph: bool):
     a few times (each from cache_len 0, so it stays inside the cache), so it is built before the
     prefill, which rewrites everything those runs touched; the caller then sets `state`."""
     D = drafter.spec.path_len
-    accept = accept_greedy_compiled if use_graph else accept_greedy
+    finish = finish_round_compiled if use_graph else finish_round
 
     def body():
-        tree, start = state.tree, state.cache_len
-        logits, aux = verify_forward(target, cache, tree, start, drafter.aux_ids)
-        bonus, path, n, path_tokens, aux = accept(logits, tree.tokens, tree.parents, tree.depth, tree.anc, aux, D)
-        compact(cache, start, path)
-        if aux is not None:
-            state.aux.copy_(aux)
-        state.start.copy_(start)
+        st, tree = state, state.tree
+        logits, aux = verify_forward(target, cache, tree, st.cache_len, drafter.aux_ids)
+        path = finish(logits, tree.tokens, tree.parents, tree.depth, tree.anc, aux, D, st.cache_len, st.start, st.n,
+                      st.path_tokens, st.bonus, st.aux, st.result)
+        compact(cache, st.start, path)
         if drafter.device_only:
-            drafter.observe(path_tokens, state.aux, n, bonus, start)
-            state.set_tree(drafter.propose(DraftInput(bonus, start + n, [])))
-        state.n.copy_(n)
-        state.path_tokens.copy_(path_tokens)
-        state.bonus.copy_(bonus)
-        state.result.copy_(torch.cat([n, path_tokens[0], bonus]))
-        state.cache_len.add_(n)
-        return state.result
+            drafter.observe(st.path_tokens, st.aux, st.n, st.bonus, st.start)
+            st.set_tree(drafter.propose(DraftInput(st.bonus, st.cache_len, [])))
+        return st.result
 
     return capture_cuda_graph(body, reset=state.cache_len.zero_) if use_graph else body
 
@@ -202,7 +244,8 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
 
     Greedy rounds are fused (`fused_round`: one graph replay and one host sync per round on
     CUDA); with a device drafter the next round is queued before the host reads the last one
-    (`Ahead`; a round queued past the end is wasted, and its time counted); host drafters
+    (`Ahead`; none is queued past max_new_tokens, but one queued past an eos is wasted, and its
+    time counted); host drafters
     (n-gram, probes) propose before it and observe after it. `phased`, and
     sampling, run the round as separate steps instead — verify and the EAGLE-3 drafter's
     propose/observe each a graph on CUDA, acceptance eager — timing each: SpecStats then
@@ -253,9 +296,14 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     while len(out) < params.max_new_tokens and not done:
         if ahead is not None:
             # Keep the next round queued while the host reads this one, as long as the cache
-            # surely holds it: each unread round adds at most path_len slots.
+            # surely holds it (each unread round adds at most path_len slots) and the rounds
+            # already queued may leave tokens to write: a round queued past max_new_tokens is
+            # a whole round of device time wasted per request (1.05 ms of an oracle request's
+            # 32.7 in session 9), where waiting for the host costs ~0.03 ms once.
             free = size - spec.num_draft_tokens - (L + len(out) - 1)
-            while ahead.queued() < 2 and (ahead.queued() == 0 or free >= ahead.queued() * spec.path_len):
+            left = params.max_new_tokens - len(out)
+            while ahead.queued() < 2 and (ahead.queued() == 0 or (free >= ahead.queued() * spec.path_len
+                                                                  and left > ahead.queued() * spec.path_len)):
                 ahead.enqueue()
                 marks.append(clock.now())
             host = ahead.read()  # the round's one host sync
