@@ -2,14 +2,16 @@
 unrolled TTT forward and backward, the optimizer) on a SmolLM2-135M-shaped target with random
 weights and random tokens, so no download is needed (kernel times depend on shapes, not values).
 
-    python bench/profile_train.py --random [--batch 64 --seq 512 --ttt-steps 7] [--out JSON]
+    python bench/profile_train.py --random [--compare] [--batch 64 --seq 512 --ttt-steps 7] [--out JSON]
 
 Prints and writes: the step's wall time split into features / TTT forward+backward / optimizer
 (synchronised, medians), target tokens per second, and the GPU kernels of two steps (after three
 more warm-up steps, `profile_decode.kernels_us`) grouped as
 attention, matmul, softmax and the rest, with the top kernels by time. Before the session-9 run
 nothing measured this split; the training-time test attends over every earlier step's keys
-through a dense mask (`train.ttt_mask`), which this shows the price of.
+through a dense mask (`train.ttt_mask`), which this shows the price of. `--compare` first runs
+the step as it was in session 9 (the head's draft columns gathered from the full logits, the soft
+CE eager), on the same model and inputs, so the two are measured in one call.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.nn.functional as F
 
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
@@ -40,9 +43,17 @@ def category(kernel: str) -> str:
     return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
 
 
+def gathered_view(head: TargetHead, hidden):
+    """TargetHead.view as it was before session 10: the draft vocab's columns gathered out of the
+    full logits, then cast and softmaxed (the reference `--compare` times against)."""
+    logits = F.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
+    return logits[..., head.draft_ids].float().softmax(-1), head.to_draft[logits.argmax(-1)]
+
+
 def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps: int = 8, warmup: int = 3,
-            top: int = 12, seed: int = 0) -> dict:
-    """Time `steps` training steps after `warmup`, then profile two (kernels on CUDA only)."""
+            top: int = 12, seed: int = 0, compiled_loss: bool | None = None, before: bool = False) -> dict:
+    """Time `steps` training steps after `warmup`, then profile two (kernels on CUDA only).
+    `before`: the session-9 step (gathered head columns, eager loss) whatever `compiled_loss` says."""
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -50,7 +61,8 @@ def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps
     g = torch.Generator().manual_seed(seed)
     draft_ids = torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab].sort().values
     draft = Eagle3Draft.from_target(DraftConfig.from_target(cfg, draft_vocab_size=draft_vocab), model, draft_ids)
-    ttt = TTT(draft, ttt_steps, 0.8).to(dev)
+    ttt = TTT(draft, ttt_steps, 0.8, compiled_loss=False if before else compiled_loss).to(dev)
+    view = (lambda h: gathered_view(head, h)) if before else (lambda h: head.view(h))  # noqa: E731
     opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95))
     target, aux_ids = feature_model(model), aux_layer_ids_for(model)
     head = TargetHead.from_model(model, draft.target_ids().cpu(), dev)
@@ -60,14 +72,17 @@ def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps
     mask[:, :seq // 4] = 0  # a prompt: no loss there, as in the data
     norm = torch.full((ttt_steps,), float(batch * seq), device=dev)
 
+    losses = []
+
     def step(times=None):
         t0 = time.perf_counter()
         aux, hidden = online_features(target, aux_ids, ids, attn)
-        probs, tops = head.view(hidden)
+        probs, tops = view(hidden)
         sync()
         t1 = time.perf_counter()
         with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
             loss, _ = ttt(ids, aux, probs, tops, mask, norm)
+        losses.append(loss.item())
         loss.backward()
         sync()
         t2 = time.perf_counter()
@@ -84,7 +99,11 @@ def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps
         step(times)
     feats, fwd_bwd, optim = (statistics.median(x) for x in zip(*times))
     total = statistics.median(sum(t) for t in times)
-    out = {"batch": batch, "seq": seq, "ttt_steps": ttt_steps, "draft_vocab": draft_vocab, "steps": steps,
+    compiled = not before and (cuda if compiled_loss is None else compiled_loss)
+    out = {"variant": "session 9 (gathered head, eager loss)" if before else
+           f"now (draft-vocab head rows, {'compiled' if compiled else 'eager'} loss)",
+           "first_loss": losses[0], "batch": batch, "seq": seq, "ttt_steps": ttt_steps, "draft_vocab": draft_vocab,
+           "steps": steps,
            "step_ms": total, "features_ms": feats, "ttt_fwd_bwd_ms": fwd_bwd, "optimizer_ms": optim,
            "target_tok_s": batch * seq / total * 1e3}
     if cuda:
@@ -100,8 +119,8 @@ def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps
 
 
 def print_report(r: dict) -> None:
-    print(f"train step, batch {r['batch']} x {r['seq']} tokens, TTT {r['ttt_steps']} steps, draft vocab {r['draft_vocab']}: "
-          f"{r['step_ms']:.1f} ms ({r['target_tok_s']:,.0f} target tok/s)")
+    print(f"{r['variant']}: train step, batch {r['batch']} x {r['seq']} tokens, TTT {r['ttt_steps']} steps, draft vocab "
+          f"{r['draft_vocab']}: {r['step_ms']:.1f} ms ({r['target_tok_s']:,.0f} target tok/s), first loss {r['first_loss']:.5f}")
     print(f"  features {r['features_ms']:.1f} ms | TTT forward+backward {r['ttt_fwd_bwd_ms']:.1f} ms | "
           f"optimizer {r['optimizer_ms']:.1f} ms")
     if "kernel_ms" in r:
@@ -120,6 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-vocab", type=int, default=16384)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compare", action="store_true", help="also the session-9 step first, same model and inputs")
     p.add_argument("--out")
     args = p.parse_args(argv)
     if not args.random:
@@ -127,10 +147,13 @@ def main(argv=None) -> int:
     from random_target import smollm2_random
     dev = torch.device(args.device)
     model = smollm2_random(torch.bfloat16 if dev.type == "cuda" else torch.float32, dev)
-    report = profile(model, args.batch, args.seq, args.ttt_steps, args.draft_vocab, args.steps)
-    print_report(report)
+    variants = [profile(model, args.batch, args.seq, args.ttt_steps, args.draft_vocab, args.steps, before=True)] \
+        if args.compare else []
+    variants.append(profile(model, args.batch, args.seq, args.ttt_steps, args.draft_vocab, args.steps))
+    for r in variants:
+        print_report(r)
     if args.out:
-        atomic_write_json(args.out, report)
+        atomic_write_json(args.out, {"variants": variants})
     return 0
 
 

@@ -125,6 +125,13 @@ class TargetHead:
     draft_ids: torch.Tensor     # [Vd] target id of each draft id
     to_draft: torch.Tensor      # [V] draft id of each target id, -1 outside the draft vocab
 
+    def __post_init__(self):
+        # The draft vocab's rows of the head, gathered once: a [Vd, H] matmul per batch costs
+        # less than gathering Vd columns out of the V-wide logits (an index kernel over every
+        # position in each training step).
+        self.draft_weight = self.weight[self.draft_ids]
+        self.draft_bias = None if self.bias is None else self.bias[self.draft_ids]
+
     @classmethod
     def from_model(cls, model, draft_ids: torch.Tensor, device) -> "TargetHead":
         head = model.get_output_embeddings()
@@ -143,12 +150,12 @@ class TargetHead:
         # In the target's dtype (bf16 on the GPU), as the served target computes its logits: an
         # fp32 pass over a 49K-152K vocab would cost a large share of a training step. Stored
         # features are cast back to it, so online and offline see the same numbers.
-        logits = F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
-        top = self.to_draft[logits.argmax(-1)]  # soft-capping is monotone: same argmax
-        draft = logits[..., self.draft_ids].float()
+        hidden = hidden.to(self.weight.dtype)
+        top = self.to_draft[F.linear(hidden, self.weight, self.bias).argmax(-1)]  # soft-capping is monotone: same argmax
+        draft = F.linear(hidden, self.draft_weight, self.draft_bias)
         if self.softcap:
-            draft = torch.tanh(draft / self.softcap) * self.softcap
-        return draft.softmax(-1), top
+            draft = torch.tanh(draft.float() / self.softcap) * self.softcap
+        return draft.softmax(-1, dtype=torch.float32), top
 
 
 # --------------------------------------------------------------------------- shards on disk

@@ -132,22 +132,41 @@ def unroll(draft: Eagle3Draft, ids, aux, steps: int) -> list[torch.Tensor]:
     return outs
 
 
-class TTT(nn.Module):
-    """The draft plus its unrolled loss, as one module so DDP/FSDP2 hooks see one forward."""
+def soft_ce(logits, probs, top, rows):
+    """(summed soft cross-entropy, top-1 hits) of draft logits [n, Vd] against the target's
+    distribution at flat positions `rows` of probs [N, Vd] (top [N]: the target's argmax as a
+    draft id, -1 outside the draft vocab: a miss)."""
+    logp = logits.float().log_softmax(-1)
+    return -(probs[rows] * logp).sum(), (logp.argmax(-1) == top[rows]).sum()
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float):
+
+# On CUDA the loss is compiled: eager, each TTT step wrote the gathered fp32 target rows, the
+# fp32 logits and their log-softmax, each as wide as the draft vocab, and read them back for the
+# product and again in the backward, two thirds of a step's kernel time going to such elementwise
+# and indexing kernels (bench/results/profile_train_nvidia_h200.json). Compiled, the gather
+# and the product fold into the reductions. Row counts vary by batch and step: dynamic shapes.
+soft_ce_compiled = torch.compile(soft_ce, dynamic=True)
+
+
+class TTT(nn.Module):
+    """The draft plus its unrolled loss, as one module so DDP/FSDP2 hooks see one forward.
+    `compiled_loss`: soft_ce through torch.compile; None = on CUDA."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, compiled_loss: bool | None = None):
         super().__init__()
-        self.draft, self.steps, self.decay = draft, steps, decay
+        self.draft, self.steps, self.decay, self.compiled_loss = draft, steps, decay, compiled_loss
 
     def forward(self, ids, aux, probs, top, loss_mask, norm):
         """Returns (loss, stats [3, steps] = summed soft CE, top-1 hits, trained rows).
         `norm[j]` divides step j's summed CE (global trained rows / world size)."""
         loss, stats = 0.0, []
+        compiled = ids.is_cuda if self.compiled_loss is None else self.compiled_loss
+        ce_of = soft_ce_compiled if compiled else soft_ce
+        T = ids.shape[1]
+        flat_probs, flat_top = probs.reshape(-1, probs.shape[-1]), top.reshape(-1)
         for j, out in enumerate(unroll(self.draft, ids, aux, self.steps)):
             b, t = shift(loss_mask, 2 + j).nonzero(as_tuple=True)
-            logp = self.draft.logits(out[b, t]).float().log_softmax(-1)
-            ce = -(probs[b, t + 1 + j] * logp).sum()
-            hits = (logp.argmax(-1) == top[b, t + 1 + j]).sum()  # top is -1 outside the draft vocab: a miss
+            ce, hits = ce_of(self.draft.logits(out[b, t]), flat_probs, flat_top, b * T + t + 1 + j)
             loss = loss + self.decay ** j * ce / norm[j]
             stats.append(torch.stack([ce.detach(), hits.float(), torch.tensor(float(b.numel()), device=ce.device)]))
         return loss, torch.stack(stats, 1)

@@ -23,7 +23,10 @@ part() {  # part NAME CMD...: run, log to $OUT/NAME.log, remember a failure
 # and whole request against AR's, prefill included: the engine's ceiling without a download.
 trees=(--tree 7,1,8 --tree 5,4,16)
 part round python3 bench/profile_round.py --compile --kernels "${trees[@]}" --out "$OUT/profile_round.json"
-# Session 9: where a training step's time goes (features / TTT forward+backward / optimizer,
-# kernels by kind), at the headline run's batch and the data's mean length.
-part train_step python3 bench/profile_train.py --random --out "$OUT/profile_train.json"
+# Where a training step's time goes (features / TTT forward+backward / optimizer, kernels by
+# kind), at the headline run's batch and the data's mean length; with session 9's step first.
+part train_step python3 bench/profile_train.py --random --compare --out "$OUT/profile_train.json"
+# Batched AR on random weights, prefix kernel against SDPA over spans (session 10 read 173K
+# decode tok/s at 1,024 rows where session 5 read 249.8K; attention.py's cached-only loop since).
+part batched python3 bench/profile_batched.py --batch-sizes 256,1024 --stream 2048 --out "$OUT/profile_batched.json"
 (( ${#failed[@]} == 0 )) || { echo "failed: ${failed[*]}"; exit 1; }

@@ -135,6 +135,11 @@ def test_profile_train_splits_a_step_on_a_tiny_target():
     assert 0.5 * r["step_ms"] <= parts <= 2 * r["step_ms"]
     assert r["target_tok_s"] == pytest.approx(2 * 24 / r["step_ms"] * 1e3)
     assert "kernel_ms" not in r  # kernels are profiled on CUDA only
+    # --compare's reference (session 9's step) starts from the same loss on the same inputs
+    before = profile_train.profile(make_tiny("llama"), batch=2, seq=24, ttt_steps=3, draft_vocab=64, steps=1, warmup=1,
+                                   before=True)
+    assert before["variant"].startswith("session 9") and r["variant"].startswith("now")
+    assert before["first_loss"] == pytest.approx(r["first_loss"], rel=1e-5)
     names = {"fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention", "nvjet_tst_64x8_64x16_1x1_v_bz_TNT": "matmul",
              "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul", "cunn_SoftMaxForward<4, float>": "softmax",
              "vectorized_elementwise_kernel": "other", "pytorch_flash::flash_fwd_kernel": "attention"}
