@@ -242,7 +242,7 @@ def test_compaction_kernel_equals_gather_scatter():
         kv = torch.randn(3, 2, 2, 2, 24, 16, generator=g)
         caches = [KVCache(kv.clone()), KVCache(kv.clone())]
         compact(caches[0], start, path, use_kernel=False)
-        compact(caches[1], start, path)
+        compact(caches[1], start, path, use_kernel=True)
         assert torch.equal(caches[0].kv, caches[1].kv), trial
         b = 0  # the moved rows are where they belong
         for i, node in enumerate(path[b].tolist()):

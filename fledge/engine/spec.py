@@ -79,13 +79,16 @@ if triton is not None:
         tl.store(base + (start + i)[:, None] * s_s + d, rows, mask=live)
 
 
-def compact(cache, cache_len: torch.Tensor, path: torch.Tensor, use_kernel: bool = True) -> None:
+def compact(cache, cache_len: torch.Tensor, path: torch.Tensor, use_kernel: bool | None = None) -> None:
     """Move the accepted path's entries (tree slots cache_len + path) to the contiguous slots
-    cache_len + 0..len-1. Padding entries land past the new length, where nothing looks. The
-    engine's own cache moves in one kernel for every layer (a round's graph otherwise ran six:
-    the slot arithmetic and a gather and scatter each for K and V)."""
+    cache_len + 0..len-1. Padding entries land past the new length, where nothing looks. On
+    CUDA the engine's own cache moves in one kernel for every layer (a round's graph otherwise
+    ran six: the slot arithmetic and a gather and scatter each for K and V); `use_kernel` True
+    also takes it under Triton's interpreter (its test), False never."""
     B, D = path.shape
     kv = cache.kv if isinstance(cache, KVCache) else None
+    if use_kernel is None:
+        use_kernel = path.device.type == "cuda"
     if (use_kernel and kv is not None and kernel_available(path.device) and kernel_takes(kv.shape[-1])
             and kv.stride(0) == 2 * kv.stride(1) and kv.stride(-1) == 1 and path.stride(1) == 1):
         nl, _, _, nkv, _, hd = kv.shape
