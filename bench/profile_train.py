@@ -62,10 +62,10 @@ def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps
     draft_ids = torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab].sort().values
     draft = Eagle3Draft.from_target(DraftConfig.from_target(cfg, draft_vocab_size=draft_vocab), model, draft_ids)
     ttt = TTT(draft, ttt_steps, 0.8, compiled_loss=False if before else compiled_loss).to(dev)
-    view = (lambda h: gathered_view(head, h)) if before else (lambda h: head.view(h))  # noqa: E731
     opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95))
     target, aux_ids = feature_model(model), aux_layer_ids_for(model)
     head = TargetHead.from_model(model, draft.target_ids().cpu(), dev)
+    view = (lambda h: gathered_view(head, h)) if before else head.view  # noqa: E731
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(dev)
     attn = torch.ones_like(ids)
     mask = attn.clone()
