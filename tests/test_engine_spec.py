@@ -288,7 +288,7 @@ def test_eagle_draft_cache_matches_recompute():
     generated, stats = generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=20), eos_ids=[])
     assert sum(stats.accepted) > 0  # some rounds moved the cache by more than one token
     to_target = draft.target_ids()
-    # The proposal made inside the last round, for a round that never runs, looks past the output.
+    # Where max_new_tokens cuts the last round, the proposal made inside it looks past the output.
     rounds = [r for r in rounds if r[0] + 1 <= len(prompt + generated)]
     assert len(rounds) >= stats.steps
     with torch.no_grad():
