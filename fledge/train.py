@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from fledge.checkpoint import export_checkpoint, load_checkpoint
 from fledge.config import DraftConfig
-from fledge.conventions import accept_length
+from fledge.conventions import accept_length, chain_replay
 from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, feature_model, features_meta,
                              load_samples, online_features, pad_batch)
@@ -133,11 +133,11 @@ def unroll(draft: Eagle3Draft, ids, aux, steps: int) -> list[torch.Tensor]:
 
 
 def soft_ce(logits, probs, top, rows):
-    """(summed soft cross-entropy, top-1 hits) of draft logits [n, Vd] against the target's
-    distribution at flat positions `rows` of probs [N, Vd] (top [N]: the target's argmax as a
-    draft id, -1 outside the draft vocab: a miss)."""
+    """(summed soft cross-entropy, top-1 hit of each row [n]) of draft logits [n, Vd] against
+    the target's distribution at flat positions `rows` of probs [N, Vd] (top [N]: the target's
+    argmax as a draft id, -1 outside the draft vocab: a miss)."""
     logp = logits.float().log_softmax(-1)
-    return -(probs[rows] * logp).sum(), (logp.argmax(-1) == top[rows]).sum()
+    return -(probs[rows] * logp).sum(), logp.argmax(-1) == top[rows]
 
 
 # On CUDA the loss is compiled: eager, each TTT step wrote the gathered fp32 target rows, the
@@ -156,10 +156,12 @@ class TTT(nn.Module):
         super().__init__()
         self.draft, self.steps, self.decay, self.compiled_loss = draft, steps, decay, compiled_loss
 
-    def forward(self, ids, aux, probs, top, loss_mask, norm):
+    def forward(self, ids, aux, probs, top, loss_mask, norm, hit_map: bool = False):
         """Returns (loss, stats [3, steps] = summed soft CE, top-1 hits, trained rows).
-        `norm[j]` divides step j's summed CE (global trained rows / world size)."""
+        `norm[j]` divides step j's summed CE (global trained rows / world size). `hit_map`:
+        also return hits [steps, B, T], step j's hit at draft row t (False where untrained)."""
         loss, stats = 0.0, []
+        hits_at = torch.zeros(self.steps, *ids.shape, dtype=torch.bool, device=ids.device) if hit_map else None
         compiled = ids.is_cuda if self.compiled_loss is None else self.compiled_loss
         ce_of = soft_ce_compiled if compiled else soft_ce
         T = ids.shape[1]
@@ -168,18 +170,33 @@ class TTT(nn.Module):
             b, t = shift(loss_mask, 2 + j).nonzero(as_tuple=True)
             ce, hits = ce_of(self.draft.logits(out[b, t]), flat_probs, flat_top, b * T + t + 1 + j)
             loss = loss + self.decay ** j * ce / norm[j]
-            stats.append(torch.stack([ce.detach(), hits.float(), torch.tensor(float(b.numel()), device=ce.device)]))
-        return loss, torch.stack(stats, 1)
+            stats.append(torch.stack([ce.detach(), hits.sum().float(), torch.tensor(float(b.numel()), device=ce.device)]))
+            if hit_map:
+                hits_at[j, b, t] = hits
+        return (loss, torch.stack(stats, 1)) + ((hits_at,) if hit_map else ())
 
 
-def summarize(stats: torch.Tensor) -> dict:
+def summarize(stats: torch.Tensor, replay: torch.Tensor | None = None) -> dict:
     """Per-step loss/accuracy and the simulated accept length (SpecForge's, bonus excluded; and
-    SGLang's, bonus included, via conventions.accept_length)."""
+    SGLang's, bonus included, via conventions.accept_length). `replay` [2] = (accepted drafts,
+    rounds) of a chain replayed over held-out text (replay_counts): `replay_accept_len`, the
+    figure to compare with the engine's chain of `steps` on such text."""
     ce, hits, n = stats.double().clamp_min(0).unbind(0)
     acc = (hits / n.clamp_min(1)).tolist()
     accepted = sum(math.prod(acc[:j + 1]) for j in range(len(acc)))  # P(first j+1 drafts all right)
-    return {"loss": (ce / n.clamp_min(1)).tolist(), "acc": acc, "accept_len_no_bonus": accepted,
-            "accept_len": accept_length(accepted, 1)}
+    out = {"loss": (ce / n.clamp_min(1)).tolist(), "acc": acc, "accept_len_no_bonus": accepted,
+           "accept_len": accept_length(accepted, 1)}
+    if replay is not None:
+        out["replay_accept_len"] = accept_length(int(replay[0]), int(replay[1]))
+    return out
+
+
+def replay_counts(hits: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """(accepted drafts, rounds) [2] of the greedy chain conventions.chain_replay walks over each
+    row of a batch, from TTT's hit map [steps, B, T]."""
+    leading = hits.long().cumprod(0).sum(0).tolist()  # right drafts in a row, per draft row
+    rounds = [r for lead, m in zip(leading, loss_mask.tolist()) for r in chain_replay(lead, m)]
+    return torch.tensor([sum(rounds), len(rounds)], dtype=torch.float64)
 
 
 # --------------------------------------------------------------------------- data order
@@ -364,12 +381,15 @@ def evaluate(run: Run) -> dict:
     evals = run.evals[:len(run.evals) // run.world * run.world]
     mine = sorted(evals[run.rank::run.world], key=lambda s: len(s.input_ids))
     stats = torch.zeros(3, run.cfg.ttt_steps, device=run.device)
+    replay = torch.zeros(2, dtype=torch.float64)
     ones = torch.ones(run.cfg.ttt_steps, device=run.device)
     for b in range(0, len(mine), run.cfg.batch_size):
         ids, mask, aux, probs, top = batch_tensors(run, mine[b:b + run.cfg.batch_size], False)
         with autocast(run):
-            stats += run.ttt(ids, aux, probs, top, mask, ones)[1]
-    return summarize(all_reduce(stats))
+            _, s, hits = run.ttt(ids, aux, probs, top, mask, ones, hit_map=True)
+        stats += s
+        replay += replay_counts(hits.cpu(), mask.cpu())
+    return summarize(all_reduce(stats), all_reduce(replay.to(run.device)).cpu())
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -487,7 +507,10 @@ def write_curves(path: Path, history: list[dict]) -> None:
             axes[0].plot(steps, [r["objective"] for r in rows], style, label=kind)
             axes[1].plot(steps, [r["acc"][0] for r in rows], style, label=f"{kind} step 0")
             axes[2].plot(steps, [r["accept_len"] for r in rows], style, label=f"{kind} (with bonus)")
-    for ax, title in zip(axes, ("weighted soft CE", "top-1 accuracy, step 0", "simulated accept length")):
+            replayed = [(r["step"], r["replay_accept_len"]) for r in rows if "replay_accept_len" in r]
+            if replayed:
+                axes[2].plot(*zip(*replayed), "s--", label=f"{kind}, chain replayed")
+    for ax, title in zip(axes, ("weighted soft CE", "top-1 accuracy, step 0", "accept length")):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.legend()
@@ -505,6 +528,9 @@ def print_table(rec: dict) -> None:
         print(f"{j:>5} {l:8.4f} {a:6.3f}")
     print(f"simulated accept length: {rec['accept_len']:.3f} with the bonus token (SGLang), "
           f"{rec['accept_len_no_bonus']:.3f} without (SpecForge)")
+    if "replay_accept_len" in rec:
+        print(f"replayed chain of {len(rec['acc'])} (rounds walked as the engine verifies them, "
+              f"bonus included): {rec['replay_accept_len']:.3f}")
 
 
 # --------------------------------------------------------------------------- the loop

@@ -26,7 +26,7 @@ part round python3 bench/profile_round.py --compile --kernels "${trees[@]}" --ou
 # Where a training step's time goes (features / TTT forward+backward / optimizer, kernels by
 # kind), at the headline run's batch and the data's mean length; with session 9's step first.
 part train_step python3 bench/profile_train.py --random --compare --out "$OUT/profile_train.json"
-# Batched AR on random weights, prefix kernel against SDPA over spans (session 10 read 173K
-# decode tok/s at 1,024 rows where session 5 read 249.8K; attention.py's cached-only loop since).
+# Batched AR on random weights, prefix kernel against SDPA over spans (decode tok/s at 1,024
+# rows: 249.8K in session 5, 173.1K in session 10, 215.4K with attention.py's cached-only loop).
 part batched python3 bench/profile_batched.py --batch-sizes 256,1024 --stream 2048 --out "$OUT/profile_batched.json"
 (( ${#failed[@]} == 0 )) || { echo "failed: ${failed[*]}"; exit 1; }

@@ -144,3 +144,20 @@ def test_profile_train_splits_a_step_on_a_tiny_target():
              "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul", "cunn_SoftMaxForward<4, float>": "softmax",
              "vectorized_elementwise_kernel": "other", "pytorch_flash::flash_fwd_kernel": "attention"}
     assert {n: profile_train.category(n) for n in names} == names
+
+
+def test_replay_check_walks_the_engines_rounds_on_smollm2(tmp_path):
+    """bench/replay_check.py on the CPU with the shipped drafter: the engine writes its greedy
+    answers, a chain runs on them, and training's replay of the same text may differ from the
+    engine's count only by each prompt's last round (max_new_tokens cuts the text there)."""
+    import replay_check
+    drafter = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m"
+    out = tmp_path / "replay.json"
+    assert replay_check.main(["--drafter", str(drafter), "--num-prompts", "2", "--max-new-tokens", "24",
+                              "--steps", "3", "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["same_text"] == 2 and r["num_prompts"] == 2
+    assert abs(r["engine_rounds"] - r["replay_rounds"]) <= 2
+    assert abs(r["engine_accepted"] - r["replay_accepted"]) <= 2 * 3
+    assert r["engine_rounds"] >= sum(-(-(row["answer_tokens"] - 1) // 4) for row in r["rows"])  # <= 3 drafts + a bonus
+    assert 1.0 <= r["replay_accept_len"] <= 4.0 and 1.0 <= r["simulated_accept_len"] <= 4.0

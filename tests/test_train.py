@@ -25,7 +25,7 @@ from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, TargetHead, feature_model, features_meta, load_samples, online_features,
                              write_features)
 from fledge.target import Target
-from fledge.train import TTT, TrainConfig, train, unroll
+from fledge.train import TTT, TrainConfig, replay_counts, summarize, train, unroll
 from fledge.util import FledgeError
 from fledge.vocab import save_vocab
 
@@ -116,6 +116,67 @@ def test_unrolled_ttt_matches_inference_loop():
                         hits += float(logp.argmax() == top[r, t + 1 + j])
                         n += 1
             torch.testing.assert_close(stats[:, j], torch.tensor([ce, hits, n]), atol=1e-4, rtol=1e-5)
+        # the hit map: step j's hit at row t exactly where the brute force scored one, False elsewhere
+        _, stats2, hit_map = TTT(d, steps, 0.8)(ids, aux, probs, top, mask, torch.ones(steps), hit_map=True)
+        torch.testing.assert_close(stats2, stats)
+        for j in range(steps):
+            for r in range(b):
+                for t in range(t_len):
+                    want = t < t_len - 2 - j and bool(mask[r, t + 2 + j]) and \
+                        bool(train_logits[j][r, t].argmax() == top[r, t + 1 + j])
+                    assert bool(hit_map[j, r, t]) == want, (j, r, t)
+
+
+def test_replayed_chain_is_what_the_engine_accepts():
+    """Training's held-out replay (TTT's hit map walked by conventions.chain_replay) against the
+    engine itself: the same drafter runs a chain of 4 through generate_spec on the text the
+    target writes greedily (fp32); replaying that text must give the engine's accepted count
+    of every round (the last one aside: max_new_tokens cuts the text, not the engine's round).
+    SpecForge's product of step accuracies reads differently on the same rows."""
+    from test_engine_spec import tiny_setup
+    from fledge.engine import SamplingParams, generate_ar
+    from fledge.engine.drafters import Eagle3Drafter, SpecConfig
+    from fledge.conventions import chain_replay
+    from fledge.engine.spec import generate_spec
+    steps, new = 4, 40
+    hf, target, d = tiny_setup("llama", vocab=32, initializer_range=0.15)  # rounds of 0 to 4 accepted
+    head = TargetHead.from_model(hf, d.target_ids(), "cpu")
+    feats = feature_model(hf)
+    checked, pooled, replayed = set(), torch.zeros(3, steps), torch.zeros(2)
+    for seed in range(3):
+        prompt = torch.randint(0, 32, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        params = SamplingParams(temperature=0.0, max_new_tokens=new)
+        ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
+        out, st = generate_spec(target, Eagle3Drafter(d, SpecConfig(steps, 1, steps + 1), target), prompt, params, eos_ids=[])
+        assert out == ar
+        ids = torch.tensor([prompt + ar])
+        answer = torch.tensor([[i >= len(prompt) for i in range(ids.shape[1])]])
+        aux, hidden = online_features(feats, tuple(d.cfg.aux_layer_ids), ids, torch.ones_like(ids))
+        probs, top = head.view(hidden)
+        with torch.no_grad():
+            _, stats, hit_map = TTT(d, steps, 0.8)(ids, aux, probs, top, answer, torch.ones(steps), hit_map=True)
+        accepted, rounds = replay_counts(hit_map, answer).tolist()
+        walked = chain_replay(hit_map.long().cumprod(0).sum(0)[0].tolist(), answer[0].tolist())
+        assert (sum(walked), len(walked)) == (accepted, rounds)
+        assert walked[:len(st.accepted) - 1] == st.accepted[:-1], (walked, st.accepted)
+        checked |= set(st.accepted[:-1])
+        pooled += stats
+        replayed += torch.tensor([accepted, rounds])
+    assert len(checked) >= 3, checked  # rounds of several lengths, not all-or-nothing
+    rec = summarize(pooled, replayed)
+    assert abs(rec["accept_len"] - rec["replay_accept_len"]) > 0.02, rec
+
+
+def test_chain_replay_walks_rounds_per_answer_segment():
+    """Hand-checked walks: the prefill gives a segment's first token, a round gains its leading
+    hits + 1, a later answer segment starts afresh, nothing is drafted past a segment."""
+    from fledge.conventions import chain_replay
+    answer = [False, False, True, True, True, True, True, True, False, False, True, True, True]
+    leading = [0, 2, 9, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0]  # row t drafts tokens t+2 on
+    # segment 1 (tokens 2-7): rows 1 (+2 -> row 4), 4 (+1 -> row 6), 6 (token 8 not an answer: stop)
+    # segment 2 (tokens 10-12): rows 9 (+0 -> row 10), 10 (+1 -> row 12: past the end)
+    assert chain_replay(leading, answer) == [2, 1, 0, 1]  # leading[2] = 9 is never a round
+    assert chain_replay([0] * 5, [False] * 5) == []
 
 
 def test_compiled_loss_equals_eager_loss_and_gradients():

@@ -140,9 +140,9 @@ if triton is not None:
         # (bf16 greedy decode and verify agree on what they compute). Blocks wholly below the
         # row's length take a loop of their own that neither loads new K/V nor stores: the
         # same values into the same _online_block, without the extra loads and the branch in
-        # every block of a long row. Batched decode read 249.8K tok/s at 1,024 rows before the
-        # one pass and 173K after it (random weights, bench/NOTES.md, session 10); this loop is
-        # meant to win that back and is not yet measured.
+        # every block of a long row. Batched decode at 1,024 rows read 249.8K tok/s before the
+        # one pass, 173.1K after it and 215.4K with this loop (random weights, H200; at 256
+        # rows 125.5K, 114.8K, 135.1K: bench/results/profile_batched*_nvidia_h200.json).
         cached_hi = tl.minimum(hi, length)
         mid = lo + tl.maximum(cached_hi - lo, 0) // BLOCK_N * BLOCK_N
         for start in range(lo, mid, BLOCK_N):
