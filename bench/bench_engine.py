@@ -32,7 +32,7 @@ from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.engine.resident import Resident
-from fledge.engine.spec import generate_spec
+from fledge.engine.spec import generate_spec, oracle_text
 from fledge.engine.stats import SpecStats
 from fledge.target import load_target
 from fledge.util import FledgeError, atomic_write_json
@@ -71,17 +71,20 @@ def ar_runner(target, eos, graphs: bool, resident=None):
 
 
 def oracle_runner(target, eos, graphs: bool, spec, resident=None):
-    """The oracle drafts the greedy continuation the verify step itself computes, found by a
-    first, untimed pass fed AR's tokens. In bf16 a decode step and a verify step may round a
-    near-tie apart; an oracle fed AR's tokens would then draft the wrong text for the rest of
-    the request (an accept length of 1.3 at H200 bf16, session 5). In fp32 both passes are AR."""
+    """The oracle drafts the greedy text the verify step itself computes (spec.oracle_text:
+    untimed passes, each fed the last one's output, from AR's), then one timed pass proposes
+    it. An oracle fed AR's text drafts wrong for the rest of a request after a near-tie that a
+    verify and a one-row step round apart in bf16 (accept length 1.3 at H200 bf16, session 5);
+    one refining pass left 6.74 on all 80 prompts in session 12. In fp32 the text is AR's."""
     device = next(target.parameters()).device
 
     def run(prompt, params, ar):
-        own, _ = generate_spec(target, OracleDrafter(spec, [prompt + ar], device), prompt, params, eos,
-                               use_cuda_graph=graphs, resident=resident)
+        own, passes = oracle_text(target, spec, prompt, ar, params, eos, use_cuda_graph=graphs, resident=resident)
         out, st = generate_spec(target, OracleDrafter(spec, [prompt + own], device), prompt, params, eos,
                                 use_cuda_graph=graphs, resident=resident)
+        if out != own:
+            print(f"oracle: no fixed point after {passes} passes; this request accepts less than every draft",
+                  file=sys.stderr)
         return out, st.wall_ms / 1e3, st, st.prefill_ms
     return run
 
@@ -125,7 +128,9 @@ def bench(args) -> dict:
     # One cache per engine target for every request, the prefill captured per bucket before any
     # clock (engine.resident); --eager-prefill: a fresh cache and an eager prefill per request.
     aux_sets = [None] + ([eagle_chain.aux_ids] if args.drafter else [])
-    resident_len = -(-(max(map(len, prompts)) + args.max_new_tokens + 64) // 64) * 64
+    # Room past the answer for the widest verify: a round's tree is written before acceptance.
+    room = max([64] + [parse_tree(t).num_draft_tokens for t in args.tree or []])
+    resident_len = -(-(max(map(len, prompts)) + args.max_new_tokens + room) // 64) * 64
 
     def resident(model):
         return None if args.eager_prefill else Resident(model, resident_len, aux_sets, use_graph=graphs)
@@ -159,12 +164,19 @@ def bench(args) -> dict:
             cublas = build_engine_target(t.model, dtype, device, fns=compiled(gemv_rows=0, few_rows=0))
             configs["engine AR (cuBLAS matmuls)"] = ar_runner(cublas, eos, graphs, resident(cublas))
 
+    if args.only:  # a re-measure of some rows against the baseline, in less device time
+        want = [n.strip() for n in args.only.split(";") if n.strip()]
+        unknown = [n for n in want if n not in configs]
+        if unknown:
+            raise FledgeError(f"--only {unknown}: not a row of this run; rows: {'; '.join(configs)}")
+        configs = {n: run for n, run in configs.items() if n == "engine AR" or n in want}
+        hf_names &= set(configs)
     n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
     name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
     header = {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
               "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
               "few_rows": args.few_rows, "resident_prefill": res is not None, "hf_prompts": n_hf if hf_names else 0,
-              "prompts": len(prompts),
+              "prompts": len(prompts), "only": args.only,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step"}
     # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
@@ -240,6 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="10 prompts, 1 repeat (about 3 minutes on an H200)")
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baselines")
+    p.add_argument("--only", help="run these rows alone (names as printed, ';'-separated), engine AR always")
     p.add_argument("--hf-prompts", type=int, help="run the HF baselines on the first N prompts only (default all)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run the engine eagerly on CUDA too")
     p.add_argument("--eager-prefill", action="store_true",

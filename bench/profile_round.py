@@ -28,7 +28,7 @@ from fledge.engine.drafters import DraftInput, Eagle3Drafter, OracleDrafter, Spe
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.engine.resident import Resident
-from fledge.engine.spec import RoundState, fused_round, generate_spec, verify_forward
+from fledge.engine.spec import RoundState, fused_round, generate_spec, oracle_text, verify_forward
 from fledge.util import atomic_write_json
 from profile_decode import kernels_us
 from random_target import smollm2_random
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     chain7 = SpecConfig(7, 1, 8)
     oracle_of = lambda seq: OracleDrafter(chain7, [prompt + seq], dev)  # noqa: E731
     generate_spec(target, oracle_of(ar_tokens), prompt, SamplingParams(max_new_tokens=16), [], resident=res)
-    own = generate_spec(target, oracle_of(ar_tokens), prompt, params, [], resident=res)[0]
+    own, _ = oracle_text(target, chain7, prompt, ar_tokens, params, [], resident=res)
     walls = []
     for _ in range(3):
         _, o = generate_spec(target, oracle_of(own), prompt, params, [], resident=res)

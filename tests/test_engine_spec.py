@@ -425,6 +425,45 @@ def test_cli_flag_errors_are_one_line(capsys):
     assert len(err) == 2 and all(line.startswith("fledge: error: --num-draft-tokens") for line in err)
 
 
+def test_oracle_text_refines_a_wrong_reference_to_the_verify_own_text():
+    """spec.oracle_text on a tiny target in fp32: fed AR's text it stops after one pass; fed a
+    reference that is wrong from its fourth token on, the first pass returns the verify's own
+    text (AR's, in fp32) and the second confirms it; an oracle fed that accepts every draft."""
+    import fledge.engine.spec as spec_mod
+    hf = make_tiny("llama", seed=3)
+    target = build_engine_target(hf, torch.float32, "cpu")
+    prompt, params, chain7 = [5, 9, 2, 7], SamplingParams(max_new_tokens=23), SpecConfig(7, 1, 8)
+    ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
+    assert spec_mod.oracle_text(target, chain7, prompt, ar, params, []) == (ar, 1)
+    wrong = ar[:3] + [(t + 1) % hf.config.vocab_size for t in ar[3:]]
+    assert spec_mod.oracle_text(target, chain7, prompt, wrong, params, []) == (ar, 2)
+    _, st = generate_spec(target, OracleDrafter(chain7, [prompt + ar]), prompt, params, [])
+    assert sum(st.histogram()[:-1]) == 0 and st.histogram()[-1] > 0  # every round took all 7 drafts
+
+
+def test_oracle_text_follows_a_rejection_point_that_moves_later(monkeypatch):
+    """The loop against a model of bf16 rounding: each pass keeps the text it was fed up to the
+    first token its verify computes otherwise, then writes that token and three more of its own
+    text before a later near-tie (where the rounds fell) parts it again. The loop must reach the
+    fixed point, count its passes, and stop at `max_passes` with the last output when it can't."""
+    import fledge.engine.spec as spec_mod
+    final = list(range(100, 130))
+
+    def fake_generate(target, drafter, prompt, params, eos, **kw):
+        fed = drafter.sequences[0][len(prompt):]
+        p = next((i for i, (a, b) in enumerate(zip(fed, final)) if a != b), len(final))
+        own = final[:p + 4]
+        return own + [7] * (len(final) - len(own)), None
+
+    monkeypatch.setattr(spec_mod, "generate_spec", fake_generate)
+    target = build_engine_target(make_tiny("llama"), torch.float32, "cpu")
+    params, chain = SamplingParams(max_new_tokens=30), SpecConfig(3, 1, 4)
+    text, passes = spec_mod.oracle_text(target, chain, [1, 2], [0] * 30, params, [], max_passes=20)
+    assert text == final and passes == 9  # 4, 8, ..., 28, 30 tokens right, then a pass that changes nothing
+    text, passes = spec_mod.oracle_text(target, chain, [1, 2], [0] * 30, params, [], max_passes=3)
+    assert passes == 3 and text == final[:12] + [7] * 18
+
+
 # --------------------------------------------------------------------------- a real model
 @pytest.mark.slow
 def test_smollm2_greedy_spec_equals_ar():

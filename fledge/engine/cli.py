@@ -10,7 +10,7 @@ import torch
 from fledge.engine.drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import build_engine_target
-from fledge.engine.spec import generate_spec
+from fledge.engine.spec import generate_spec, oracle_text
 from fledge.util import FledgeError, atomic_write_json
 
 
@@ -89,7 +89,8 @@ def run_generate(args) -> int:
         drafter = load_drafter(args.drafter, spec, t.model, target, device, dtype, args.compile)
     elif args.oracle:
         greedy = SamplingParams(0.0, 1.0, args.max_new_tokens, args.seed)
-        drafter = OracleDrafter(spec, [prompt + generate_ar(target, [prompt], greedy, eos)[0][0]])
+        own, _ = oracle_text(target, spec, prompt, generate_ar(target, [prompt], greedy, eos)[0][0], greedy, eos)
+        drafter = OracleDrafter(spec, [prompt + own])
     elif args.ngram:
         drafter = NgramDrafter(spec, args.ngram)
     else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fledge.engine.attention import Prefix, kernel_available, kernel_takes, triton
-from fledge.engine.drafters import DraftInput, SpecConfig, target_dims
+from fledge.engine.drafters import DraftInput, OracleDrafter, SpecConfig, target_dims
 from fledge.engine.generate import capture_cuda_graph, cut_at_eos, logits_to_probs, sample_token
 from fledge.engine.model import KVCache
 from fledge.engine.stats import Clock, SpecStats
@@ -345,6 +345,28 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
             stats.other_ms.append(clock.ms(c, d) + clock.ms(e, f))
             stats.round_ms.append(clock.ms(a, f))
     return out, stats
+
+
+def oracle_text(target, spec: SpecConfig, prompt: list[int], reference: list[int], params, eos_ids,
+                max_passes: int = 8, **generate_kw) -> tuple[list[int], int]:
+    """The greedy text this engine's own verify computes for `prompt` with a chain of `spec`:
+    what an oracle drafter must propose so that every draft is accepted (the engine's ceiling).
+
+    AR's text is not it in bf16: a verify over many rows may round a near-tie apart from a
+    one-row step, and where the rounds fall moves the rows a position is computed in. So the
+    reference is refined: each pass proposes the last pass's output. Up to a pass's first
+    rejection its rounds are the last pass's, so each pass moves that point later; the text is
+    final once a pass returns what it was fed. Returns (text, passes run); after `max_passes`
+    the last output stands (an oracle fed it then accepts less than everything, and says so).
+    In fp32 the first pass already returns AR's text."""
+    device = next(target.parameters()).device
+    for n in range(1, max_passes + 1):
+        out, _ = generate_spec(target, OracleDrafter(spec, [prompt + reference], device), prompt, params, eos_ids,
+                               **generate_kw)
+        if out == reference:
+            return out, n
+        reference = out
+    return reference, max_passes
 
 
 def _phased_round(target, cache, drafter, verify, propose, observe, root, cache_len_t, context, params, gen, clock):
