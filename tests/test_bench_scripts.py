@@ -96,6 +96,27 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path, monkeypatch):
     assert list(first["results"]) == ["engine AR"] and first["results"]["engine AR"]["vs_engine_ar"] == 1.0
 
 
+def test_engine_bench_only_rows_and_a_tree_wider_than_the_default_room(tmp_path, capsys):
+    """--only keeps the named rows beside the engine AR baseline; a name that is no row is one
+    clear error naming the rows. A 200-token tree fits the resident cache (session 12's first
+    run of a 256-token tree stopped at 'cache of 512 slots < ... + 256')."""
+    import bench_engine
+    drafter = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m"
+    common = ["--drafter", str(drafter), "--tree", "3,60,200", "--num-prompts", "1", "--max-new-tokens", "6",
+              "--device", "cpu", "--dtype", "float32", "--skip-hf"]
+    out = tmp_path / "only.json"
+    assert bench_engine.main(common + ["--only", "eagle3 tree 3,60,200", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"engine AR", "eagle3 tree 3,60,200"}
+    assert report["only"] == "eagle3 tree 3,60,200" and report["results"]["eagle3 tree 3,60,200"]["match_ar"] == 1
+    capsys.readouterr()
+    assert bench_engine.main(common + ["--only", "oracle chain 8", "--out", str(tmp_path / "x.json")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # past the load's progress bars
+    assert len(err) == 1 and err[0].startswith("bench_engine: error: --only ['oracle chain 8']: not a row")
+    assert "oracle chain 7" in err[0]
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_profile_round_checks_and_prefill_profile_on_a_tiny_target():
     """profile_round's GPU-lease helpers, run here on a tiny target: few_rows_check finds the
     few-rows path (interpreted) equal to the plain one in fp32, prefill_profile reports a wall
