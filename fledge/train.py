@@ -457,8 +457,9 @@ def read_resume_state(ck: Path, step: int) -> dict:
         state = torch.load(ck / "state.pt", map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise _refuse_resume(ck, step, "state.pt is missing") from None
-    except Exception as e:  # truncated zip, foreign pickle (UnpicklingError), garbage: torch raises assorted types
-        raise _refuse_resume(ck, step, f"state.pt is not a readable training state ({str(e).splitlines()[0][:200]})") from None
+    except Exception:  # truncated zip, garbage, a refused object: torch raises assorted types
+        raise _refuse_resume(ck, step, "state.pt is truncated, corrupt, or holds objects beyond tensors and plain "
+                                       "data (never unpickled: they could run code)") from None
     keys = {"model", "optim", "sched", "step", "rng"}
     if not (isinstance(state, dict) and keys <= state.keys()) or state["step"] != step:
         got = state.get("step") if isinstance(state, dict) else None

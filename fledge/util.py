@@ -20,14 +20,15 @@ class FledgeError(Exception):
 
 
 @contextlib.contextmanager
-def naming(path: str | os.PathLike):
+def naming(path: str | os.PathLike, force: bool = False):
     """Give an OSError raised in the block `path` as its file name when it carries none (a
     full disk fails in write/flush/fsync, which name no file), so the CLI's one line says
-    which output could not be written."""
+    which output could not be written. `force`: also replace the name it carries (a temp
+    file's name means nothing to the user)."""
     try:
         yield
     except OSError as e:
-        if e.filename is not None or e.errno is None:
+        if (e.filename is not None and not force) or e.errno is None:
             raise
         raise type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path)) from None
 
@@ -43,7 +44,7 @@ def write_file(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary sibling, fsync, then rename: readers see old or new, never half."""
     path = Path(path)
-    with naming(path.parent):
+    with naming(path.parent, force=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -104,7 +105,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False):
         raise FledgeError(f"{path}: already exists (pass --overwrite to replace it)")
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by writers killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
-    with naming(path.parent):
+    with naming(path.parent, force=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
