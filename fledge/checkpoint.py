@@ -28,15 +28,14 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
+from fledge.catalog import FLOAT_DTYPES, LAYOUTS, SHORT_DTYPES
 from fledge.config import DraftConfig
 from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, t2d_from_target_ids, target_ids_from_d2t,
                                 validate_aux_layer_ids)
 from fledge.draft import Eagle3Draft
 from fledge.util import FledgeError, atomic_dir, check_no_overlap, write_file
 
-LAYOUTS = ("eagle3", "speculators")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {name: getattr(torch, t) for name, t in {**FLOAT_DTYPES, **SHORT_DTYPES}.items()}
 DEFAULT_SPECULATIVE_TOKENS = 3
 # Tensors vLLM fills in without a word when a checkpoint lacks them.
 SILENT_DEFAULTS = {"d2t": " (vLLM would silently use all-zero offsets)",
@@ -523,42 +522,3 @@ def run_init_draft(args) -> int:
     out = export_checkpoint(draft, args.out, layout="eagle3", dtype=_dtype(args.dtype), overwrite=args.overwrite)
     _summary(out, "eagle3", draft)
     return 0
-
-
-def _add_target_layers(p) -> None:
-    p.add_argument("--target-layers", type=int, help="target decoder layer count (if config.json lacks it)")
-    p.add_argument("--target-config", help="target config.json (or its dir) to read the layer count from")
-    p.add_argument("--target", help="target (HF dir, GGUF, built-in name): its layer count, and its embeddings "
-                                    "for a drafter saved without them (--with-embed)")
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("export", help="write a drafter as an SGLang/vLLM (eagle3) or speculators checkpoint")
-    p.add_argument("src", help="drafter checkpoint dir (any layout fledge reads)")
-    p.add_argument("out", help="output dir (written atomically)")
-    p.add_argument("--layout", choices=LAYOUTS, default="eagle3")
-    p.add_argument("--shard-size-mb", type=float, help="split weights into shards of at most this size")
-    p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {', '.join(DTYPES)} (default bfloat16)")
-    p.add_argument("--with-embed", action="store_true", help="keep embed_tokens (default: engines share the target's)")
-    p.add_argument("--verifier", help="target model name/path recorded for `vllm serve <dir>` (speculators)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (never one holding an input)")
-    _add_target_layers(p)
-    p.set_defaults(func=run_export)
-
-    p = sub.add_parser("import", help="read an eagle3 / speculators / SpecForge drafter into fledge's layout")
-    p.add_argument("src", help="drafter dir: eagle3 (SGLang/vLLM/SpecForge/EAGLE, safetensors or pytorch_model.bin) "
-                               "or speculators layout")
-    p.add_argument("out", help="output dir, fledge's eagle3 layout in the source's dtype, embeddings kept if present "
-                               "(written atomically)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (default: refuse)")
-    _add_target_layers(p)
-    p.set_defaults(func=run_import)
-
-    p = sub.add_parser("init-draft", help="a fresh drafter for a target (target embeddings, eagle3 layout)")
-    p.add_argument("out")
-    p.add_argument("--target", required=True, help="target HF dir, GGUF or built-in name")
-    p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: the target's full vocab)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=run_init_draft)
-

@@ -1,7 +1,8 @@
 """`fledge <subcommand>`: one subcommand per pipeline step.
 
-Each step module exposes `add_cli(subparsers)` registering its subcommand(s) with a
-`func(args)` default. Exit codes (`exit_code` holds the scheme):
+Every subcommand's arguments are defined here, from torch-free modules only, and its handler
+is named "module:function" and imported when that subcommand runs: `fledge --help` and
+`fledge SUB --help` never load torch or transformers. Exit codes (`exit_code` holds the scheme):
   0    success
   1    runtime failure: the disk is full, an I/O error (one line naming the file), or a bug
        (a traceback)
@@ -14,25 +15,173 @@ Each step module exposes `add_cli(subparsers)` registering its subcommand(s) wit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
+import functools
 import importlib
 import os
 import sys
 
+from fledge.catalog import BUILTINS, FLOAT_DTYPES, LAYOUTS, SHORT_DTYPES
+from fledge.config import TrainConfig
 from fledge.util import FledgeError
 
-# Modules that register subcommands, in pipeline order.
-STEP_MODULES = [
-    "fledge.target",
+
+def run_step(name: str, args) -> int | None:
+    """Import the step module of `name` ("module:function") and run the function on `args`."""
+    module, func = name.split(":")
+    return getattr(importlib.import_module(module), func)(args)
+
+
+def handler(name: str) -> functools.partial:
+    """An argparse `func` for `name` ("module:function"): its module is imported when it runs."""
+    return functools.partial(run_step, name)
+
+
+def int_list(s: str) -> list[int]:
+    return [int(x) for x in s.split(",")]
+
+
+# --------------------------------------------------------------------------- subcommands
+def add_target(sub) -> None:
+    p = sub.add_parser("target", help="resolve and load a target; print its shape and aux layers")
+    p.add_argument("spec", help=f"built-in name ({', '.join(BUILTINS)}), GGUF file, or HF model directory")
+    p.add_argument("--json", help="also write the table as JSON here")
+    p.set_defaults(func=handler("fledge.target:run_target"))
+
+
+def add_features(sub) -> None:
+    p = sub.add_parser("features", help="write target features (aux + final hidden) for offline training")
+    p.add_argument("--target", required=True, help="target model (path or built-in name)")
+    p.add_argument("--data", required=True, help="tokenized training set JSONL")
+    p.add_argument("--out", required=True, help="feature directory (resumed if it exists)")
+    p.add_argument("--dtype", choices=sorted(SHORT_DTYPES), default="bf16", help="storage dtype (fp32 for exact parity)")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--aux-layers", type=int_list, default=None,
+                   help="canonical aux layer ids, e.g. 2,15,27 (default: conventions)")
+    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.set_defaults(func=handler("fledge.features:run_features"))
+
+
+# TrainConfig fields given as plain `--name VALUE` options (the rest have their own flags).
+TRAIN_NUMBERS = (("max-len", int), ("ttt-steps", int), ("step-decay", float), ("batch-size", int),
+                 ("draft-intermediate-size", int), ("grad-accum", int), ("epochs", int), ("max-steps", int),
+                 ("lr", float), ("warmup", float), ("weight-decay", float), ("clip", float), ("seed", int),
+                 ("pad-multiple", int), ("log-every", int), ("eval-every", int), ("save-every", int))
+
+
+def train_default(name: str):
+    """TrainConfig's default for option `name` (dashes), for help texts."""
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name.replace("-", "_")]
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train an EAGLE-3 drafter (TTT); run under torchrun for several GPUs")
+    p.add_argument("--data", required=True, help="tokenized training set JSONL")
+    p.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
+    p.add_argument("--target", help=f"target model (path or built-in name; default {train_default('target')})")
+    p.add_argument("--vocab", help="d2t/t2d file from `fledge vocab`")
+    p.add_argument("--init", help="warm start from an exported drafter directory")
+    p.add_argument("--features", help="offline feature directory from `fledge features` (default: online)")
+    p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
+    p.add_argument("--eval-samples", type=int, help=f"default {train_default('eval-samples')}")
+    p.add_argument("--aux-layers", type=lambda s: tuple(int_list(s)), help="canonical ids, e.g. 2,15,27")
+    for name, typ in TRAIN_NUMBERS:
+        p.add_argument(f"--{name}", type=typ, help=f"default {train_default(name)}")
+    p.add_argument("--parallel", choices=["ddp", "fsdp"], help=f"under torchrun (default {train_default('parallel')})")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
+    p.add_argument("--head-init", dest="head_init", action="store_true", default=None,
+                   help="a fresh draft's lm_head and norm start as the target's (slower early on SmolLM2: see draft.py)")
+    p.add_argument("--device")
+    p.set_defaults(func=handler("fledge.train:run_train"))
+
+
+def add_target_layers(p) -> None:
+    p.add_argument("--target-layers", type=int, help="target decoder layer count (if config.json lacks it)")
+    p.add_argument("--target-config", help="target config.json (or its dir) to read the layer count from")
+    p.add_argument("--target", help="target (HF dir, GGUF, built-in name): its layer count, and its embeddings "
+                                    "for a drafter saved without them (--with-embed)")
+
+
+def add_checkpoint(sub) -> None:
+    dtypes = ", ".join([*FLOAT_DTYPES, *SHORT_DTYPES])
+    p = sub.add_parser("export", help="write a drafter as an SGLang/vLLM (eagle3) or speculators checkpoint")
+    p.add_argument("src", help="drafter checkpoint dir (any layout fledge reads)")
+    p.add_argument("out", help="output dir (written atomically)")
+    p.add_argument("--layout", choices=LAYOUTS, default="eagle3")
+    p.add_argument("--shard-size-mb", type=float, help="split weights into shards of at most this size")
+    p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes} (default bfloat16)")
+    p.add_argument("--with-embed", action="store_true", help="keep embed_tokens (default: engines share the target's)")
+    p.add_argument("--verifier", help="target model name/path recorded for `vllm serve <dir>` (speculators)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (never one holding an input)")
+    add_target_layers(p)
+    p.set_defaults(func=handler("fledge.checkpoint:run_export"))
+
+    p = sub.add_parser("import", help="read an eagle3 / speculators / SpecForge drafter into fledge's layout")
+    p.add_argument("src", help="drafter dir: eagle3 (SGLang/vLLM/SpecForge/EAGLE, safetensors or pytorch_model.bin) "
+                               "or speculators layout")
+    p.add_argument("out", help="output dir, fledge's eagle3 layout in the source's dtype, embeddings kept if present "
+                               "(written atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (default: refuse)")
+    add_target_layers(p)
+    p.set_defaults(func=handler("fledge.checkpoint:run_import"))
+
+    p = sub.add_parser("init-draft", help="a fresh drafter for a target (target embeddings, eagle3 layout)")
+    p.add_argument("out")
+    p.add_argument("--target", required=True, help="target HF dir, GGUF or built-in name")
+    p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: the target's full vocab)")
+    p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes}")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=handler("fledge.checkpoint:run_init_draft"))
+
+
+def add_spec_args(p) -> None:
+    p.add_argument("--num-steps", type=int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
+    p.add_argument("--topk", type=int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="tree nodes verified per round, root included (default num-steps+1 for a chain)")
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate with the engine: AR, or speculative with a drafter / oracle / n-gram")
+    p.add_argument("--target", required=True, help="built-in name, GGUF file or HF directory")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--drafter", help="EAGLE-3 checkpoint directory")
+    src.add_argument("--oracle", action="store_true", help="draft the target's own greedy continuation (the ceiling)")
+    src.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
+    add_spec_args(p)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    msg = p.add_mutually_exclusive_group(required=True)
+    msg.add_argument("--prompt", help="one user message")
+    msg.add_argument("--messages", help="a JSON list of chat messages, inline or a file")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", help=f"{', '.join(FLOAT_DTYPES)} (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--json", help="also write the output ids and stats here")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target's layer functions and the drafter's halves (CUDA; slow start)")
+    p.add_argument("--phased", action="store_true",
+                   help="run each round's steps apart and time them (draft / verify / other ms) instead of one fused graph")
+    p.set_defaults(func=handler("fledge.engine.cli:run_generate"))
+
+
+# Subcommands in pipeline order: a function adding the parser(s), or (until its parser moves
+# here) a step module whose `add_cli` registers them, imported with the parser.
+COMMANDS = [
+    add_target,
     "fledge.data",
     "fledge.regen",
     "fledge.vocab",
-    "fledge.features",
-    "fledge.train",
-    "fledge.checkpoint",
+    add_features,
+    add_train,
+    add_checkpoint,
     "fledge.doctor",
     "fledge.demo",
-    "fledge.engine.cli",
+    add_generate,
     "fledge.bench",
     "fledge.tune",
     "fledge.adapt",
@@ -43,8 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fledge", description=__doc__.splitlines()[0])
     p.add_argument("--debug", action="store_true", help="show tracebacks (also FLEDGE_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True)
-    for name in STEP_MODULES:
-        importlib.import_module(name).add_cli(sub)
+    for add in COMMANDS:
+        if isinstance(add, str):
+            importlib.import_module(add).add_cli(sub)
+        else:
+            add(sub)
     return p
 
 

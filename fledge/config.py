@@ -1,13 +1,15 @@
-"""The drafter's configuration: derived from a target's config, saved as serving JSON."""
+"""Dataclass configs: the drafter's (derived from a target's config, saved as serving JSON)
+and a training run's. Torch-free, so the CLI's help can show TrainConfig's defaults."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fledge.conventions import default_aux_layer_ids, validate_aux_layer_ids
-from fledge.util import FledgeError
+from fledge.util import FledgeError, check_no_overlap
 
 
 @dataclass
@@ -82,3 +84,65 @@ class DraftConfig:
 
     def replace(self, **kw) -> "DraftConfig":
         return dataclasses.replace(self, **kw)
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out: str
+    target: str = "smollm2-135m"
+    vocab: str | None = None          # d2t/t2d file (`fledge vocab`); None: draft vocab = target vocab
+    init: str | None = None           # warm start from an exported drafter directory
+    head_init: bool = False           # a fresh draft's lm_head/norm start as the target's (Eagle3Draft.init_head_from)
+    features: str | None = None       # offline feature directory; None: run the target online
+    eval_data: str | None = None      # held-out set; None: `eval_samples` split off the training set
+    eval_samples: int = 64
+    aux_layers: tuple[int, ...] | None = None
+    draft_intermediate_size: int | None = None  # a fresh draft's MLP width (default: the target's; engines read it from config.json)
+    max_len: int = 2048
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    batch_size: int = 8               # sequences per rank per micro-batch
+    grad_accum: int = 1
+    epochs: int = 1
+    max_steps: int | None = None      # optimizer steps; None: `epochs` passes
+    lr: float = 1e-4
+    warmup: float = 0.03              # share of steps with linear warm-up
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    seed: int = 0
+    parallel: str = "ddp"             # ddp | fsdp (FSDP2 fully_shard), when run under torchrun
+    bf16: bool = True                 # bf16 autocast (CUDA only)
+    pad_multiple: int = 64
+    log_every: int = 10
+    eval_every: int = 200
+    save_every: int = 200
+    device: str | None = None
+
+    def __post_init__(self):
+        if self.aux_layers is not None:
+            self.aux_layers = tuple(self.aux_layers)
+        checks = [(self.ttt_steps >= 1, "ttt_steps must be >= 1"), (0 < self.step_decay <= 1, "step_decay must be in (0, 1]"),
+                  (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
+                  (self.max_len >= 3, "max_len must be >= 3"), (self.lr > 0, "lr must be > 0"),
+                  (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
+                  (self.parallel in ("ddp", "fsdp"), f"parallel {self.parallel!r}: ddp or fsdp"),
+                  (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
+                  (min(self.log_every, self.eval_every, self.save_every, self.epochs) >= 1, "intervals/epochs must be >= 1"),
+                  (not (self.init and self.vocab), "--init brings its own vocab; drop --vocab"),
+                  (not (self.init and self.draft_intermediate_size), "--init brings its own shape; drop --draft-intermediate-size"),
+                  (self.draft_intermediate_size is None or self.draft_intermediate_size >= 1, "draft_intermediate_size must be >= 1")]
+        for ok, msg in checks:
+            if not ok:
+                raise FledgeError(f"train config: {msg}")
+        for name in ("data", "vocab", "init", "features", "eval_data"):
+            if getattr(self, name) and not Path(getattr(self, name)).exists():
+                raise FledgeError(f"--{name.replace('_', '-')} {getattr(self, name)}: does not exist")
+        for name, want_dir in (("data", False), ("eval_data", False), ("init", True), ("features", True)):
+            path = getattr(self, name)
+            if path and Path(path).is_dir() != want_dir:
+                what = "a directory (drafter or feature dir)" if want_dir else "a tokenized JSONL file"
+                raise FledgeError(f"--{name.replace('_', '-')} {path}: expected {what}")
+        inputs = {f"--{n.replace('_', '-')}": getattr(self, n) for n in ("data", "vocab", "init", "features", "eval_data")}
+        for written in ("draft", "checkpoint", "metrics.jsonl", "curves.png", "result.json"):
+            check_no_overlap(Path(self.out) / written, inputs)

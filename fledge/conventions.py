@@ -8,10 +8,12 @@ one place to change.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from fledge.util import FledgeError
+
+if TYPE_CHECKING:
+    import torch
 
 
 # --------------------------------------------------------------------------- aux layers
@@ -56,12 +58,16 @@ def aux_ids_to_sglang(ids: Sequence[int], num_layers: int) -> tuple[int, int, in
 
 
 # --------------------------------------------------------------------------- draft vocab
+# The d2t functions import torch when called: the aux-id rules above are read by
+# `fledge.config`, which the CLI's parsers use without loading torch.
 def d2t_from_target_ids(target_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
     """Offsets such that target = i + d2t[i] (SpecForge/SGLang/vLLM: int64 offsets).
 
     `target_ids` are the draft vocab's target ids, which must be strictly ascending (the
     draft vocab is the top-N set *sorted*, so draft id order follows target id order).
     """
+    import torch
+
     t = torch.as_tensor(target_ids, dtype=torch.int64).flatten()
     if t.numel() == 0:
         raise FledgeError("draft vocabulary is empty")
@@ -74,6 +80,8 @@ def d2t_from_target_ids(target_ids: torch.Tensor, target_vocab: int) -> torch.Te
 
 def target_ids_from_d2t(d2t: torch.Tensor, target_vocab: int) -> torch.Tensor:
     """Draft id i → target id i + d2t[i]; refuses maps that are out of range or not one-to-one."""
+    import torch
+
     d2t = torch.as_tensor(d2t).to(torch.int64).flatten()
     t = d2t + torch.arange(d2t.numel(), dtype=torch.int64)
     if t.numel() and (t.min() < 0 or t.max() >= target_vocab):
@@ -85,6 +93,8 @@ def target_ids_from_d2t(d2t: torch.Tensor, target_vocab: int) -> torch.Tensor:
 
 def t2d_from_target_ids(target_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
     """Bool mask over the target vocab: True where the token is in the draft vocab."""
+    import torch
+
     mask = torch.zeros(target_vocab, dtype=torch.bool)
     mask[torch.as_tensor(target_ids, dtype=torch.int64)] = True
     return mask

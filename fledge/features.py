@@ -26,11 +26,12 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 from tqdm import tqdm
 
+from fledge.catalog import SHORT_DTYPES
 from fledge.conventions import default_aux_layer_ids, validate_aux_layer_ids
 from fledge.target import capture, load_target
-from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, read_jsonl
+from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, pick_device, read_jsonl
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {name: getattr(torch, t) for name, t in SHORT_DTYPES.items()}
 
 
 # --------------------------------------------------------------------------- samples
@@ -247,7 +248,7 @@ def features_meta(target_name: str, data_path, max_len: int) -> dict:
 
 def run_features(args) -> int:
     target = load_target(args.target)
-    device = torch.device(args.device)
+    device = pick_device(args.device)
     model = target.model.to(device).eval()
     vocab = model.config.get_text_config().vocab_size
     samples = load_samples(args.data, args.max_len, vocab)
@@ -258,18 +259,3 @@ def run_features(args) -> int:
     per_token = 4 * meta["hidden_size"] * DTYPES[args.dtype].itemsize
     print(f"{len(samples)} samples, {tokens} tokens, {per_token} bytes/token ({per_token * tokens / 2**30:.2f} GiB) in {args.out}")
     return 0
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("features", help="write target features (aux + final hidden) for offline training")
-    p.add_argument("--target", required=True, help="target model (path or built-in name)")
-    p.add_argument("--data", required=True, help="tokenized training set JSONL")
-    p.add_argument("--out", required=True, help="feature directory (resumed if it exists)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="storage dtype (fp32 for exact parity)")
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--aux-layers", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="canonical aux layer ids, e.g. 2,15,27 (default: conventions)")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.set_defaults(func=run_features)

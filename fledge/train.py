@@ -40,79 +40,17 @@ from torch import nn
 from tqdm import tqdm
 
 from fledge.checkpoint import export_checkpoint, load_checkpoint
-from fledge.config import DraftConfig
+from fledge.config import DraftConfig, TrainConfig
 from fledge.conventions import accept_length, chain_replay
 from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, feature_model, features_meta,
                              load_samples, online_features, pad_batch)
-from fledge.util import (FledgeError, atomic_dir, atomic_write_text, check_no_overlap, pick_device, read_jsonl,
+from fledge.util import (FledgeError, atomic_dir, atomic_write_text, pick_device, read_jsonl,
                          save_figure, settle_dir, write_file)
 from fledge.vocab import load_vocab_ids
 
 # Fields that change nothing about the numbers, so a resume may differ in them.
 RESUME_FREE = {"out", "log_every", "eval_every", "save_every", "device"}
-
-
-@dataclass
-class TrainConfig:
-    data: str
-    out: str
-    target: str = "smollm2-135m"
-    vocab: str | None = None          # d2t/t2d file (`fledge vocab`); None: draft vocab = target vocab
-    init: str | None = None           # warm start from an exported drafter directory
-    head_init: bool = False           # a fresh draft's lm_head/norm start as the target's (Eagle3Draft.init_head_from)
-    features: str | None = None       # offline feature directory; None: run the target online
-    eval_data: str | None = None      # held-out set; None: `eval_samples` split off the training set
-    eval_samples: int = 64
-    aux_layers: tuple[int, ...] | None = None
-    draft_intermediate_size: int | None = None  # a fresh draft's MLP width (default: the target's; engines read it from config.json)
-    max_len: int = 2048
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    batch_size: int = 8               # sequences per rank per micro-batch
-    grad_accum: int = 1
-    epochs: int = 1
-    max_steps: int | None = None      # optimizer steps; None: `epochs` passes
-    lr: float = 1e-4
-    warmup: float = 0.03              # share of steps with linear warm-up
-    weight_decay: float = 0.0
-    clip: float = 0.5
-    seed: int = 0
-    parallel: str = "ddp"             # ddp | fsdp (FSDP2 fully_shard), when run under torchrun
-    bf16: bool = True                 # bf16 autocast (CUDA only)
-    pad_multiple: int = 64
-    log_every: int = 10
-    eval_every: int = 200
-    save_every: int = 200
-    device: str | None = None
-
-    def __post_init__(self):
-        if self.aux_layers is not None:
-            self.aux_layers = tuple(self.aux_layers)
-        checks = [(self.ttt_steps >= 1, "ttt_steps must be >= 1"), (0 < self.step_decay <= 1, "step_decay must be in (0, 1]"),
-                  (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
-                  (self.max_len >= 3, "max_len must be >= 3"), (self.lr > 0, "lr must be > 0"),
-                  (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
-                  (self.parallel in ("ddp", "fsdp"), f"parallel {self.parallel!r}: ddp or fsdp"),
-                  (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
-                  (min(self.log_every, self.eval_every, self.save_every, self.epochs) >= 1, "intervals/epochs must be >= 1"),
-                  (not (self.init and self.vocab), "--init brings its own vocab; drop --vocab"),
-                  (not (self.init and self.draft_intermediate_size), "--init brings its own shape; drop --draft-intermediate-size"),
-                  (self.draft_intermediate_size is None or self.draft_intermediate_size >= 1, "draft_intermediate_size must be >= 1")]
-        for ok, msg in checks:
-            if not ok:
-                raise FledgeError(f"train config: {msg}")
-        for name in ("data", "vocab", "init", "features", "eval_data"):
-            if getattr(self, name) and not Path(getattr(self, name)).exists():
-                raise FledgeError(f"--{name.replace('_', '-')} {getattr(self, name)}: does not exist")
-        for name, want_dir in (("data", False), ("eval_data", False), ("init", True), ("features", True)):
-            path = getattr(self, name)
-            if path and Path(path).is_dir() != want_dir:
-                what = "a directory (drafter or feature dir)" if want_dir else "a tokenized JSONL file"
-                raise FledgeError(f"--{name.replace('_', '-')} {path}: expected {what}")
-        inputs = {f"--{n.replace('_', '-')}": getattr(self, n) for n in ("data", "vocab", "init", "features", "eval_data")}
-        for written in ("draft", "checkpoint", "metrics.jsonl", "curves.png", "result.json"):
-            check_no_overlap(Path(self.out) / written, inputs)
 
 
 # --------------------------------------------------------------------------- the TTT forward
@@ -669,27 +607,3 @@ def run_train(args) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("train", help="train an EAGLE-3 drafter (TTT); run under torchrun for several GPUs")
-    p.add_argument("--data", required=True, help="tokenized training set JSONL")
-    p.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
-    p.add_argument("--target", help="target model (path or built-in name; default smollm2-135m)")
-    p.add_argument("--vocab", help="d2t/t2d file from `fledge vocab`")
-    p.add_argument("--init", help="warm start from an exported drafter directory")
-    p.add_argument("--features", help="offline feature directory from `fledge features` (default: online)")
-    p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
-    p.add_argument("--eval-samples", type=int)
-    p.add_argument("--aux-layers", type=lambda s: tuple(int(x) for x in s.split(",")), help="canonical ids, e.g. 2,15,27")
-    for name, typ in (("max-len", int), ("ttt-steps", int), ("step-decay", float), ("batch-size", int),
-                      ("draft-intermediate-size", int), ("grad-accum", int), ("epochs", int), ("max-steps", int), ("lr", float), ("warmup", float),
-                      ("weight-decay", float), ("clip", float), ("seed", int), ("pad-multiple", int),
-                      ("log-every", int), ("eval-every", int), ("save-every", int)):
-        p.add_argument(f"--{name}", type=typ, help=f"default {getattr(TrainConfig, name.replace('-', '_'))}")
-    p.add_argument("--parallel", choices=["ddp", "fsdp"])
-    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
-    p.add_argument("--head-init", dest="head_init", action="store_true", default=None,
-                   help="a fresh draft's lm_head and norm start as the target's (slower early on SmolLM2: see draft.py)")
-    p.add_argument("--device")
-    p.set_defaults(func=run_train)

@@ -102,35 +102,3 @@ def run_generate(args) -> int:
     if args.json:
         atomic_write_json(args.json, {"prompt_tokens": len(prompt), "output_ids": out, **summary})
     return 0
-
-
-def add_spec_args(p) -> None:
-    p.add_argument("--num-steps", type=int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
-    p.add_argument("--topk", type=int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="tree nodes verified per round, root included (default num-steps+1 for a chain)")
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("generate", help="generate with the engine: AR, or speculative with a drafter / oracle / n-gram")
-    p.add_argument("--target", required=True, help="built-in name, GGUF file or HF directory")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--drafter", help="EAGLE-3 checkpoint directory")
-    src.add_argument("--oracle", action="store_true", help="draft the target's own greedy continuation (the ceiling)")
-    src.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
-    add_spec_args(p)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    msg = p.add_mutually_exclusive_group(required=True)
-    msg.add_argument("--prompt", help="one user message")
-    msg.add_argument("--messages", help="a JSON list of chat messages, inline or a file")
-    p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--json", help="also write the output ids and stats here")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target's layer functions and the drafter's halves (CUDA; slow start)")
-    p.add_argument("--phased", action="store_true",
-                   help="run each round's steps apart and time them (draft / verify / other ms) instead of one fused graph")
-    p.set_defaults(func=run_generate)
