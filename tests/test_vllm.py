@@ -20,7 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
 from fledge.config import DraftConfig
+from fledge.checks import FAIL, PASS
 from fledge.conventions import accept_length
+from fledge.doctor import doctor
 from fledge.draft import Eagle3Draft
 from fledge.target import resolve_target
 from fledge.util import FledgeError
@@ -118,6 +120,11 @@ def test_vllm_serves_speculators_layout_alone(vllm, smollm2, tmp_path):
     sd = alone["spec_decode"]
     assert sd["num_drafts"] > 0, "vLLM did not speculate: the speculators config was not recognised"
     assert sd["num_accepted_tokens_per_pos"][0] > 0, "no draft accepted: d2t not applied"
+    # The doctor must agree with what vLLM just did: speculation on, the verifier as the target.
+    checks = {c.name: c for c in doctor(out, str(smollm2), f"vllm serve {out}")}
+    assert checks["launch.spec_config"].status == PASS and str(smollm2) in checks["launch.spec_config"].why
+    assert checks["verifier"].status == PASS
+    assert not [c for c in checks.values() if c.status == FAIL]
 
 
 def test_export_without_d2t_is_refused(tmp_path, smollm2):
