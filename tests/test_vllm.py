@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
 from fledge.config import DraftConfig
-from fledge.checks import FAIL, PASS
+from fledge.checks import PASS
 from fledge.conventions import accept_length
 from fledge.doctor import doctor
 from fledge.draft import Eagle3Draft
@@ -124,7 +124,7 @@ def test_vllm_serves_speculators_layout_alone(vllm, smollm2, tmp_path):
     checks = {c.name: c for c in doctor(out, str(smollm2), f"vllm serve {out}")}
     assert checks["launch.spec_config"].status == PASS and str(smollm2) in checks["launch.spec_config"].why
     assert checks["verifier"].status == PASS
-    assert not [c for c in checks.values() if c.status == FAIL]
+    assert not [c for n, c in checks.items() if n.startswith("launch.") and c.status != PASS]
 
 
 def test_export_without_d2t_is_refused(tmp_path, smollm2):
