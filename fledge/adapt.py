@@ -297,7 +297,7 @@ def add_cli(sub) -> None:
     p.add_argument("--no-train", dest="train", action="store_false", help="write <out>/init only, no fine-tune")
     for name, typ, what in TRAIN_OPTIONS:
         default = getattr(TrainConfig, name.replace("-", "_"))
-        p.add_argument(f"--{name}", type=typ, help=f"{what} (default {default})")
+        p.add_argument(f"--{name}", type=typ, help=what if default is None else f"{what} (default {default})")
     p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
     p.add_argument("--features", help="offline features of NEW on --data from `fledge features` (default: "
                                       "run NEW online)")
