@@ -365,3 +365,16 @@ def test_rope_mismatch_warns(target, tmp_path):
     _edit_config(drafter, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
     results = doctor.doctor(drafter, str(tpath))
     assert {c.name: c.status for c in results if c.status != PASS} == {"rope": WARN}
+
+
+def test_lint_and_checks_do_not_import_doctor():
+    """doctor uses lint and checks; neither may import doctor back (not even for a type)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(doctor.__file__).parent
+    for name in ("lint", "checks"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "fledge.doctor" not in imported, name
