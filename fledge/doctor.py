@@ -517,8 +517,8 @@ def check_norms(stats: dict[str, Stats], w: Weights) -> Check:
                     f"{coarse[0]} holds no value in ({1 - eps / 4:.4f}, {1 + eps / 2:.4f}) but 1.0, and a short run "
                     "moves norms by ~0.002, so the export rounds them back to their init",
                     "re-export with `fledge export --dtype float32` and rerun doctor: still all ones means never "
-                    "trained (check that export read the trained checkpoint); otherwise train longer or serve the "
-                    "float32 export")
+                    "trained (check that export read the trained checkpoint); if they moved, the bf16 copy lost only "
+                    "a gain change a bf16 server rounds away too: harmless")
     return warn("norms", f"{ones} are exactly 1.0 in {w.dtypes[ones[0]]}: never trained (or exported from init)",
                 "check that the export read the trained checkpoint")
 
