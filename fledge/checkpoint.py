@@ -33,6 +33,7 @@ from fledge.config import DraftConfig
 from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, t2d_from_target_ids, target_ids_from_d2t,
                                 validate_aux_layer_ids)
 from fledge.draft import Eagle3Draft
+from fledge.target import BUILTINS
 from fledge.util import FledgeError, atomic_dir, check_no_overlap, write_file
 
 DTYPES = {name: getattr(torch, t) for name, t in {**FLOAT_DTYPES, **SHORT_DTYPES}.items()}
@@ -122,6 +123,9 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
                 "fledge": {"target_num_hidden_layers": n, "verifier": ver or None, "speculative_tokens": k}}
     if not ver.get("name_or_path"):
         raise FledgeError("the speculators layout names the target model vLLM serves: pass --verifier NAME")
+    if ver["name_or_path"] in BUILTINS:
+        raise FledgeError(f"verifier {ver['name_or_path']!r} is a fledge built-in name, which vLLM cannot load: "
+                          "pass --verifier with the target's HF directory or hub id")
     layer = _llama_fields(cfg, dtype)
     return {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",

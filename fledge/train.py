@@ -175,7 +175,7 @@ class Run:
     model: nn.Module       # TTT, wrapped for DDP (or sharded in place by FSDP2)
     ttt: TTT               # the unwrapped module (state dicts)
     target: nn.Module      # what computes the features (features.feature_model)
-    target_name: str
+    verifier: str          # the target as engines load it: its resolved HF directory, not a fledge alias
     head: TargetHead
     aux_ids: tuple
     store: FeatureStore | None
@@ -251,7 +251,7 @@ def setup(cfg: TrainConfig, target) -> Run:
     warm = max(1, int(cfg.warmup * total))
     cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, cosine(s)))
-    return Run(cfg, wrapped, ttt, feature_model(model), target.name, TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
+    return Run(cfg, wrapped, ttt, feature_model(model), str(target.path or target.name), TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
                store, train, evals, opt, sched, total, per_epoch, rank, world, device)
 
 
@@ -434,7 +434,7 @@ def export(run: Run) -> Path:
     if run.rank == 0:
         draft = Eagle3Draft(run.ttt.draft.cfg)
         draft.load_state_dict({k.removeprefix("draft."): v for k, v in model_sd.items()})
-        export_checkpoint(draft, out, layout="eagle3", verifier=run.target_name, overwrite=True)
+        export_checkpoint(draft, out, layout="eagle3", verifier=run.verifier, overwrite=True)
     return out
 
 
