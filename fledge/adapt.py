@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from fledge.checkpoint import export_checkpoint, load_checkpoint
-from fledge.config import DraftConfig
+from fledge.config import ADAPT_TRAIN_OPTIONS, DraftConfig
 from fledge.conventions import target_ids_from_d2t, validate_aux_layer_ids
 from fledge.draft import Eagle3Draft
 from fledge.util import FledgeError, atomic_write_json
@@ -52,23 +52,6 @@ from fledge.vocab import count_masked_tokens, diff_vocab, top_target_ids
 
 # Tensors that do not depend on the target's tokens: carried from OLD unchanged.
 CARRIED_PREFIXES = ("fc.", "midlayer.", "norm.")
-# Train options `fledge adapt` passes through to `fledge train` (name, type).
-# Train options `fledge adapt` passes through to `fledge train`: (name, type, what it does);
-# the help adds fledge train's default.
-TRAIN_OPTIONS = (("max-steps", int, "optimizer steps of the fine-tune (unset: --epochs passes over --data)"),
-                 ("epochs", int, "passes over --data when --max-steps is unset"),
-                 ("batch-size", int, "sequences per micro-batch"),
-                 ("grad-accum", int, "micro-batches per optimizer step"),
-                 ("lr", float, "peak learning rate (AdamW, cosine decay)"),
-                 ("warmup", float, "share of the steps with linear warm-up"),
-                 ("ttt-steps", int, "training-time-test unroll: draft steps trained per position"),
-                 ("max-len", int, "samples are cut to this many tokens"),
-                 ("eval-samples", int, "held-out samples split off --data when --eval-data is unset"),
-                 ("seed", int, "random seed (data order, eval split)"),
-                 ("log-every", int, "steps between training log lines"),
-                 ("eval-every", int, "steps between held-out evaluations"),
-                 ("save-every", int, "steps between resumable checkpoints"),
-                 ("pad-multiple", int, "pad batches to a multiple of this length"))
 
 
 @dataclass
@@ -268,7 +251,7 @@ def print_report(report: dict) -> None:
 
 def run_adapt(args) -> int:
     from fledge.target import load_target
-    opts = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _, _ in TRAIN_OPTIONS}
+    opts = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _, _ in ADAPT_TRAIN_OPTIONS}
     opts.update(device=args.device, eval_data=args.eval_data, features=args.features, bf16=args.bf16)
     cfg = AdaptConfig(drafter=args.drafter, target=args.target, data=args.data, out=args.out,
                       draft_vocab=args.draft_vocab, rebuild_vocab=args.rebuild_vocab, train=args.train,
@@ -280,28 +263,3 @@ def run_adapt(args) -> int:
     print_report(report)
     print(f"wrote {Path(cfg.out) / 'adapt.json'}")
     return 0
-
-
-def add_cli(sub) -> None:
-    from fledge.train import TrainConfig  # its defaults are the fine-tune's
-
-    p = sub.add_parser("adapt", help="retarget a trained drafter to a new target version, then fine-tune it")
-    p.add_argument("--drafter", required=True, help="OLD's exported drafter directory")
-    p.add_argument("--target", required=True, help="NEW target (HF dir, GGUF, built-in name)")
-    p.add_argument("--data", required=True, help="tokenized training set made with NEW (input_ids, loss_mask)")
-    p.add_argument("--out", required=True, help="run directory: init/, train/, adapt.json (resumed if rerun)")
-    p.add_argument("--rebuild-vocab", action="store_true",
-                   help="build the draft vocab from --data's most frequent tokens (default: keep OLD's; rebuild "
-                        "only when --data is large or NEW's tokenizer differs)")
-    p.add_argument("--draft-vocab", type=int, help="size of the rebuilt vocab (with --rebuild-vocab; default: OLD's)")
-    p.add_argument("--no-train", dest="train", action="store_false", help="write <out>/init only, no fine-tune")
-    for name, typ, what in TRAIN_OPTIONS:
-        default = getattr(TrainConfig, name.replace("-", "_"))
-        p.add_argument(f"--{name}", type=typ, help=what if default is None else f"{what} (default {default})")
-    p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
-    p.add_argument("--features", help="offline features of NEW on --data from `fledge features` (default: "
-                                      "run NEW online)")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
-                   help="fine-tune in fp32 on CUDA (default: bf16 autocast on CUDA; the CPU always runs fp32)")
-    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.set_defaults(func=run_adapt)

@@ -28,12 +28,11 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
-from fledge.catalog import FLOAT_DTYPES, LAYOUTS, SHORT_DTYPES
+from fledge.catalog import BUILTINS, FLOAT_DTYPES, LAYOUTS, SHORT_DTYPES
 from fledge.config import DraftConfig
 from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, t2d_from_target_ids, target_ids_from_d2t,
                                 validate_aux_layer_ids)
 from fledge.draft import Eagle3Draft
-from fledge.target import BUILTINS
 from fledge.util import FledgeError, atomic_dir, check_no_overlap, write_file
 
 DTYPES = {name: getattr(torch, t) for name, t in {**FLOAT_DTYPES, **SHORT_DTYPES}.items()}

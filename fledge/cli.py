@@ -23,7 +23,7 @@ import os
 import sys
 
 from fledge.catalog import BUILTINS, FLOAT_DTYPES, LAYOUTS, SHORT_DTYPES
-from fledge.config import TrainConfig
+from fledge.config import ADAPT_TRAIN_OPTIONS, TRAIN_OPTIONS, TrainConfig
 from fledge.util import FledgeError
 
 
@@ -65,32 +65,25 @@ def add_features(sub) -> None:
     p.set_defaults(func=handler("fledge.features:run_features"))
 
 
-# TrainConfig fields given as plain `--name VALUE` options (the rest have their own flags).
-TRAIN_NUMBERS = (("max-len", int), ("ttt-steps", int), ("step-decay", float), ("batch-size", int),
-                 ("draft-intermediate-size", int), ("grad-accum", int), ("epochs", int), ("max-steps", int),
-                 ("lr", float), ("warmup", float), ("weight-decay", float), ("clip", float), ("seed", int),
-                 ("pad-multiple", int), ("log-every", int), ("eval-every", int), ("save-every", int))
-
-
-def train_default(name: str):
-    """TrainConfig's default for option `name` (dashes), for help texts."""
-    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name.replace("-", "_")]
+def train_help(name: str, what: str) -> str:
+    """`what` an option sets, with TrainConfig's default for it (`name` in dashes) where it has one."""
+    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name.replace("-", "_")]
+    return what if default is None else f"{what} (default {default})"
 
 
 def add_train(sub) -> None:
     p = sub.add_parser("train", help="train an EAGLE-3 drafter (TTT); run under torchrun for several GPUs")
     p.add_argument("--data", required=True, help="tokenized training set JSONL")
     p.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
-    p.add_argument("--target", help=f"target model (path or built-in name; default {train_default('target')})")
+    p.add_argument("--target", help=train_help("target", "target model (path or built-in name)"))
     p.add_argument("--vocab", help="d2t/t2d file from `fledge vocab`")
     p.add_argument("--init", help="warm start from an exported drafter directory")
     p.add_argument("--features", help="offline feature directory from `fledge features` (default: online)")
     p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
-    p.add_argument("--eval-samples", type=int, help=f"default {train_default('eval-samples')}")
     p.add_argument("--aux-layers", type=lambda s: tuple(int_list(s)), help="canonical ids, e.g. 2,15,27")
-    for name, typ in TRAIN_NUMBERS:
-        p.add_argument(f"--{name}", type=typ, help=f"default {train_default(name)}")
-    p.add_argument("--parallel", choices=["ddp", "fsdp"], help=f"under torchrun (default {train_default('parallel')})")
+    for name, typ, what in TRAIN_OPTIONS:
+        p.add_argument(f"--{name}", type=typ, help=train_help(name, what))
+    p.add_argument("--parallel", choices=["ddp", "fsdp"], help=train_help("parallel", "under torchrun"))
     p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
     p.add_argument("--head-init", dest="head_init", action="store_true", default=None,
                    help="a fresh draft's lm_head and norm start as the target's (slower early on SmolLM2: see draft.py)")
@@ -169,6 +162,59 @@ def add_generate(sub) -> None:
     p.set_defaults(func=handler("fledge.engine.cli:run_generate"))
 
 
+def add_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="check an exported drafter (and a launch line) before deploying",
+                       description="PASS/WARN/FAIL checks; exit 0 all pass, 1 warnings, 2 failures.")
+    p.add_argument("drafter", help="exported drafter directory (config.json + safetensors)")
+    p.add_argument("--target", help="target model (HF directory or a name fledge.target knows)")
+    p.add_argument("--launch", help='the SGLang or vLLM server command, quoted: "python -m sglang.launch_server ..."')
+    p.add_argument("--against", metavar="OTHER_DRAFTER", help="compare the draft vocabulary with another drafter")
+    p.add_argument("--json", action="store_true", help="print machine-readable results")
+    p.add_argument("--probe", type=int, metavar="N", help="live probe: acceptance on N held-out prompts (needs --target)")
+    p.add_argument("--probe-prompts", default="mtbench", help="prompt source for the probe (file or built-in name)")
+    p.add_argument("--probe-tokens", type=int, default=64, help="new tokens per probe prompt")
+    p.add_argument("--probe-steps", type=int, default=5, help="chain length the probe drafts")
+    p.add_argument("--device", help="probe device (default: cuda if available)")
+    p.set_defaults(func=handler("fledge.doctor:run_doctor"))
+
+
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the whole loop in miniature on the built-in target (CPU, minutes)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m", help="target model: built-in name, GGUF file or HF directory")
+    p.add_argument("--workdir", default="runs/demo", help="where every step writes its files and demo.json")
+    p.add_argument("--prompts", type=int, default=8, help="MT-Bench questions the target answers for training")
+    p.add_argument("--eval-prompts", type=int, default=2, help="held-out questions for the eval and the speed check")
+    p.add_argument("--new-tokens", type=int, default=48,
+                   help="tokens the target writes per answer, and per prompt in the speed check")
+    p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size of the miniature drafter")
+    p.add_argument("--train-steps", type=int, default=20,
+                   help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")
+    p.set_defaults(func=handler("fledge.demo:run_demo"))
+
+
+def add_adapt(sub) -> None:
+    p = sub.add_parser("adapt", help="retarget a trained drafter to a new target version, then fine-tune it")
+    p.add_argument("--drafter", required=True, help="OLD's exported drafter directory")
+    p.add_argument("--target", required=True, help="NEW target (HF dir, GGUF, built-in name)")
+    p.add_argument("--data", required=True, help="tokenized training set made with NEW (input_ids, loss_mask)")
+    p.add_argument("--out", required=True, help="run directory: init/, train/, adapt.json (resumed if rerun)")
+    p.add_argument("--rebuild-vocab", action="store_true",
+                   help="build the draft vocab from --data's most frequent tokens (default: keep OLD's; rebuild "
+                        "only when --data is large or NEW's tokenizer differs)")
+    p.add_argument("--draft-vocab", type=int, help="size of the rebuilt vocab (with --rebuild-vocab; default: OLD's)")
+    p.add_argument("--no-train", dest="train", action="store_false", help="write <out>/init only, no fine-tune")
+    for name, typ, what in ADAPT_TRAIN_OPTIONS:  # the fine-tune's defaults are fledge train's
+        p.add_argument(f"--{name}", type=typ, help=train_help(name, what))
+    p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
+    p.add_argument("--features", help="offline features of NEW on --data from `fledge features` (default: "
+                                      "run NEW online)")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
+                   help="fine-tune in fp32 on CUDA (default: bf16 autocast on CUDA; the CPU always runs fp32)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.set_defaults(func=handler("fledge.adapt:run_adapt"))
+
+
 # Subcommands in pipeline order: a function adding the parser(s), or (until its parser moves
 # here) a step module whose `add_cli` registers them, imported with the parser.
 COMMANDS = [
@@ -179,12 +225,12 @@ COMMANDS = [
     add_features,
     add_train,
     add_checkpoint,
-    "fledge.doctor",
-    "fledge.demo",
+    add_doctor,
+    add_demo,
     add_generate,
     "fledge.bench",
     "fledge.tune",
-    "fledge.adapt",
+    add_adapt,
 ]
 
 

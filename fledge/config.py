@@ -86,6 +86,32 @@ class DraftConfig:
         return dataclasses.replace(self, **kw)
 
 
+# TrainConfig fields that `fledge train` sets with a plain `--name VALUE`: (option, type, what
+# it sets). The help adds the field's default.
+TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes over --data)"),
+                 ("epochs", int, "passes over --data when --max-steps is unset"),
+                 ("batch-size", int, "sequences per rank per micro-batch"),
+                 ("grad-accum", int, "micro-batches per optimizer step"),
+                 ("lr", float, "peak learning rate (AdamW, cosine decay)"),
+                 ("warmup", float, "share of the steps with linear warm-up"),
+                 ("weight-decay", float, "AdamW weight decay"),
+                 ("clip", float, "gradient norm clip"),
+                 ("ttt-steps", int, "training-time-test unroll: draft steps trained per position"),
+                 ("step-decay", float, "loss weight of TTT step j is step-decay**j"),
+                 ("max-len", int, "samples are cut to this many tokens"),
+                 ("eval-samples", int, "held-out samples split off --data when --eval-data is unset"),
+                 ("draft-intermediate-size", int, "a fresh draft's MLP width (unset: the target's)"),
+                 ("seed", int, "random seed (data order, eval split)"),
+                 ("log-every", int, "steps between training log lines"),
+                 ("eval-every", int, "steps between held-out evaluations"),
+                 ("save-every", int, "steps between resumable checkpoints"),
+                 ("pad-multiple", int, "pad batches to a multiple of this length"))
+# The ones `fledge adapt` passes through to its fine-tune: the draft's shape is OLD's, and the
+# loss and optimizer constants stay fledge train's.
+ADAPT_TRAIN_OPTIONS = tuple(o for o in TRAIN_OPTIONS if o[0] not in ("weight-decay", "clip", "step-decay",
+                                                                     "draft-intermediate-size"))
+
+
 @dataclass
 class TrainConfig:
     data: str

@@ -624,7 +624,7 @@ def doctor(drafter, target: str | None = None, launch: str | None = None, agains
     return results
 
 
-def _cmd_doctor(args) -> int:
+def run_doctor(args) -> int:
     results = doctor(args.drafter, args.target, args.launch, args.against)
     if args.probe:
         if not args.target:
@@ -633,19 +633,3 @@ def _cmd_doctor(args) -> int:
         results += probe_checks(args.drafter, args.target, args.probe_prompts, args.probe, args.probe_tokens,
                                 args.probe_steps, args.device)
     return report(results, args.json)
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("doctor", help="check an exported drafter (and a launch line) before deploying",
-                       description="PASS/WARN/FAIL checks; exit 0 all pass, 1 warnings, 2 failures.")
-    p.add_argument("drafter", help="exported drafter directory (config.json + safetensors)")
-    p.add_argument("--target", help="target model (HF directory or a name fledge.target knows)")
-    p.add_argument("--launch", help='the SGLang or vLLM server command, quoted: "python -m sglang.launch_server ..."')
-    p.add_argument("--against", metavar="OTHER_DRAFTER", help="compare the draft vocabulary with another drafter")
-    p.add_argument("--json", action="store_true", help="print machine-readable results")
-    p.add_argument("--probe", type=int, metavar="N", help="live probe: acceptance on N held-out prompts (needs --target)")
-    p.add_argument("--probe-prompts", default="mtbench", help="prompt source for the probe (file or built-in name)")
-    p.add_argument("--probe-tokens", type=int, default=64, help="new tokens per probe prompt")
-    p.add_argument("--probe-steps", type=int, default=5, help="chain length the probe drafts")
-    p.add_argument("--device", help="probe device (default: cuda if available)")
-    p.set_defaults(func=_cmd_doctor)
