@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from fledge.catalog import BUILTINS
 from fledge.checkpoint import aux_ids_from_serving, canonical_name, checkpoint_keys, draft_config_from_json
 from fledge.config import DraftConfig
 from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, target_ids_from_d2t, validate_aux_layer_ids
@@ -405,7 +406,6 @@ def check_verifier(f: DraftFacts, t: TargetFacts | None) -> Check | None:
         return warn("verifier", f"{v} is not on this machine: vLLM loads it only where that path exists", fix)
     if v.count("/") == 1 and all(v.split("/")):
         return ok("verifier", f"vLLM serves the HF hub model {v} as the target (not fetched here to check)")
-    from fledge.target import BUILTINS  # only for a bare name: pulls in torch and transformers
     if v in BUILTINS:
         return fail("verifier", f"{v!r} is a fledge built-in name, not an HF id or path: vLLM cannot load it "
                     "(`fledge target " + v + "` prints the directory it stands for)", fix)
