@@ -19,7 +19,7 @@ from fledge.util import read_jsonl
 @pytest.fixture(scope="module")
 def tiny_chat_target():
     tok = transformers.AutoTokenizer.from_pretrained(resolve_target("smollm2-135m"))
-    return SimpleNamespace(model=make_tiny("llama", seed=5, vocab_size=len(tok)), tokenizer=tok)
+    return SimpleNamespace(model=make_tiny("llama", seed=5, vocab_size=len(tok)), tokenizer=tok, name="tiny")
 
 
 def _convs(path, n=5):
@@ -69,8 +69,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).calls += 1
         if "too long" in body["messages"][-1]["content"]:
-            self.send_response(400)  # what vLLM answers when the prompt exceeds max_model_len
+            # what vLLM answers when the prompt exceeds max_model_len
+            msg = json.dumps({"object": "error", "message": "This model's maximum context length is 64 tokens."})
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(msg)))
             self.end_headers()
+            self.wfile.write(msg.encode())
             return
         if type(self).calls <= type(self).fail_first:
             self.send_response(500)
