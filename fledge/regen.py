@@ -327,8 +327,9 @@ def _run_chunk(samples: list[Sample], backend, cfg: RegenConfig, bar) -> tuple[l
                     active.append(s)
                     continue
             # this turn's request was counted; the turns after it will not come
-            bar.total = max(bar.n, bar.total - answers_ahead(s, cfg.max_turns) + (a.finish in ("error", "context")))
-            bar.refresh()
+            if gone := answers_ahead(s, cfg.max_turns) - (a.finish in ("error", "context")):
+                bar.total = max(bar.n, bar.total - gone)
+                bar.refresh()
     lost = {id(s) for s in failed}
     return [s for s in samples if id(s) not in lost], failed
 
