@@ -42,7 +42,7 @@ from pathlib import Path
 import jinja2
 from tqdm import tqdm
 
-from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, read_jsonl
+from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, read_jsonl
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
@@ -430,8 +430,8 @@ def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict
     try:
         return _build_training_set(tokenizer, conversations_path, out_path, max_len)
     except OSError as e:
-        raise FledgeError(f"{out_path}: cannot write ({e.strerror or e}); the finished part is kept in "
-                          f"{out_path.name}.partial, free space or fix permissions and rerun") from None
+        raise OSError(e.errno, f"{e.strerror or e}; the finished part is kept in {out_path.name}.partial, "
+                      f"a rerun continues it", str(out_path)) from None
 
 
 def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) -> dict:
@@ -551,13 +551,11 @@ def check_prep_args(args) -> None:
         raise FledgeError(f"--heldout {args.heldout}: must be >= 0")
     if not args.out:
         return
-    out = Path(args.out).resolve()
-    inputs = [*args.sources, *([args.tokenizer] if args.tokenizer else [])]
-    for src in inputs:
-        p = Path(src)
-        if p.exists() and (p.resolve() == out or out in p.resolve().parents):
-            raise FledgeError(f"-o {args.out}: holds the input {src}, which writing the output would destroy; "
-                              f"give another output folder")
+    files = [s for s in args.sources if Path(s).exists()]  # built-in names are not paths
+    check_no_overlap(args.out, {**{"source": s for s in files[:1]}, **{f"source {s}": s for s in files[1:]},
+                                "--tokenizer": args.tokenizer if args.tokenizer and Path(args.tokenizer).exists()
+                                else None})
+    out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise FledgeError(f"-o {args.out}: is a file; prep writes a folder (train.jsonl, heldout.jsonl, summary.json)")
 
@@ -570,9 +568,8 @@ def _write_split(out: Path, train, held, summary, overwrite: bool) -> None:
                     "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
             atomic_write_json(tmp / "summary.json", summary)
     except OSError as e:
-        raise FledgeError(f"{out}: cannot write ({e.strerror or e}); "
-                          f"{'the previous folder is left as it was' if out.exists() else 'nothing was written'}"
-                          ) from None
+        kept = "the previous folder is left as it was" if out.exists() else "nothing was written"
+        raise OSError(e.errno, f"{e.strerror or e}; {kept}", str(out)) from None
 
 
 def run_prep(args) -> int:
@@ -603,8 +600,7 @@ def run_prep(args) -> int:
         try:
             atomic_write_json(out / "summary.json", summary)
         except OSError as e:
-            raise FledgeError(f"{out / 'summary.json'}: cannot write ({e.strerror or e}); the previous one is kept"
-                              ) from None
+            raise OSError(e.errno, f"{e.strerror or e}; the previous one is kept", str(out / "summary.json")) from None
         keys = sorted({k for n in ("train", "heldout") for k in summary[f"tokenized_{n}"]})
         print_table([["tokenized", "train", "heldout"]] +
                     [[k, summary["tokenized_train"].get(k, 0), summary["tokenized_heldout"].get(k, 0)] for k in keys])

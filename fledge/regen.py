@@ -42,7 +42,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fledge.util import FledgeError, append_jsonl, atomic_write_json, read_jsonl
+from fledge.util import FledgeError, append_jsonl, atomic_write_json, check_no_overlap, read_jsonl
 
 
 @dataclass
@@ -362,10 +362,8 @@ def _check_paths(conversations: Path, out: Path) -> None:
         raise FledgeError(f"{conversations}: is a directory; give its conversations file (e.g. train.jsonl)")
     if out.is_dir():
         raise FledgeError(f"{out}: is a directory; the output is a JSONL file")
-    if out.exists() and out.resolve() == conversations.resolve():
-        raise FledgeError(f"{out}: is the input; regen appends to its output, give another file")
-    if out.with_suffix(".summary.json").resolve() == conversations.resolve():
-        raise FledgeError(f"{conversations}: regen would write its summary over it; give another output name")
+    check_no_overlap(out, {"conversations": conversations})
+    check_no_overlap(out.with_suffix(".summary.json"), {"conversations": conversations})
 
 
 def read_conversations(path: Path) -> list[dict]:
@@ -411,9 +409,10 @@ def _read_done(out: Path) -> set[str]:
     return have
 
 
-def _cannot_write(path: Path, e: OSError) -> FledgeError:
-    return FledgeError(f"{path}: cannot write ({e.strerror or e}); the samples already written are kept, "
-                       f"free space or fix permissions and rerun to resume")
+def _cannot_write(path: Path, e: OSError) -> OSError:
+    """The OS error, naming the output (not a temporary file) and what is kept."""
+    return OSError(e.errno, f"{e.strerror or e}; the samples already written are kept, a rerun resumes",
+                   str(path))
 
 
 def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend, cfg: RegenConfig,

@@ -21,7 +21,7 @@ from safetensors.torch import save as st_save
 from tqdm import tqdm
 
 from fledge.conventions import d2t_from_target_ids, t2d_from_target_ids, target_ids_from_d2t
-from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, read_jsonl
+from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, check_no_overlap, read_jsonl
 
 
 def _masked_tokens(record, path, lineno) -> torch.Tensor:
@@ -168,11 +168,8 @@ def _weights_file(ckpt_dir: Path) -> Path:
             raise FledgeError(f"{index}: not a safetensors index (JSON with a weight_map)") from None
         if shard is None:
             raise FledgeError(f"{index}: no d2t tensor in the checkpoint")
-        file = ckpt_dir / str(shard)
-        # a shard name is a file inside the checkpoint folder: not absolute, no way out of it
-        if Path(str(shard)).is_absolute() or ckpt_dir.resolve() not in file.resolve().parents:
-            raise FledgeError(f"{index}: shard {shard!r} for d2t is outside {ckpt_dir}")
-        return file
+        from fledge.checkpoint import shard_path  # the one reader's check: no shard outside the dir
+        return shard_path(ckpt_dir, index, shard)
     return ckpt_dir / "model.safetensors"
 
 
@@ -217,12 +214,10 @@ def _print_rows(rows) -> None:
 
 def _check_outputs(args) -> None:
     out = Path(args.out)
-    inputs = {Path(p).resolve() for p in (args.dataset, args.heldout) if p}
     for path in (out, out.with_suffix(".json")):
         if path.is_dir():
             raise FledgeError(f"-o {args.out}: {path} is a directory; give a .safetensors file name")
-        if path.resolve() in inputs:
-            raise FledgeError(f"-o {args.out}: would write {path} over an input; give another name")
+        check_no_overlap(path, {"dataset": args.dataset, "--heldout": args.heldout})
 
 
 def unseen_warning(unseen: int, size: int, distinct: int) -> str | None:
@@ -263,8 +258,7 @@ def run_build(args) -> int:
     try:
         save_vocab(args.out, ids, target_vocab, stats)
     except OSError as e:
-        raise FledgeError(f"{args.out}: cannot write ({e.strerror or e}); a previous vocab there is left "
-                          f"as it was") from None
+        raise OSError(e.errno, f"{e.strerror or e}; a previous vocab there is left as it was", str(args.out)) from None
     _print_rows(stats.items())
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")
     return 0

@@ -60,15 +60,18 @@ CASES = [
     ("prep non-UTF-8", lambda t: ["prep", _non_utf8(t / "x.jsonl")], 2, "not UTF-8"),
     ("prep deeply nested JSON", lambda t: ["prep", _nested(t / "x.jsonl")], 2, "nested too deeply"),
     ("prep output is the input", lambda t: ["prep", jsonl(t / "x.jsonl", CONV), "-o", str(t / "x.jsonl"),
-                                            "--overwrite"], 2, "holds the input"),
-    ("prep output holds the input", _in_folder, 2, "holds the input"),
+                                            "--overwrite"], 2, "the output is the input"),
+    ("prep output holds the input", _in_folder, 2, "the output contains the input"),
     ("regen missing input", lambda t: ["regen", str(t / "nope.jsonl"), str(t / "r.jsonl"), *REGEN], 2,
      "no such file"),
     ("regen directory input", lambda t: ["regen", str(t), str(t / "r.jsonl"), *REGEN], 2, "is a directory"),
     ("regen directory output", lambda t: ["regen", jsonl(t / "c.jsonl", CONV), str(t), *REGEN], 2,
      "is a directory"),
     ("regen output is the input", lambda t: ["regen", jsonl(t / "c.jsonl", CONV), str(t / "c.jsonl"), *REGEN], 2,
-     "is the input"),
+     "the output is the input"),
+    ("vocab output is the dataset", lambda t: ["vocab", "build", jsonl(t / "d.json", TOK), "--size", "2",
+                                               "--target-vocab", "10", "-o", str(t / "d.safetensors")], 2,
+     "the output is the input dataset"),
     ("regen raw ShareGPT", lambda t: ["regen", jsonl(t / "c.jsonl", {"id": "a", "conversations": []}),
                                       str(t / "r.jsonl"), *REGEN], 2, "run `fledge prep`"),
     ("regen tokenized file", lambda t: ["regen", jsonl(t / "c.jsonl", TOK), str(t / "r.jsonl"), *REGEN], 2,
@@ -159,7 +162,7 @@ def test_unwritable_output_keeps_the_previous_one(command, fault, tmp_path, caps
         monkeypatch.setattr("tempfile.mkdtemp", fault)
     rc, err = _run(argv, capsys)
     monkeypatch.undo()
-    assert rc == 2 and "Traceback" not in err
+    assert rc == 1 and "Traceback" not in err  # a full disk and a read-only file system are runtime failures
     assert str(out) in err and ("No space left" in err or "Read-only" in err), err
     after = {p: p.read_bytes() for p in [out, *out.parent.rglob("*")] if p.is_file()}
     assert after == before  # the previous output intact, no temporary file left behind
@@ -177,7 +180,7 @@ def test_regen_unwritable_output_keeps_what_was_written(tmp_path, capsys, monkey
     before = out.read_bytes()
     monkeypatch.setattr("os.fsync", _enospc)
     rc, err = _run(["regen", convs, str(out), "--server", url], capsys)
-    assert rc == 2 and str(out) in err and "No space left" in err and "Traceback" not in err
+    assert rc == 1 and str(out) in err and "No space left" in err and "Traceback" not in err
     assert out.read_bytes().startswith(before)
     monkeypatch.undo()
 
@@ -189,7 +192,7 @@ def test_regen_unwritable_output_keeps_what_was_written(tmp_path, capsys, monkey
     monkeypatch.setattr(fledge.regen, "open", read_only, raising=False)
     rc, err = _run(["regen", convs, str(out), "--server", url], capsys)
     monkeypatch.undo()
-    assert rc == 2 and str(out) in err and "Read-only" in err and "Traceback" not in err
+    assert rc == 1 and str(out) in err and "Read-only" in err and "Traceback" not in err
     assert out.read_bytes().startswith(before)
     # Room again: the rerun finishes without duplicates.
     assert cli.main(["regen", convs, str(out), "--server", url]) == 0

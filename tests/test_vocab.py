@@ -146,5 +146,5 @@ def test_index_shard_outside_the_checkpoint_is_refused(tmp_path, shard):
               str(tmp_path / "elsewhere.safetensors"))
     shard = str(tmp_path / "elsewhere.safetensors") if shard == "absolute" else shard
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"d2t": shard}}))
-    with pytest.raises(FledgeError, match="for d2t is outside"):
+    with pytest.raises(FledgeError, match="is not a file name inside|leads outside"):
         load_vocab_ids(ckpt)
