@@ -628,7 +628,8 @@ def add_cli(sub) -> None:
     p.add_argument("sources", nargs="+", help=f"files, or built-in names: {', '.join(BUILTINS)}")
     p.add_argument("--format", choices=list(FORMATS), help="input format (default: guessed per file)")
     p.add_argument("-o", "--out", help="output directory (train.jsonl, heldout.jsonl, summary.json)")
-    p.add_argument("--heldout", type=int, default=500, help="conversations held out from training (default: %(default)s)")
+    p.add_argument("--heldout", type=int, default=500,
+                   help="conversations held out from training (default: %(default)s)")
     p.add_argument("--tokenizer", help="HF dir, .gguf file or target name: also write *.tok.jsonl")
     p.add_argument("--max-len", type=int, default=2048,
                    help="tokens per training sequence: whole leading turns that fit are kept, longer "
