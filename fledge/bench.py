@@ -134,11 +134,15 @@ def server_model(url: str, timeout: float) -> str:
             raise FledgeError(f"{where}: no model list in the answer") from None
 
 
-def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
-    """One streamed chat completion: time to first token, tokens, decode tok/s after it."""
+def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float, ignore_eos: bool = False) -> dict:
+    """One streamed chat completion: time to first token, tokens, decode tok/s after it.
+    `ignore_eos` (vLLM and SGLang read it): every answer runs to max_tokens, so concurrency
+    stays what was asked for the whole level."""
     where = _endpoint(url, "chat/completions")
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     req = urllib.request.Request(where, json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     first, chunks, usage = None, 0, None
@@ -182,6 +186,7 @@ class ServerBench:
     requests: int = 8  # per concurrency level
     duration_s: float = 120.0  # per level: no request starts after this
     timeout_s: float = 120.0
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if not self.prompts or self.requests < 1 or min(self.concurrency) < 1 or self.duration_s <= 0:
@@ -200,7 +205,8 @@ def run_level(cfg: ServerBench, model: str, conc: int) -> dict:
             if i >= cfg.requests:
                 return
             try:
-                results.append(one_request(cfg.url, model, cfg.prompts[i % len(cfg.prompts)], cfg.max_tokens, cfg.timeout_s))
+                results.append(one_request(cfg.url, model, cfg.prompts[i % len(cfg.prompts)], cfg.max_tokens, cfg.timeout_s,
+                                           cfg.ignore_eos))
             except FledgeError as e:
                 errors.append(str(e))
 

@@ -251,6 +251,18 @@ def default_drafter(target: ModelSpec, draft_vocab: int = 32000) -> ModelSpec:
                      min(draft_vocab, target.vocab), draft=True, dtype=target.dtype, quant=target.dtype)
 
 
+def load_specs(model: str, drafter: str | None, dtype: str | None, quant: str | None, draft_vocab: int | None):
+    """Target and drafter specs from a target config (file, directory, built-in name) and a
+    drafter directory or config.json (None: `default_drafter`). `dtype` takes torch names too."""
+    dtype = {None: "bf16", "bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
+    cfg, where = load_config(model)
+    target = spec_from_config(cfg, where, dtype, quant)
+    if drafter and (Path(drafter).is_dir() or drafter.endswith(".json")):
+        dcfg, dwhere = load_config(drafter)
+        return target, spec_from_config(dcfg, dwhere, target.dtype, target.dtype, draft_vocab)
+    return target, default_drafter(target, draft_vocab or 32000)
+
+
 # --------------------------------------------------------------------------- times
 @dataclass
 class StepTime:

@@ -476,26 +476,10 @@ def parse_shape(text: str) -> Shape:
         raise FledgeError(f"shape {text!r}: expected STEPS,TOPK,TOKENS like '3,4,16'") from None
 
 
-def _dtype(name: str | None) -> str:
-    names = {None: "bf16", "bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
-    return names.get(name, name)
-
-
 def model_specs(args):
-    """Target and drafter ModelSpecs from --model and --drafter (a directory or config.json; absent:
-    the EAGLE-3 layer fledge builds for that target)."""
     from fledge import hwmodel
 
-    cfg, where = hwmodel.load_config(args.model)
-    target = hwmodel.spec_from_config(cfg, where, _dtype(args.dtype), args.quant)
-    drafter_cfg = Path(args.drafter or "") / "config.json" if args.drafter and Path(args.drafter).is_dir() else \
-        Path(args.drafter) if args.drafter and args.drafter.endswith(".json") else None
-    if drafter_cfg:
-        dcfg, dwhere = hwmodel.load_config(str(drafter_cfg))
-        drafter = hwmodel.spec_from_config(dcfg, dwhere, target.dtype, target.dtype, args.draft_vocab)
-    else:
-        drafter = hwmodel.default_drafter(target, args.draft_vocab or 32000)
-    return target, drafter
+    return hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
 
 
 def machine(args):
@@ -530,13 +514,9 @@ def model_timings(target, drafter, hw, batch: int, context: int) -> Timings:
 
 
 def _levels(text: str) -> list[int]:
-    try:
-        levels = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise FledgeError(f"--concurrency {text!r}: expected integers like '1,2,4,8'") from None
-    if not levels or levels[0] < 1:
-        raise FledgeError(f"--concurrency {text!r}: levels must be >= 1")
-    return levels
+    from fledge.calibrate import parse_levels
+
+    return parse_levels(text, "--concurrency")
 
 
 # --------------------------------------------------------------------------- modes
