@@ -157,3 +157,22 @@ def test_bad_servers(tmp_path, capsys):
         srv.shutdown()
     rc = main(["tune", "calibrate", "--url", "http://127.0.0.1:9/v1", "--model", str(TARGET), "--gpu", "tpu9"])
     assert rc == 2 and "--gpu" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_calibrated_prediction_against_real_vllm(vllm_venv, tmp_path):
+    """SmolLM2 + the shipped drafter in vLLM (CPU): calibrate on the plain server and a 3-chain,
+    then the predicted tok/s of chains 1 and 3 within 15% of what vLLM serves, ranked alike."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "tune_vllm_cpu.py"
+    spec = importlib.util.spec_from_file_location("tune_vllm_cpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    report = bench.run([1, 3], 3, "1,2", 32, 3, tmp_path)
+    print(json.dumps(report["rows"], indent=1))
+    assert all(abs(r["error_percent"]) <= 15 for r in report["rows"]), report["rows"]
+    assert report["ranking_same"], (report["ranking_predicted"], report["ranking_measured"])

@@ -244,3 +244,34 @@ def test_hardware_model_cli_writes_table_json_png(tmp_path):
     assert [r["concurrency"] for r in data["concurrency"]] == [1, 8, 64]
     assert data["breakdown"]["ar"]["memory_ms"] > data["breakdown"]["ar"]["compute_ms"]  # batch 1 is memory-bound
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_import_cycle_between_bench_and_tune():
+    """bench, calibrate and the hardware model sit below tune: none of them imports it."""
+    import ast
+
+    import fledge
+
+    root = Path(fledge.__file__).parent
+    for name in ("bench.py", "calibrate.py", "hwmodel.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "fledge.tune" not in imported, name
+
+
+@pytest.mark.slow  # the real target and drafter on the CPU: about a minute on a loaded 2-core machine
+def test_measured_tune_validates_on_the_shipped_engine_path(tmp_path):
+    """The command that checks the model against the engine on a GPU, at CPU sizes: it predicts,
+    then runs the shapes asked for through the same path (fused rounds) and reports both."""
+    out = tmp_path / "v.json"
+    drafter = str(Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m")
+    rc = main(["tune", "--target", "smollm2-135m", "--drafter", drafter, "--device", "cpu", "--num-prompts", "1",
+               "--max-new-tokens", "12", "--max-steps", "3", "--probe-topk", "2", "--validate",
+               "--shapes", "1,1,2;3,2,6", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = data["validation"]
+    assert [(r["num_steps"], r["topk"], r["num_draft_tokens"]) for r in rows] == [(1, 1, 2), (3, 2, 6)]
+    assert all(r["tok_s_measured"] > 0 and r["accept_measured"] >= 1 for r in rows)
+    assert "fused greedy rounds" in data["notes"][0]
