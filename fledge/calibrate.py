@@ -10,11 +10,14 @@ position. A point then predicts, with fledge.hwmodel at batch = concurrency,
     speculating: ms per token = (round of a k-chain, as `fledge tune` counts it) / accept length
 
 and scipy's least squares fits, on log time so every point weighs the same, the effective memory
-bandwidth, the effective FLOP/s, the host time per step, the time per kernel launch and, when a
-server speculates, the extra host time per round. The profile written (`--out`) holds them as
+bandwidth, the effective FLOP/s, the host time per step, the fixed time per forward, the time per kernel
+launch and, when a server speculates, the extra host time per round. The profile written (`--out`) holds them as
 hardware overrides that `fledge tune --profile` reads, the points with the fit's error on each,
 and (when a server speculated) the measured chain acceptance as `ranks`, which
 `fledge tune --profile-json` reads.
+
+`--merge PROFILE` adds the points of an earlier profile to the fit: servers that take minutes to
+start can be measured one at a time (plain, then a chain of 1, then of 5) into one profile.
 
 Assumptions: the server runs one model replica on the GPUs named (`--gpu`, `--tp`); the levels are
 steady (every request generates `--max-new-tokens`, ignore_eos); a level's accept length is the
@@ -23,10 +26,12 @@ server's over that level alone (counter deltas), which holds while nothing else 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import urllib.parse
 from dataclasses import asdict
+from pathlib import Path
 
 from fledge import hwmodel
 from fledge.bench import ServerBench, _open, run_level, server_model
@@ -88,14 +93,14 @@ def measure(url: str, metrics: str, levels, requests: int, max_tokens: int, time
     return points
 
 
-FREE = ("hbm_gbs", "tflops", "host_ms", "launch_us", "round_host_ms")
+FREE = ("hbm_gbs", "tflops", "host_ms", "forward_ms", "launch_us", "round_host_ms")
 
 
 def _hardware(base: str, tp: int, link: str, graphs: bool, x: dict) -> hwmodel.Hardware:
     tf = x["tflops"]
     return hwmodel.hardware(base, tp, link, cuda_graphs=graphs, hbm_gbs=x["hbm_gbs"],
                             tflops={"bf16": tf, "fp16": tf, "fp8": tf, "fp32": tf}, host_ms=x["host_ms"],
-                            launch_us=x["launch_us"], graph_launch_us=x["launch_us"], round_host_ms=x["round_host_ms"],
+                            forward_ms=x["forward_ms"], launch_us=x["launch_us"], graph_launch_us=x["launch_us"], round_host_ms=x["round_host_ms"],
                             bw_efficiency=1.0, flops_efficiency=1.0)
 
 
@@ -112,7 +117,7 @@ def fit(points: list[dict], target, drafter, base: str, tp: int, link: str, grap
     from scipy.optimize import least_squares
 
     gpu = hwmodel.GPUS[base]
-    start = {"hbm_gbs": gpu.hbm_gbs * 0.8, "tflops": gpu.tflops[target.dtype] * 0.6, "host_ms": 0.3,
+    start = {"hbm_gbs": gpu.hbm_gbs * 0.8, "tflops": gpu.tflops[target.dtype] * 0.6, "host_ms": 0.3, "forward_ms": 0.05,
              "launch_us": gpu.graph_launch_us if graphs else gpu.launch_us, "round_host_ms": 0.6}
     free = [k for k in FREE if k != "round_host_ms" or any(p["k"] for p in points)]
 
@@ -162,7 +167,13 @@ def cmd_calibrate(args) -> int:
         raise FledgeError("--metrics-url: give one per --url, in the same order (or none)")
     target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
     levels = parse_levels(args.levels, "--levels")
-    points = [pt for u, m in zip(args.url, metrics) for pt in measure(u, m, levels, args.requests, args.max_new_tokens, 120.0)]
+    points = []
+    if args.merge:  # servers measured earlier, one at a time: fit them all together
+        try:
+            points = json.loads(Path(args.merge).read_text())["points"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise FledgeError(f"--merge {args.merge}: not a `fledge tune calibrate` profile ({e})") from None
+    points += [pt for u, m in zip(args.url, metrics) for pt in measure(u, m, levels, args.requests, args.max_new_tokens, 120.0)]
     tp, link, graphs = args.tp or 1, args.interconnect or "nvlink", not args.no_cuda_graphs
     x = fit(points, target, drafter, args.gpu, tp, link, graphs, args.context)
     hw = _hardware(args.gpu, tp, link, graphs, x)
@@ -174,7 +185,8 @@ def cmd_calibrate(args) -> int:
     profile = {"kind": "fledge tune calibrate profile", "model": args.model, "context": args.context, "points": points,
                "hardware": {"gpu": args.gpu, "tp": tp, "interconnect": link, "cuda_graphs": graphs,
                             "overrides": {"hbm_gbs": x["hbm_gbs"], "tflops": {"bf16": tf, "fp16": tf, "fp8": tf, "fp32": tf},
-                                          "host_ms": x["host_ms"], "launch_us": x["launch_us"],
+                                          "host_ms": x["host_ms"], "forward_ms": x["forward_ms"],
+                                          "launch_us": x["launch_us"],
                                           "graph_launch_us": x["launch_us"], "round_host_ms": x["round_host_ms"],
                                           "bw_efficiency": 1.0, "flops_efficiency": 1.0}},
                "fit": {"mean_abs_error_percent": sum(errs) / len(errs), "max_abs_error_percent": max(errs),
@@ -189,7 +201,7 @@ def cmd_calibrate(args) -> int:
         print(f"{p['url'][:31]:<32}{p['concurrency']:>5}{p['k']:>3}{p['accept_length']:>8.2f}{p['ms_per_token']:>10.2f}"
               f"{p['predicted_ms_per_token']:>9.2f}{p['error_percent']:>+7.1f}%")
     print(f"fitted: {x['hbm_gbs']:.1f} GB/s, {tf:.3f} TFLOP/s, host {x['host_ms']:.2f} ms a step, "
-          f"{x['launch_us']:.1f} us a kernel, round extra {x['round_host_ms']:.2f} ms; mean |error| "
+          f"{x['forward_ms']:.2f} ms a forward, {x['launch_us']:.1f} us a kernel, round extra {x['round_host_ms']:.2f} ms; mean |error| "
           f"{profile['fit']['mean_abs_error_percent']:.1f}%, max {profile['fit']['max_abs_error_percent']:.1f}%")
     print(f"wrote {out}: `fledge tune --model {args.model} --profile {out} ...` reads it"
           + (f"; `--profile-json {out}` its measured acceptance" if ranks else ""))

@@ -22,10 +22,16 @@ stated once:
     shared experts, norms and the LM head stay in `dtype` — as INT4 checkpoints of MoE models
     ship (Kimi-K2.5's ignores self_attn, shared_experts and lm_head). INT4 is weight-only
     (W4A16, 4 bits plus one 16-bit scale per group of 32): its math runs at the `dtype` peak.
-  * Launches cost a fixed time per kernel, a fixed number of kernels per layer; CUDA graphs
-    shrink that cost, they do not remove it.
+  * Launches cost a fixed time per forward and per kernel, a fixed number of kernels per layer;
+    CUDA graphs shrink that cost, they do not remove it.
   * The drafter is one decoder layer whose q/k/v read 2H (embedding and hidden state), plus the
     fc that folds 3H aux states to H (run once per round), the draft LM head, and its own KV.
+  * A speculative round is num_steps draft forwards (topk rows per sequence each), one verify
+    forward, and the drafter's pass over the accepted tokens (taken as 2 rows per sequence) with
+    the fc; the host's step time once, plus `round_host_ms`. vLLM drafts one forward fewer per
+    round than SGLang (its first draft step is that pass); the model counts SGLang's.
+  * The efficiencies, host times and kernel counts are estimates, not measurements: they are the
+    constants `fledge tune calibrate` fits to a live server.
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ class Hardware:
     bw_efficiency: float = 0.8  # decode GEMVs reach ~80-90% of the HBM peak
     flops_efficiency: float = 0.6  # small-batch GEMMs reach about half the tensor-core peak
     host_ms: float = 0.3  # per serving step: scheduler, sampling, detokenizer, host sync
+    forward_ms: float = 0.02  # per forward before its first kernel: a graph replay, or eager framework code
     # A round prepares three batches (draft, verify, draft extend) where a plain step prepares one.
     round_host_ms: float = 0.6
 
@@ -304,7 +311,7 @@ def forward(m: ModelSpec, hw: Hardware, tokens: int, batch: int, context: int) -
     kernels = m.layers * KERNELS_PER_LAYER["moe" if m.experts else "dense"] + KERNELS_PER_HEAD["draft" if m.draft else "target"]
     return StepTime(memory_ms=1e3 * (weights / tp + kv) / (hw.gpu.hbm_gbs * 1e9 * hw.bw_efficiency),
                     compute_ms=1e3 * flops / (peak * 1e12 * hw.flops_efficiency),
-                    comm_ms=1e3 * comm, launch_ms=1e-3 * kernels * hw.launch_us)
+                    comm_ms=1e3 * comm, launch_ms=hw.forward_ms + 1e-3 * kernels * hw.launch_us)
 
 
 @dataclass

@@ -735,6 +735,7 @@ def add_cli(sub) -> None:
     c.add_argument("--levels", default="1,2,4", help="concurrency levels to measure")
     c.add_argument("--requests", type=int, default=4, help="requests per level")
     c.add_argument("--out", help="profile JSON to write (default fledge-profile.json)")
+    c.add_argument("--merge", help="an earlier profile whose points join this fit (servers measured one at a time)")
     p.add_argument("--json", help="write the predictions here")
     p.add_argument("--png", help="plot speed-up by shape (and by concurrency) here")
     p.set_defaults(func=_cmd_tune)
