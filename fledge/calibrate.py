@@ -113,7 +113,9 @@ def predict_point(p: dict, target, drafter, hw: hwmodel.Hardware, context: int) 
 
 
 def fit(points: list[dict], target, drafter, base: str, tp: int, link: str, graphs: bool, context: int) -> dict:
-    """Least squares on log(predicted / measured) over the free constants, in log space (all > 0)."""
+    """Least squares on log(predicted / measured) over the free constants, in log space (all > 0).
+    The roofline's max has no gradient on its losing side, so the fit starts from several
+    bandwidth / FLOP/s pairs around the table's and keeps the best."""
     from scipy.optimize import least_squares
 
     gpu = hwmodel.GPUS[base]
@@ -128,8 +130,14 @@ def fit(points: list[dict], target, drafter, base: str, tp: int, link: str, grap
         hw = _hardware(base, tp, link, graphs, unpack(z))
         return [math.log(predict_point(p, target, drafter, hw, context) / p["ms_per_token"]) for p in points]
 
-    res = least_squares(residuals, [math.log(start[k]) for k in free], method="trf")
-    return unpack(res.x)
+    best = None
+    for bw_scale in (0.3, 1.0, 3.0):
+        for flops_scale in (0.03, 0.3, 1.0):
+            x0 = {**start, "hbm_gbs": start["hbm_gbs"] * bw_scale, "tflops": start["tflops"] * flops_scale}
+            res = least_squares(residuals, [math.log(x0[k]) for k in free], method="trf")
+            if best is None or res.cost < best.cost:
+                best = res
+    return unpack(best.x)
 
 
 def chain_ranks(points: list[dict]) -> list[list[float]] | None:

@@ -613,7 +613,7 @@ def measured_tune(args) -> int:
         sizes.append(2 * sizes[-1])
     iters = 20 if rig.device.type == "cuda" else 3  # CPU forwards are slow and steady
     verify_ms = bench.measure_verify_ms(rig, sizes, context, iters)
-    draft_ms, overhead = bench.measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens), verify_ms)
+    draft_ms, overhead = bench.measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens), context, iters)
     timings = Timings(ar["ar_ms"], verify_ms, draft_ms, overhead, batch=1)
     if args.profile_json:
         profile = profile_from_json(args.profile_json)
@@ -626,11 +626,8 @@ def measured_tune(args) -> int:
     measured = None
     if args.validate:
         picks = [parse_shape(x) for x in args.shapes.split(";")] if args.shapes else validation_shapes(preds)
-        by_shape = {p.shape: p for p in preds}
-        missing = [s.label for s in picks if s not in by_shape]
-        if missing:
-            raise FledgeError(f"--shapes {', '.join(missing)}: outside the grid (--max-steps {args.max_steps}, topk {topks})")
-        rows, measured = validate(rig, prompts, [by_shape[s] for s in picks], args.max_new_tokens, ar["tok_s"])
+        rows, measured = validate(rig, prompts, [predict(profile, timings, s) for s in picks], args.max_new_tokens,
+                                  ar["tok_s"])
         text += "\n" + validation_table(rows)
         data["validation"] = rows
     write_outputs(text, data, preds, timings, args, measured)
