@@ -143,7 +143,7 @@ def test_specbundle_llama31_8b_batch1():
     assert worst <= 0.15 and not wrong, (worst, wrong)
 
 
-@pytest.mark.xfail(strict=True, reason="the model predicts Llama-3.3-70B at batch 8 up to ~21% too fast (rounds cost "
+@pytest.mark.xfail(strict=True, reason="the model predicts Llama-3.3-70B at batch 8 up to 20% too fast (its rounds cost "
                    "more than it counts); kept at the same +-15% so a fix shows as XPASS")
 def test_specbundle_llama33_70b_batch8():
     worst, wrong = _check_rows([r for r in specbundle_predictions() if r["model"].startswith("Llama-3.3")])
