@@ -40,6 +40,22 @@ def serve_module():
     return mod
 
 
+# Run-to-run spread of one server's tok/s on this 2-core CPU (the same k measured twice has
+# differed by up to ~15%): orders between settings closer than this are not measured facts.
+NOISE = 0.15
+
+
+def misranked(rows: list[dict], noise: float) -> list[tuple[int, int]]:
+    """Pairs of k (faster measured first) that vLLM separates by more than `noise` but the
+    prediction orders the other way: the ranking errors that are not measurement noise."""
+    bad = []
+    for a in rows:
+        for b in rows:
+            if a["tok_s_measured"] > (1 + noise) * b["tok_s_measured"] and a["tok_s_predicted"] <= b["tok_s_predicted"]:
+                bad.append((a["k"], b["k"]))
+    return bad
+
+
 def spec_args(k: int) -> tuple:
     return ("--speculative-config", json.dumps({"method": "eagle3", "model": str(DRAFTER), "num_speculative_tokens": k}))
 
@@ -87,13 +103,15 @@ def run(ks: list[int], calibrate_ks: list[int], levels: str, max_new_tokens: int
         p = predict(acceptance, t, Shape(k, 1, k + 1))
         rows.append({"k": k, "accept_predicted": p.accept_length, "tok_s_predicted": p.tok_s, "tok_s_measured": measured[k],
                      "error_percent": 100 * (p.tok_s / measured[k] - 1)})
-    rank_pred = [r["k"] for r in sorted(rows, key=lambda r: -r["tok_s_predicted"])]
-    rank_meas = [r["k"] for r in sorted(rows, key=lambda r: -r["tok_s_measured"])]
+    ranked = [{"k": 0, "tok_s_predicted": 1e3 / t.ar_ms, "tok_s_measured": measured[0]}, *rows]
+    rank_pred = [r["k"] for r in sorted(ranked, key=lambda r: -r["tok_s_predicted"])]
+    rank_meas = [r["k"] for r in sorted(ranked, key=lambda r: -r["tok_s_measured"])]
     return {"machine": "this CPU (vLLM CPU build, float32, --enforce-eager)", "target": "smollm2-135m",
             "drafter": str(DRAFTER.relative_to(ROOT)), "max_new_tokens": max_new_tokens, "requests": requests,
             "calibrate_levels": levels, "calibrate_ks": calibrate_ks, "plain_tok_s_measured": measured[0],
             "plain_tok_s_predicted": 1e3 / t.ar_ms, "server_start_s": starts, "rows": rows,
             "ranking_predicted": rank_pred, "ranking_measured": rank_meas, "ranking_same": rank_pred == rank_meas,
+            "ranking_noise": NOISE, "misranked_beyond_noise": misranked(ranked, NOISE),
             "profile_fit": prof["fit"]["mean_abs_error_percent"]}
 
 
@@ -118,7 +136,8 @@ def main(argv=None) -> int:
         print(f"{r['k']:>3}{r['accept_predicted']:>8.2f}{r['tok_s_predicted']:>11.1f}{r['tok_s_measured']:>10.1f}"
               f"{r['error_percent']:>+7.1f}%")
     print(f"ranking of k: predicted {report['ranking_predicted']}, measured {report['ranking_measured']}"
-          f" ({'same' if report['ranking_same'] else 'differs'})")
+          f" ({'same' if report['ranking_same'] else 'differs'}; k = 0 is plain decoding); pairs measured more than"
+          f" {100 * NOISE:.0f}% apart but predicted in the other order: {report['misranked_beyond_noise'] or 'none'}")
     atomic_write_json(args.out, report)
     print(f"wrote {args.out}")
     return 0

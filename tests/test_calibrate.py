@@ -163,7 +163,9 @@ def test_bad_servers(tmp_path, capsys):
 @pytest.mark.slow
 def test_calibrated_prediction_against_real_vllm(vllm_venv, tmp_path):
     """SmolLM2 + the shipped drafter in vLLM (CPU): calibrate on the plain server and chains of 1
-    and 3, then the predicted tok/s of both within 15% of what vLLM serves, ranked alike."""
+    and 3, then the predicted tok/s of both within 15% of what vLLM serves, and plain decoding and
+    the chains ranked alike wherever vLLM separates them by more than its run-to-run noise (on this
+    CPU chains of 1 and 3 serve within it of each other; each is ~1.5x plain decoding)."""
     import importlib.util
     import sys
 
@@ -175,4 +177,5 @@ def test_calibrated_prediction_against_real_vllm(vllm_venv, tmp_path):
     report = bench.run([1, 3], [1, 3], "1,2", 32, 3, tmp_path)
     print(json.dumps(report["rows"], indent=1))
     assert all(abs(r["error_percent"]) <= 15 for r in report["rows"]), report["rows"]
-    assert report["ranking_same"], (report["ranking_predicted"], report["ranking_measured"])
+    assert not report["misranked_beyond_noise"], (report["ranking_predicted"], report["ranking_measured"])
+    assert report["ranking_predicted"][-1] == report["ranking_measured"][-1] == 0  # speculation pays here
