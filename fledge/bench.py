@@ -510,7 +510,7 @@ def _engine_bench(args) -> dict:
     return out
 
 
-def _cmd_bench(args) -> int:
+def run_bench(args) -> int:
     if args.log:
         out = parse_log(args.log)
         for k, v in out.items():
@@ -532,30 +532,3 @@ def _cmd_bench(args) -> int:
     if args.json:
         atomic_write_json(args.json, out)
     return 0
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("bench", help="measure spec decoding: a server (--url), a serving log (--log), or the engine")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--url", help="OpenAI-compatible server, e.g. http://127.0.0.1:30000/v1")
-    src.add_argument("--log", help="SGLang or vLLM server log to summarise")
-    src.add_argument("--target", help="engine: target (built-in name, GGUF, HF dir)")
-    p.add_argument("--drafter", help="engine: EAGLE-3 checkpoint directory")
-    p.add_argument("--shapes", default="3,1,4;7,1,8;5,4,16", help="engine: STEPS,TOPK,TOKENS;... to run")
-    p.add_argument("--probe", action="store_true", help="engine: also measure acceptance by depth and rank (for tune)")
-    p.add_argument("--probe-steps", type=int, default=6)
-    p.add_argument("--probe-topk", type=int, default=4)
-    p.add_argument("--prompts", help="engine: conversations file or built-in set (default mtbench)")
-    p.add_argument("--num-prompts", type=int, default=10)
-    p.add_argument("--prompt-file", help="server: one prompt per line")
-    p.add_argument("--model", help="server: model name (default: the first the server lists)")
-    p.add_argument("--concurrency", default="1,4,16", help="server: comma-separated levels")
-    p.add_argument("--requests", type=int, default=16, help="server: requests per level")
-    p.add_argument("--duration", type=float, default=120.0, help="server: seconds per level, at most")
-    p.add_argument("--timeout", type=float, default=120.0, help="server: seconds per request")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--device")
-    p.add_argument("--dtype")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--png", help="engine: plot acceptance by depth and tok/s by shape here")
-    p.set_defaults(func=_cmd_bench)

@@ -1,8 +1,9 @@
 """`fledge <subcommand>`: one subcommand per pipeline step.
 
-Every subcommand's arguments are defined here, from torch-free modules only, and its handler
-is named "module:function" and imported when that subcommand runs: `fledge --help` and
-`fledge SUB --help` never load torch or transformers. Exit codes (`exit_code` holds the scheme):
+Every subcommand's arguments are defined in `fledge.cli_args` from torch-free modules only,
+and its handler is named "module:function" and imported when that subcommand runs: `fledge
+--help` and `fledge SUB --help` never load torch or transformers. Exit codes (`exit_code`
+holds the scheme):
   0    success
   1    runtime failure: the disk is full, an I/O error (one line naming the file), or a bug
        (a traceback)
@@ -15,293 +16,16 @@ is named "module:function" and imported when that subcommand runs: `fledge --hel
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import errno
-import functools
-import importlib
 import os
 import sys
 
-from fledge.catalog import BUILTINS, DATASETS, FLOAT_DTYPES, FORMATS, LAYOUTS, SHORT_DTYPES
-from fledge.config import ADAPT_TRAIN_OPTIONS, TRAIN_OPTIONS, TrainConfig
+from fledge.cli_args import (add_adapt, add_bench, add_checkpoint, add_demo, add_doctor, add_features, add_generate,
+                              add_prep, add_regen, add_target, add_train, add_tune, add_vocab)
 from fledge.util import FledgeError
 
 
-def run_step(name: str, args) -> int | None:
-    """Import the step module of `name` ("module:function") and run the function on `args`."""
-    module, func = name.split(":")
-    return getattr(importlib.import_module(module), func)(args)
-
-
-def handler(name: str) -> functools.partial:
-    """An argparse `func` for `name` ("module:function"): its module is imported when it runs."""
-    return functools.partial(run_step, name)
-
-
-def int_list(s: str) -> list[int]:
-    return [int(x) for x in s.split(",")]
-
-
-# --------------------------------------------------------------------------- subcommands
-def add_target(sub) -> None:
-    p = sub.add_parser("target", help="resolve and load a target; print its shape and aux layers")
-    p.add_argument("spec", help=f"built-in name ({', '.join(BUILTINS)}), GGUF file, or HF model directory")
-    p.add_argument("--json", help="also write the table as JSON here")
-    p.set_defaults(func=handler("fledge.target:run_target"))
-
-
-def add_prep(sub) -> None:
-    p = sub.add_parser("prep", help="ingest prompt/conversation sets; optionally tokenize with a chat template")
-    p.add_argument("sources", nargs="+", help=f"files, or built-in names: {', '.join(DATASETS)}")
-    p.add_argument("--format", choices=list(FORMATS), help="input format (default: guessed per file)")
-    p.add_argument("-o", "--out", help="output directory (train.jsonl, heldout.jsonl, summary.json)")
-    p.add_argument("--heldout", type=int, default=500,
-                   help="conversations held out from training (default: %(default)s)")
-    p.add_argument("--tokenizer", help="HF dir, .gguf file or target name: also write *.tok.jsonl")
-    p.add_argument("--max-len", type=int, default=2048,
-                   help="tokens per training sequence: whole leading turns that fit are kept, longer "
-                        "conversations cut (default: %(default)s)")
-    p.add_argument("--limit", type=int, metavar="N",
-                   help="keep only the first N conversations after dedup, before the held-out split "
-                        "(a quick run: tokenizing all of ShareGPT takes ~20 min on a CPU; default: all)")
-    p.add_argument("--show", type=int, default=0, metavar="N", help="print N samples with trained tokens marked")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    p.set_defaults(func=handler("fledge.data:run_prep"))
-
-
-def add_regen(sub) -> None:
-    p = sub.add_parser("regen", help="the target rewrites every assistant turn (engine or OpenAI servers)")
-    p.add_argument("conversations", help="conversations JSONL (from `fledge prep`)")
-    p.add_argument("out", help="output JSONL (appended; rerun to resume); counts go to <out>.summary.json")
-    p.add_argument("--target", default="smollm2-135m",
-                   help="target for the local engine: HF dir, GGUF or built-in name (default: %(default)s)")
-    p.add_argument("--server", action="append", default=[],
-                   help="OpenAI-compatible base URL, e.g. http://host:30000 (repeatable: requests share the "
-                        "servers; default: none, the local engine answers)")
-    p.add_argument("--model", help="model name to request from the servers (default: the --target value)")
-    p.add_argument("--concurrency", type=int, default=16,
-                   help="servers: requests in flight at once (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="servers: seconds a request may take, reply included (default: %(default)s)")
-    p.add_argument("--retries", type=int, default=3,
-                   help="servers: extra attempts after a 5xx, 429, timeout or dropped connection, "
-                        "each on the next server (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="local engine: torch device (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="local engine: weights dtype (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="local engine: rows decoded together (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=512,
-                   help="longest answer per turn, in tokens (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 is greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--n", type=int, default=1,
-                   help="answers per conversation, ids <id>#k; needs --temperature > 0 (default: %(default)s)")
-    p.add_argument("--max-turns", type=int,
-                   help="assistant turns to write per conversation (default: all of them)")
-    p.add_argument("--max-len", type=int, default=2048,
-                   help="prompt + answer must fit in this many tokens; a turn that does not ends the "
-                        "conversation (default: %(default)s)")
-    p.add_argument("--chunk", type=int, default=256,
-                   help="conversations answered between writes to the output (default: %(default)s)")
-    p.add_argument("--limit", type=int, help="only the first N conversations (default: all)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed; each answer's seed follows from it, the sample id and the turn "
-                        "(default: %(default)s)")
-    p.add_argument("--compile", action="store_true",
-                   help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
-    p.set_defaults(func=handler("fledge.regen:run_regen"))
-
-
-def add_vocab(sub) -> None:
-    p = sub.add_parser("vocab", help="draft vocabulary (d2t/t2d): build, coverage, diff")
-    vs = p.add_subparsers(dest="vocab_command", required=True)
-    b = vs.add_parser("build", help="top-N loss-masked target tokens of a tokenized training set")
-    b.add_argument("dataset", help="tokenized training set JSONL (input_ids, loss_mask)")
-    b.add_argument("--size", type=int, required=True, help="draft vocab size N")
-    b.add_argument("--target-vocab", type=int, help="target vocab size (default: read from --target's config)")
-    b.add_argument("--target", help="target spec (HF dir, GGUF, built-in name): vocab_size from its config")
-    b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on (default: none)")
-    b.add_argument("-o", "--out", required=True, help="output .safetensors ({d2t, t2d}); stats go to .json")
-    b.set_defaults(func=handler("fledge.vocab:run_build"))
-    c = vs.add_parser("coverage", help="share of a tokenized set's trained tokens inside a draft vocab")
-    c.add_argument("vocab", help="vocab .safetensors or drafter checkpoint dir")
-    c.add_argument("dataset", help="tokenized JSONL (input_ids, loss_mask) whose trained tokens are counted")
-    c.set_defaults(func=handler("fledge.vocab:run_coverage"))
-    d = vs.add_parser("diff", help="compare two draft vocabs (vocab files or drafter checkpoint dirs)")
-    d.add_argument("a", help="first vocab: a .safetensors with d2t (and t2d), or a drafter checkpoint dir")
-    d.add_argument("b", help="second vocab, the same kinds; entries are compared position by position")
-    d.set_defaults(func=handler("fledge.vocab:run_diff"))
-
-
-def add_features(sub) -> None:
-    p = sub.add_parser("features", help="write target features (aux + final hidden) for offline training")
-    p.add_argument("--target", required=True, help="target model (path or built-in name)")
-    p.add_argument("--data", required=True, help="tokenized training set JSONL")
-    p.add_argument("--out", required=True, help="feature directory (resumed if it exists)")
-    p.add_argument("--dtype", choices=sorted(SHORT_DTYPES), default="bf16", help="storage dtype (fp32 for exact parity)")
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--aux-layers", type=int_list, default=None,
-                   help="canonical aux layer ids, e.g. 2,15,27 (default: conventions)")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.set_defaults(func=handler("fledge.features:run_features"))
-
-
-def train_help(name: str, what: str) -> str:
-    """`what` an option sets, with TrainConfig's default for it (`name` in dashes) where it has one."""
-    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name.replace("-", "_")]
-    return what if default is None else f"{what} (default {default})"
-
-
-def add_train(sub) -> None:
-    p = sub.add_parser("train", help="train an EAGLE-3 drafter (TTT); run under torchrun for several GPUs")
-    p.add_argument("--data", required=True, help="tokenized training set JSONL")
-    p.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
-    p.add_argument("--target", help=train_help("target", "target model (path or built-in name)"))
-    p.add_argument("--vocab", help="d2t/t2d file from `fledge vocab`")
-    p.add_argument("--init", help="warm start from an exported drafter directory")
-    p.add_argument("--features", help="offline feature directory from `fledge features` (default: online)")
-    p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
-    p.add_argument("--aux-layers", type=lambda s: tuple(int_list(s)), help="canonical ids, e.g. 2,15,27")
-    for name, typ, what in TRAIN_OPTIONS:
-        p.add_argument(f"--{name}", type=typ, help=train_help(name, what))
-    p.add_argument("--parallel", choices=["ddp", "fsdp"], help=train_help("parallel", "under torchrun"))
-    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
-    p.add_argument("--head-init", dest="head_init", action="store_true", default=None,
-                   help="a fresh draft's lm_head and norm start as the target's (slower early on SmolLM2: see draft.py)")
-    p.add_argument("--device")
-    p.set_defaults(func=handler("fledge.train:run_train"))
-
-
-def add_target_layers(p) -> None:
-    p.add_argument("--target-layers", type=int, help="target decoder layer count (if config.json lacks it)")
-    p.add_argument("--target-config", help="target config.json (or its dir) to read the layer count from")
-    p.add_argument("--target", help="target (HF dir, GGUF, built-in name): its layer count, and its embeddings "
-                                    "for a drafter saved without them (--with-embed)")
-
-
-def add_checkpoint(sub) -> None:
-    dtypes = ", ".join([*FLOAT_DTYPES, *SHORT_DTYPES])
-    p = sub.add_parser("export", help="write a drafter as an SGLang/vLLM (eagle3) or speculators checkpoint")
-    p.add_argument("src", help="drafter checkpoint dir (any layout fledge reads)")
-    p.add_argument("out", help="output dir (written atomically)")
-    p.add_argument("--layout", choices=LAYOUTS, default="eagle3")
-    p.add_argument("--shard-size-mb", type=float, help="split weights into shards of at most this size")
-    p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes} (default bfloat16)")
-    p.add_argument("--with-embed", action="store_true", help="keep embed_tokens (default: engines share the target's)")
-    p.add_argument("--verifier", help="target model name/path recorded for `vllm serve <dir>` (speculators)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (never one holding an input)")
-    add_target_layers(p)
-    p.set_defaults(func=handler("fledge.checkpoint:run_export"))
-
-    p = sub.add_parser("import", help="read an eagle3 / speculators / SpecForge drafter into fledge's layout")
-    p.add_argument("src", help="drafter dir: eagle3 (SGLang/vLLM/SpecForge/EAGLE, safetensors or pytorch_model.bin) "
-                               "or speculators layout")
-    p.add_argument("out", help="output dir, fledge's eagle3 layout in the source's dtype, embeddings kept if present "
-                               "(written atomically)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (default: refuse)")
-    add_target_layers(p)
-    p.set_defaults(func=handler("fledge.checkpoint:run_import"))
-
-    p = sub.add_parser("init-draft", help="a fresh drafter for a target (target embeddings, eagle3 layout)")
-    p.add_argument("out")
-    p.add_argument("--target", required=True, help="target HF dir, GGUF or built-in name")
-    p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: the target's full vocab)")
-    p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes}")
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=handler("fledge.checkpoint:run_init_draft"))
-
-
-def add_spec_args(p) -> None:
-    p.add_argument("--num-steps", type=int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
-    p.add_argument("--topk", type=int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="tree nodes verified per round, root included (default num-steps+1 for a chain)")
-
-
-def add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate with the engine: AR, or speculative with a drafter / oracle / n-gram")
-    p.add_argument("--target", required=True, help="built-in name, GGUF file or HF directory")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--drafter", help="EAGLE-3 checkpoint directory")
-    src.add_argument("--oracle", action="store_true", help="draft the target's own greedy continuation (the ceiling)")
-    src.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
-    add_spec_args(p)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    msg = p.add_mutually_exclusive_group(required=True)
-    msg.add_argument("--prompt", help="one user message")
-    msg.add_argument("--messages", help="a JSON list of chat messages, inline or a file")
-    p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", help=f"{', '.join(FLOAT_DTYPES)} (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--json", help="also write the output ids and stats here")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target's layer functions and the drafter's halves (CUDA; slow start)")
-    p.add_argument("--phased", action="store_true",
-                   help="run each round's steps apart and time them (draft / verify / other ms) instead of one fused graph")
-    p.set_defaults(func=handler("fledge.engine.cli:run_generate"))
-
-
-def add_doctor(sub) -> None:
-    p = sub.add_parser("doctor", help="check an exported drafter (and a launch line) before deploying",
-                       description="PASS/WARN/FAIL checks; exit 0 all pass, 1 warnings, 2 failures.")
-    p.add_argument("drafter", help="exported drafter directory (config.json + safetensors)")
-    p.add_argument("--target", help="target model (HF directory or a name fledge.target knows)")
-    p.add_argument("--launch", help='the SGLang or vLLM server command, quoted: "python -m sglang.launch_server ..."')
-    p.add_argument("--against", metavar="OTHER_DRAFTER", help="compare the draft vocabulary with another drafter")
-    p.add_argument("--json", action="store_true", help="print machine-readable results")
-    p.add_argument("--probe", type=int, metavar="N", help="live probe: acceptance on N held-out prompts (needs --target)")
-    p.add_argument("--probe-prompts", default="mtbench", help="prompt source for the probe (file or built-in name)")
-    p.add_argument("--probe-tokens", type=int, default=64, help="new tokens per probe prompt")
-    p.add_argument("--probe-steps", type=int, default=5, help="chain length the probe drafts")
-    p.add_argument("--device", help="probe device (default: cuda if available)")
-    p.set_defaults(func=handler("fledge.doctor:run_doctor"))
-
-
-def add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the whole loop in miniature on the built-in target (CPU, minutes)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m", help="target model: built-in name, GGUF file or HF directory")
-    p.add_argument("--workdir", default="runs/demo", help="where every step writes its files and demo.json")
-    p.add_argument("--prompts", type=int, default=8, help="MT-Bench questions the target answers for training")
-    p.add_argument("--eval-prompts", type=int, default=2, help="held-out questions for the eval and the speed check")
-    p.add_argument("--new-tokens", type=int, default=48,
-                   help="tokens the target writes per answer, and per prompt in the speed check")
-    p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size of the miniature drafter")
-    p.add_argument("--train-steps", type=int, default=20,
-                   help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")
-    p.set_defaults(func=handler("fledge.demo:run_demo"))
-
-
-def add_adapt(sub) -> None:
-    p = sub.add_parser("adapt", help="retarget a trained drafter to a new target version, then fine-tune it")
-    p.add_argument("--drafter", required=True, help="OLD's exported drafter directory")
-    p.add_argument("--target", required=True, help="NEW target (HF dir, GGUF, built-in name)")
-    p.add_argument("--data", required=True, help="tokenized training set made with NEW (input_ids, loss_mask)")
-    p.add_argument("--out", required=True, help="run directory: init/, train/, adapt.json (resumed if rerun)")
-    p.add_argument("--rebuild-vocab", action="store_true",
-                   help="build the draft vocab from --data's most frequent tokens (default: keep OLD's; rebuild "
-                        "only when --data is large or NEW's tokenizer differs)")
-    p.add_argument("--draft-vocab", type=int, help="size of the rebuilt vocab (with --rebuild-vocab; default: OLD's)")
-    p.add_argument("--no-train", dest="train", action="store_false", help="write <out>/init only, no fine-tune")
-    for name, typ, what in ADAPT_TRAIN_OPTIONS:  # the fine-tune's defaults are fledge train's
-        p.add_argument(f"--{name}", type=typ, help=train_help(name, what))
-    p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
-    p.add_argument("--features", help="offline features of NEW on --data from `fledge features` (default: "
-                                      "run NEW online)")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
-                   help="fine-tune in fp32 on CUDA (default: bf16 autocast on CUDA; the CPU always runs fp32)")
-    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.set_defaults(func=handler("fledge.adapt:run_adapt"))
-
-
-# Subcommands in pipeline order: a function adding the parser(s), or (until its parser moves
-# here) a step module whose `add_cli` registers them, imported with the parser.
+# Subcommands in pipeline order, each a function adding its parser(s) (fledge.cli_args).
 COMMANDS = [
     add_target,
     add_prep,
@@ -313,8 +37,8 @@ COMMANDS = [
     add_doctor,
     add_demo,
     add_generate,
-    "fledge.bench",
-    "fledge.tune",
+    add_bench,
+    add_tune,
     add_adapt,
 ]
 
@@ -324,10 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks (also FLEDGE_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
-        if isinstance(add, str):
-            importlib.import_module(add).add_cli(sub)
-        else:
-            add(sub)
+        add(sub)
     return p
 
 

@@ -22,10 +22,10 @@ Under those assumptions `expected_accept_length` is exact (tests check it agains
 
 Where only an accept length is known (`--accept-length`, measured at `--accept-shape`), the
 profile is one p per depth for the top guess and p((1-p)/2)^r for the rank-r sibling — a prior
-that lets trees be ranked at all, shaped after the shipped SmolLM2 drafter's probe on the H200
-(depth 1: 0.301, 0.107, 0.041, 0.027 by rank, bench/results/tune_nvidia_h200.json; the prior
-gives 0.301, 0.105, 0.037, 0.013). `fledge bench --probe` measures the real one. Acceptance is taken not to
-depend on the batch size.
+that lets trees be ranked at all, shaped after the shipped SmolLM2 drafter's probe on an H200
+(depth 1: 0.301, 0.107, 0.041, 0.027 by rank; the prior gives 0.301, 0.105, 0.037, 0.013).
+`fledge bench --probe` measures the real one. Acceptance is taken not to depend on the batch
+size.
 
 Timings come from the user (--what-if), from fledge.hwmodel (--model: the configs and the
 hardware, optionally calibrated from a live server), or from the engine (--target). A shape
@@ -580,7 +580,7 @@ def _hardware_model(args) -> int:
     return 0
 
 
-def _cmd_tune(args) -> int:
+def run_tune(args) -> int:
     if args.action == "calibrate":
         from fledge.calibrate import cmd_calibrate
 
@@ -680,59 +680,3 @@ def validation_table(rows: list[dict]) -> str:
 
 
 # --------------------------------------------------------------------------- CLI
-def add_cli(sub) -> None:
-    p = sub.add_parser("tune", help="predict spec-decoding tok/s per shape; say whether it beats no speculation",
-                       description="Modes: --model CONFIG --gpu NAME (the hardware model), --target T --drafter D "
-                       "(measure fledge's engine), --what-if (your timings), `tune calibrate --url URL` (fit the "
-                       "hardware model to a live server; later calls read it with --profile).")
-    p.add_argument("action", nargs="?", choices=["calibrate"], help="calibrate: measure a live server, write a --profile")
-    p.add_argument("--what-if", action="store_true", help="use the timings and acceptance given here (no GPU)")
-    p.add_argument("--ar-ms", type=float, help="plain decoding: ms per step")
-    p.add_argument("--verify-ms", help="target forward ms by tokens verified per request, e.g. '1:11.6,8:30,16:34'")
-    p.add_argument("--draft-ms", help="ms per draft step, one number or by topk '1:1.2,4:1.6' (absent: predicted from --model)")
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="per-round extra (sampling, KV moves, host)")
-    p.add_argument("--accept-profile", help="per-depth acceptance, ranks by '/': '0.7/0.1,0.6/0.12,0.5'")
-    p.add_argument("--accept-length", type=float, help="measured accept length (SGLang's, bonus incl.); see --accept-shape")
-    p.add_argument("--accept-shape", help="STEPS,TOPK,TOKENS the --accept-length was measured at (default: a chain of --accept-steps)")
-    p.add_argument("--accept-steps", type=int, default=3, help="chain length --accept-length was measured at, without --accept-shape")
-    p.add_argument("--profile-json", help="acceptance profile from `fledge bench --json` (engine --probe, or a vLLM --log)")
-    p.add_argument("--max-steps", type=int, default=8, help="deepest shape to consider (measured mode: probe depth)")
-    p.add_argument("--batch", type=int, default=1, help="batch size the timings are for (hardware model: predicted at it)")
-    p.add_argument("--margin", type=float, default=0.05, help="a shape pays only above this fractional gain (default 0.05)")
-    m = p.add_argument_group("hardware model (--model)")
-    m.add_argument("--model", help="target config: a config.json, a model directory, or a built-in name")
-    m.add_argument("--gpu", help="GPU from fledge.hwmodel.GPUS: h100, h200, a100, l40s, rtx-pro-6000, cpu")
-    m.add_argument("--tp", type=int, help="tensor-parallel GPUs (default 1)")
-    m.add_argument("--interconnect", choices=["pcie", "nvlink"], help="link between the TP GPUs (default nvlink)")
-    m.add_argument("--context", type=int, default=2048, help="tokens in each sequence's KV cache")
-    m.add_argument("--quant", choices=["bf16", "fp16", "fp8", "int4", "fp32"], help="MLP/expert weights (default: from the config)")
-    m.add_argument("--draft-vocab", type=int, help="drafter LM head rows (default: its config, else 32000)")
-    m.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="levels of the speed-up-by-concurrency sweep")
-    m.add_argument("--no-cuda-graphs", action="store_true", help="the server runs without CUDA graphs (eager launches)")
-    m.add_argument("--profile", help="hardware profile from `fledge tune calibrate` (CLI figures override it)")
-    for flag, h in [("--hbm-gbs", "memory bandwidth, GB/s"), ("--tflops", "peak dense TFLOP/s of the math dtype"),
-                    ("--allreduce-us", "all-reduce latency, us"), ("--allreduce-gbs", "all-reduce bus bandwidth, GB/s"),
-                    ("--host-ms", "host time per serving step, ms"), ("--bw-efficiency", "fraction of peak bandwidth reached"),
-                    ("--flops-efficiency", "fraction of peak FLOP/s reached")]:
-        m.add_argument(flag, type=float, help=f"override: {h}")
-    e = p.add_argument_group("engine (--target)")
-    e.add_argument("--target", help="target (built-in name, GGUF, HF dir)")
-    e.add_argument("--drafter", help="drafter checkpoint (engine; hardware model: its config.json; printed in vLLM flags)")
-    e.add_argument("--device", help="default cuda if available, else cpu")
-    e.add_argument("--dtype", help="engine: default bfloat16 on cuda, float32 on cpu; hardware model: bf16 (or fp32)")
-    e.add_argument("--prompts", help="conversations JSONL for the acceptance probe (default: built-in prompts)")
-    e.add_argument("--num-prompts", type=int, default=8)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--probe-topk", type=int, default=4, help="topk of the full tree the rank probe drafts")
-    e.add_argument("--validate", action="store_true", help="also run >= 8 shapes for real: predicted vs measured")
-    e.add_argument("--shapes", help="with --validate: STEPS,TOPK,TOKENS;... to run (default: 8 picked from the ranking)")
-    c = p.add_argument_group("calibrate")
-    c.add_argument("--url", action="append", help="OpenAI-compatible server (repeat for several: plain and speculating)")
-    c.add_argument("--metrics-url", action="append", help="its Prometheus /metrics (default: URL's host + /metrics), same order")
-    c.add_argument("--levels", default="1,2,4", help="concurrency levels to measure")
-    c.add_argument("--requests", type=int, default=4, help="requests per level")
-    c.add_argument("--out", help="profile JSON to write (default fledge-profile.json)")
-    c.add_argument("--merge", help="an earlier profile whose points join this fit (servers measured one at a time)")
-    p.add_argument("--json", help="write the predictions here")
-    p.add_argument("--png", help="plot speed-up by shape (and by concurrency) here")
-    p.set_defaults(func=_cmd_tune)
