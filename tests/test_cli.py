@@ -104,3 +104,21 @@ def test_demo_runs_the_loop_and_its_outputs_match_ar(tmp_path):
     for name in ("eagle3 chain 4", "n-gram chain 4"):
         assert rows[name]["tokens"] == rows["AR"]["tokens"] > 0
         assert 1.0 <= rows[name]["accept_length"] <= 5.0
+
+
+def test_a_step_runs_through_its_lazy_handler(tmp_path):
+    """`fledge features` on a tiny target: the handler named in cli_args imports the step and
+    runs it (no --device: the step picks one), writing the features `fledge train` reads."""
+    from test_target import save_tiny_dir
+    from test_train import write_data
+
+    from fledge.features import FeatureStore
+    save_tiny_dir(tmp_path / "target")
+    write_data(tmp_path / "data.jsonl", n=3)
+    assert cli.main(["features", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.jsonl"),
+                     "--out", str(tmp_path / "f"), "--dtype", "fp32", "--shard-size", "2"]) == 0
+    hidden = json.loads((tmp_path / "target" / "config.json").read_text())["hidden_size"]
+    store = FeatureStore(tmp_path / "f", {"max_len": 2048}, hidden)
+    assert store.meta["num_samples"] == 3
+    aux, h = store.get(2)
+    assert aux.shape[-1] == 3 * hidden and h.shape[-1] == hidden and len(aux) == len(h) > 0
