@@ -57,7 +57,7 @@ DATASETS = {
 # Checkpoint layouts `fledge export` writes: SGLang/vLLM's eagle3, and vLLM's speculators.
 LAYOUTS = ("eagle3", "speculators")
 
-# Float dtypes by name → the torch attribute. The short names are also what a feature
-# directory stores (`fledge features --dtype`).
-FLOAT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+# Float dtypes by their torch names, and short names for them; the short names are what a
+# feature directory stores (`fledge features --dtype`).
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -35,7 +35,7 @@ from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, t2d_from
 from fledge.draft import Eagle3Draft
 from fledge.util import FledgeError, atomic_dir, check_no_overlap, write_file
 
-DTYPES = {name: getattr(torch, t) for name, t in {**FLOAT_DTYPES, **SHORT_DTYPES}.items()}
+DTYPES = {**{n: getattr(torch, n) for n in FLOAT_DTYPES}, **{s: getattr(torch, n) for s, n in SHORT_DTYPES.items()}}
 DEFAULT_SPECULATIVE_TOKENS = 3
 # Tensors vLLM fills in without a word when a checkpoint lacks them.
 SILENT_DEFAULTS = {"d2t": " (vLLM would silently use all-zero offsets)",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from fledge.catalog import FLOAT_DTYPES
 from fledge.engine.drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import build_engine_target
@@ -16,8 +17,8 @@ from fledge.util import FledgeError, atomic_write_json, pick_device
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     name = name or ("bfloat16" if device.type == "cuda" else "float32")
-    if name not in ("float32", "bfloat16", "float16"):
-        raise FledgeError(f"--dtype {name}: expected float32, bfloat16 or float16")
+    if name not in FLOAT_DTYPES:
+        raise FledgeError(f"--dtype {name}: expected {', '.join(FLOAT_DTYPES)}")
     return getattr(torch, name)
 
 
