@@ -13,7 +13,7 @@ import functools
 import importlib
 
 from fledge.catalog import BUILTINS, DATASETS, FLOAT_DTYPES, FORMATS, LAYOUTS, SHORT_DTYPES
-from fledge.config import ADAPT_TRAIN_OPTIONS, TRAIN_OPTIONS, TrainConfig
+from fledge.config import ADAPT_TRAIN_OPTIONS, PARALLEL, TRAIN_OPTIONS, TrainConfig
 
 
 def run_step(name: str, args) -> int | None:
@@ -156,7 +156,7 @@ def add_train(sub) -> None:
     p.add_argument("--aux-layers", type=lambda s: tuple(int_list(s)), help="canonical ids, e.g. 2,15,27")
     for name, typ, what in TRAIN_OPTIONS:
         p.add_argument(f"--{name}", type=typ, help=train_help(name, what))
-    p.add_argument("--parallel", choices=["ddp", "fsdp"], help=train_help("parallel", "under torchrun"))
+    p.add_argument("--parallel", choices=PARALLEL, help=train_help("parallel", "under torchrun"))
     p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
     p.add_argument("--head-init", dest="head_init", action="store_true", default=None,
                    help="a fresh draft's lm_head and norm start as the target's (slower early on SmolLM2: see draft.py)")

@@ -86,6 +86,8 @@ class DraftConfig:
         return dataclasses.replace(self, **kw)
 
 
+PARALLEL = ("ddp", "fsdp")  # how `fledge train` spreads over torchrun's ranks (FSDP2: fully_shard)
+
 # TrainConfig fields that `fledge train` sets with a plain `--name VALUE`: (option, type, what
 # it sets). The help adds the field's default.
 TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes over --data)"),
@@ -152,7 +154,7 @@ class TrainConfig:
                   (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
                   (self.max_len >= 3, "max_len must be >= 3"), (self.lr > 0, "lr must be > 0"),
                   (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
-                  (self.parallel in ("ddp", "fsdp"), f"parallel {self.parallel!r}: ddp or fsdp"),
+                  (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
                   (min(self.log_every, self.eval_every, self.save_every, self.epochs) >= 1, "intervals/epochs must be >= 1"),
                   (not (self.init and self.vocab), "--init brings its own vocab; drop --vocab"),
