@@ -18,6 +18,7 @@ STEP_MODULES = [
     "fledge.target",
     "fledge.data",
     "fledge.regen",
+    "fledge.tokenize",
     "fledge.vocab",
     "fledge.features",
     "fledge.train",
