@@ -11,9 +11,7 @@ worst case for a batch, and the same work for both variants.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from pathlib import Path
 
 import torch
 
@@ -21,6 +19,7 @@ from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import LayerFns, build_engine_target
 from fledge.engine.stream import generate_stream
 from fledge.util import atomic_write_json
+from machine import machine_name, result_path
 from random_target import smollm2_random
 
 
@@ -68,8 +67,8 @@ def main(argv=None) -> int:
                   f"{st['graphs']:>7} {st['tok_s']:>9.0f}")
         del target
         torch.cuda.empty_cache()
-    name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower())
-    out = args.out or Path(__file__).parent / "results" / f"profile_batched_{name}.json"
+    name = machine_name(dev)
+    out = args.out or result_path("profile_batched", name)
     atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": "bfloat16",
                             "new_tokens": args.new_tokens, "prompt_lengths": "16 + 496 * u^2", "rows": rows})
     print(f"wrote {out}")
