@@ -84,7 +84,7 @@ if triton is not None:
         tl.store(Y + rows[:, None] * N + cols[None, :], (y.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt), mask=omask)
 
 
-# The best of 9 tiles for SmolLM2's o_proj at 8 and 16 rows (few_rows_micro_nvidia_h200.json).
+# The best of 9 tiles for SmolLM2's o_proj at 8 and 16 rows (timed on the H200, bf16).
 BLOCK_N, NUM_WARPS = 16, 4
 
 
