@@ -2,9 +2,18 @@
 
 A drafter is worth keeping across a target update because most of it does not depend on the
 target's exact weights: the fc fusion, the decoder layer and the final norm read hidden states
-of the same width and roughly the same meaning. What must change is everything indexed by
-tokens: the draft vocabulary (NEW's own, built from NEW's tokenized data), the embeddings
-(always NEW's, frozen) and the lm_head rows.
+of the same width and roughly the same meaning. What changes is what is indexed by tokens: the
+embeddings (always NEW's, frozen) and, with `--rebuild-vocab`, the draft vocabulary and its
+lm_head rows.
+
+The draft vocabulary is OLD's unless `--rebuild-vocab` asks for one built from --data. Why
+keep it by default: OLD's vocab was counted on OLD's whole training set, adapt's data is
+usually far smaller, and a vocab rebuilt from a few samples swaps thousands of well-trained
+rows for guesses (12 samples replaced 5,962 of 16,384 tokens of the shipped SmolLM2 drafter).
+When rebuilding, the report says how many tokens changed and warns when --data shows fewer
+distinct tokens than the draft vocab holds (the rest would be filled with ids never seen).
+With fine-tuning, the held-out accept length is measured before (the initialised drafter) and
+after, on the same held-out samples `fledge train` evaluates.
 
 lm_head rows are matched by TARGET token id, never by draft index (two vocabularies put the same
 token at different draft indices). A token in both vocabularies keeps OLD's trained row. A
@@ -28,6 +37,7 @@ is single-process here — for several GPUs run `fledge adapt --no-train`, then
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,14 +48,27 @@ from fledge.config import DraftConfig
 from fledge.conventions import target_ids_from_d2t, validate_aux_layer_ids
 from fledge.draft import Eagle3Draft
 from fledge.util import FledgeError, atomic_write_json
-from fledge.vocab import build_vocab, diff_vocab
+from fledge.vocab import count_masked_tokens, diff_vocab, top_target_ids
 
 # Tensors that do not depend on the target's tokens: carried from OLD unchanged.
 CARRIED_PREFIXES = ("fc.", "midlayer.", "norm.")
 # Train options `fledge adapt` passes through to `fledge train` (name, type).
-TRAIN_OPTIONS = (("max-steps", int), ("epochs", int), ("batch-size", int), ("grad-accum", int), ("lr", float),
-                 ("warmup", float), ("ttt-steps", int), ("max-len", int), ("eval-samples", int), ("seed", int),
-                 ("log-every", int), ("eval-every", int), ("save-every", int), ("pad-multiple", int))
+# Train options `fledge adapt` passes through to `fledge train`: (name, type, what it does);
+# the help adds fledge train's default.
+TRAIN_OPTIONS = (("max-steps", int, "optimizer steps of the fine-tune (unset: --epochs passes over --data)"),
+                 ("epochs", int, "passes over --data when --max-steps is unset"),
+                 ("batch-size", int, "sequences per micro-batch"),
+                 ("grad-accum", int, "micro-batches per optimizer step"),
+                 ("lr", float, "peak learning rate (AdamW, cosine decay)"),
+                 ("warmup", float, "share of the steps with linear warm-up"),
+                 ("ttt-steps", int, "training-time-test unroll: draft steps trained per position"),
+                 ("max-len", int, "samples are cut to this many tokens"),
+                 ("eval-samples", int, "held-out samples split off --data when --eval-data is unset"),
+                 ("seed", int, "random seed (data order, eval split)"),
+                 ("log-every", int, "steps between training log lines"),
+                 ("eval-every", int, "steps between held-out evaluations"),
+                 ("save-every", int, "steps between resumable checkpoints"),
+                 ("pad-multiple", int, "pad batches to a multiple of this length"))
 
 
 @dataclass
@@ -54,7 +77,8 @@ class AdaptConfig:
     target: str                   # NEW target spec (HF dir, GGUF, built-in name)
     data: str                     # tokenized training set made with NEW
     out: str
-    draft_vocab: int | None = None  # default: OLD's draft vocab size
+    draft_vocab: int | None = None  # with rebuild_vocab; default: OLD's draft vocab size
+    rebuild_vocab: bool = False   # build the draft vocab from `data` instead of keeping OLD's
     train: bool = True
     train_options: dict = field(default_factory=dict)  # TrainConfig fields
 
@@ -62,6 +86,9 @@ class AdaptConfig:
         for name in ("drafter", "data"):
             if not Path(getattr(self, name)).exists():
                 raise FledgeError(f"--{name} {getattr(self, name)}: does not exist")
+        if self.draft_vocab is not None and not self.rebuild_vocab:
+            raise FledgeError("--draft-vocab sets the size of a rebuilt vocab: add --rebuild-vocab "
+                              "(without it adapt keeps OLD's draft vocab)")
 
 
 # --------------------------------------------------------------------------- the adaptation
@@ -136,9 +163,38 @@ def adapt_draft(old: Eagle3Draft, new_model, new_ids: torch.Tensor) -> tuple[Eag
     return draft, report
 
 
-def new_vocab_ids(data, vocab_size: int, draft_vocab: int) -> torch.Tensor:
-    d2t, _ = build_vocab(data, vocab_size, draft_vocab)
-    return target_ids_from_d2t(d2t, vocab_size)
+def choose_vocab(cfg: AdaptConfig, old: Eagle3Draft, counts: torch.Tensor) -> tuple[torch.Tensor, dict, list[str]]:
+    """(NEW's draft vocab as ascending target ids, what was decided, warnings): OLD's vocab
+    unless `cfg.rebuild_vocab`, else the top tokens of --data's loss-masked `counts`."""
+    old_ids, vocab = old.target_ids().cpu(), counts.numel()
+    total = max(1, int(counts.sum()))
+    seen = int((counts > 0).sum())
+    note = {"rebuilt": cfg.rebuild_vocab, "distinct_data_tokens": seen, "data_tokens": int(counts.sum())}
+    if not cfg.rebuild_vocab:
+        if int(old_ids.max()) >= vocab:
+            raise FledgeError(f"OLD's draft vocab holds target ids up to {int(old_ids.max())}, NEW's vocab has "
+                              f"{vocab}: the tokenizers differ; add --rebuild-vocab")
+        return old_ids, {**note, "data_coverage": float(counts[old_ids].sum()) / total}, []
+    n = cfg.draft_vocab or old.cfg.draft_vocab_size
+    if not 0 < n <= vocab:
+        raise FledgeError(f"--draft-vocab {n}: must be in [1, {vocab}] (NEW's vocab)")
+    new_ids = top_target_ids(counts, n)
+    note.update(data_coverage=float(counts[new_ids].sum()) / total,
+                old_data_coverage=float(counts[old_ids[old_ids < vocab]].sum()) / total)
+    warnings = []
+    if seen < n:
+        warnings.append(f"--data shows {seen:,} distinct loss-masked tokens, fewer than the {n:,}-token draft vocab: "
+                        f"{n - seen:,} slots hold ids it never saw, so the rebuilt vocab is mostly guesswork; "
+                        "drop --rebuild-vocab to keep OLD's, or adapt on more data")
+    return new_ids, note, warnings
+
+
+def heldout(rec: dict | None) -> dict | None:
+    """The held-out figures of a `fledge train` eval record that the adapt report keeps."""
+    if not rec:
+        return None
+    keep = {"accept_len": rec["accept_len"], "acc0": rec["acc"][0], "loss0": rec["loss"][0]}
+    return {**keep, **({"replay_accept_len": rec["replay_accept_len"]} if "replay_accept_len" in rec else {})}
 
 
 # --------------------------------------------------------------------------- the step
@@ -147,28 +203,33 @@ def adapt(cfg: AdaptConfig, target) -> dict:
     (resuming); returns the report, also written to <out>/adapt.json."""
     out = Path(cfg.out)
     # What the init depends on; train options are checked by train's own resume key.
-    args = {k: getattr(cfg, k) for k in ("drafter", "target", "data", "draft_vocab")}
+    args = {k: getattr(cfg, k) for k in ("drafter", "target", "data", "draft_vocab", "rebuild_vocab")}
     previous = out / "adapt.json"
     if previous.exists() and json.loads(previous.read_text()).get("args") != args:
         raise FledgeError(f"{out}: holds an adapt run with other arguments; use a new --out")
     model, tcfg = target.model, target.model.config.get_text_config()
     old = load_old(cfg.drafter, tcfg.num_hidden_layers)
-    n = cfg.draft_vocab or old.cfg.draft_vocab_size
-    if not 0 < n <= tcfg.vocab_size:
-        raise FledgeError(f"--draft-vocab {n}: must be in [1, {tcfg.vocab_size}] (NEW's vocab)")
-    new_config(old.cfg, tcfg, n)  # refuses a target OLD cannot fit before the pass over the data
-    draft, report = adapt_draft(old, model, new_vocab_ids(cfg.data, tcfg.vocab_size, n))
+    new_config(old.cfg, tcfg, cfg.draft_vocab or old.cfg.draft_vocab_size)  # refuses before the pass over the data
+    ids, vocab_note, warnings = choose_vocab(cfg, old, count_masked_tokens(cfg.data, tcfg.vocab_size))
+    for w in warnings:
+        print(f"fledge adapt: warning: {w}", file=sys.stderr)
+    draft, report = adapt_draft(old, model, ids)
+    report["vocab"].update(vocab_note)
     archs = list(getattr(model.config, "architectures", None) or [])
     draft.cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
     # Deterministic, so a rerun (resuming the fine-tune) rewrites it identically.
     export_checkpoint(draft, out / "init", dtype=torch.float32, overwrite=True)
-    report = {"args": args, **report, "init": str(out / "init")}
+    report = {"args": args, **report, "warnings": warnings, "init": str(out / "init")}
     atomic_write_json(previous, report)
     if cfg.train:
-        from fledge.train import TrainConfig, train  # the training loop is only needed here
+        from fledge.train import TrainConfig, evaluate, setup, train  # the training loop is only needed here
         tc = TrainConfig(**{**cfg.train_options, "data": cfg.data, "out": str(out / "train"),
                             "target": cfg.target, "init": str(out / "init")})
+        run = setup(tc, target)  # the initialised drafter on the held-out samples train will evaluate
+        before = heldout(evaluate(run)) if run.evals else None
+        del run
         report["train"] = train(tc, target)
+        report["heldout"] = {"before": before, "after": heldout(report["train"]["eval"])}
         atomic_write_json(previous, report)
     return report
 
@@ -177,9 +238,16 @@ def print_report(report: dict) -> None:
     from fledge.data import print_table
     v, rows, aux = report["vocab"], report["lm_head_rows"], report["aux_layer_ids"]
     aux_note = "" if aux["kept"] else " (NEW default)"
-    table = [["draft vocab (old → new)", f"{v['size_a']} → {v['size_b']}"],
+    if v["rebuilt"]:
+        how = (f"rebuilt from --data: {v['only_b']:,} of {v['size_b']:,} tokens replaced; --data coverage "
+               f"{v['old_data_coverage']:.3f} (old) -> {v['data_coverage']:.3f} (new)")
+    else:
+        how = f"OLD's kept (--rebuild-vocab to rebuild); covers {v['data_coverage']:.3f} of --data's tokens"
+    table = [["draft vocab", how],
+             ["draft vocab size (old → new)", f"{v['size_a']} → {v['size_b']}"],
              ["tokens in both / only old / only new", f"{v['overlap']} / {v['only_a']} / {v['only_b']}"],
              ["d2t entries that differ", v["entries_differ"]],
+             ["distinct tokens in --data", f"{v['distinct_data_tokens']:,} of {v['data_tokens']:,} loss-masked"],
              ["target vocab (old → new)", f"{report['target_vocab']['old']} → {report['target_vocab']['new']}"],
              ["lm_head rows carried / initialised", f"{rows['carried']} / {rows['initialised']}"],
              ["tensors carried", len(report["tensors_carried"])],
@@ -187,15 +255,23 @@ def print_report(report: dict) -> None:
              ["initialised drafter", report["init"]]]
     if report.get("train"):
         table.append(["fine-tuned drafter", report["train"]["draft"]])
+    h = report.get("heldout") or {}
+    if h.get("before") and h.get("after"):
+        b, a = h["before"], h["after"]
+        table.append(["held-out accept length, SGLang's (before → after)", f"{b['accept_len']:.3f} → {a['accept_len']:.3f}"])
+        table.append(["held-out step-0 accuracy (before → after)", f"{b['acc0']:.3f} → {a['acc0']:.3f}"])
+        table.append(["held-out step-0 soft CE (before → after)", f"{b['loss0']:.4f} → {a['loss0']:.4f}"])
     print_table(table)
+    for w in report.get("warnings", []):
+        print(f"warning: {w}")
 
 
 def run_adapt(args) -> int:
     from fledge.target import load_target
-    opts = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in TRAIN_OPTIONS}
+    opts = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _, _ in TRAIN_OPTIONS}
     opts.update(device=args.device, eval_data=args.eval_data, features=args.features, bf16=args.bf16)
     cfg = AdaptConfig(drafter=args.drafter, target=args.target, data=args.data, out=args.out,
-                      draft_vocab=args.draft_vocab, train=args.train,
+                      draft_vocab=args.draft_vocab, rebuild_vocab=args.rebuild_vocab, train=args.train,
                       train_options={k: v for k, v in opts.items() if v is not None})
     report = adapt(cfg, load_target(cfg.target))
     if (report.get("train") or {}).get("eval"):
@@ -207,17 +283,25 @@ def run_adapt(args) -> int:
 
 
 def add_cli(sub) -> None:
+    from fledge.train import TrainConfig  # its defaults are the fine-tune's
+
     p = sub.add_parser("adapt", help="retarget a trained drafter to a new target version, then fine-tune it")
     p.add_argument("--drafter", required=True, help="OLD's exported drafter directory")
     p.add_argument("--target", required=True, help="NEW target (HF dir, GGUF, built-in name)")
     p.add_argument("--data", required=True, help="tokenized training set made with NEW (input_ids, loss_mask)")
     p.add_argument("--out", required=True, help="run directory: init/, train/, adapt.json (resumed if rerun)")
-    p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: OLD's)")
-    p.add_argument("--no-train", dest="train", action="store_false", help="write <out>/init only")
-    for name, typ in TRAIN_OPTIONS:
-        p.add_argument(f"--{name}", type=typ, help="as in fledge train")
-    p.add_argument("--eval-data", help="as in fledge train")
-    p.add_argument("--features", help="offline features of NEW on --data (as in fledge train)")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="as in fledge train")
-    p.add_argument("--device")
+    p.add_argument("--rebuild-vocab", action="store_true",
+                   help="build the draft vocab from --data's most frequent tokens (default: keep OLD's; rebuild "
+                        "only when --data is large or NEW's tokenizer differs)")
+    p.add_argument("--draft-vocab", type=int, help="size of the rebuilt vocab (with --rebuild-vocab; default: OLD's)")
+    p.add_argument("--no-train", dest="train", action="store_false", help="write <out>/init only, no fine-tune")
+    for name, typ, what in TRAIN_OPTIONS:
+        default = getattr(TrainConfig, name.replace("-", "_"))
+        p.add_argument(f"--{name}", type=typ, help=what if default is None else f"{what} (default {default})")
+    p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
+    p.add_argument("--features", help="offline features of NEW on --data from `fledge features` (default: "
+                                      "run NEW online)")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
+                   help="fine-tune in fp32 on CUDA (default: bf16 autocast on CUDA; the CPU always runs fp32)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
     p.set_defaults(func=run_adapt)

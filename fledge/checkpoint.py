@@ -25,13 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as st_save
 
 from fledge.config import DraftConfig
 from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, t2d_from_target_ids, target_ids_from_d2t,
                                 validate_aux_layer_ids)
 from fledge.draft import Eagle3Draft
-from fledge.util import FledgeError, atomic_dir
+from fledge.target import BUILTINS
+from fledge.util import FledgeError, atomic_dir, check_no_overlap, write_file
 
 LAYOUTS = ("eagle3", "speculators")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -122,6 +124,9 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
                 "fledge": {"target_num_hidden_layers": n, "verifier": ver or None, "speculative_tokens": k}}
     if not ver.get("name_or_path"):
         raise FledgeError("the speculators layout names the target model vLLM serves: pass --verifier NAME")
+    if ver["name_or_path"] in BUILTINS:
+        raise FledgeError(f"verifier {ver['name_or_path']!r} is a fledge built-in name, which vLLM cannot load: "
+                          "pass --verifier with the target's HF directory or hub id")
     layer = _llama_fields(cfg, dtype)
     return {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
@@ -215,16 +220,30 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
 
 
 # --------------------------------------------------------------------------- reading
+def shard_path(path: Path, index: Path, name) -> Path:
+    """The file a safetensors index names as `name`, inside checkpoint dir `path`. A name that
+    is not a plain relative path within the directory (absolute, `..`, a link out) is refused:
+    an index must not make fledge read, or an engine load, a file elsewhere."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise FledgeError(f"{index}: shard {name!r} is not a file name inside {path}")
+    f = path / name
+    if not f.resolve().is_relative_to(path.resolve()):
+        raise FledgeError(f"{index}: shard {name!r} leads outside {path}")
+    return f
+
+
 def weight_files(path: Path) -> list[Path]:
-    """The weight files an engine would read: the index's shards, else every *.safetensors in the
-    directory (vLLM loads them all), else pytorch_model.bin (original EAGLE releases)."""
+    """The weight files an engine would read: the index's shards (each checked by
+    `shard_path`), else every *.safetensors in the directory (vLLM loads them all), else
+    pytorch_model.bin (original EAGLE releases)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
             wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            names = set(wm.values())
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise FledgeError(f"{index}: not a safetensors index ({e})") from None
-        return [path / f for f in sorted(set(wm.values()))]
+        return [shard_path(path, index, f) for f in sorted(names, key=str)]
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model.bin"))
     if not files:
         raise FledgeError(f"{path}: no model.safetensors (or shards, or pytorch_model.bin)")
@@ -314,9 +333,11 @@ def _inspect(path, target_layers: int | None = None) -> tuple[_Read | None, list
         return None, [f"{cfile}: missing"]
     try:
         cj = json.loads(cfile.read_text())
+        if not isinstance(cj, dict):
+            return None, [f"{cfile}: a JSON {type(cj).__name__}, not an object of config fields"]
         cfg = draft_config_from_json(cj, target_layers)
-    except json.JSONDecodeError as e:
-        return None, [f"{cfile}: not valid JSON ({e.msg})"]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, [f"{cfile}: not valid JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e})"]
     except (FledgeError, KeyError, TypeError, ValueError) as e:
         return None, [f"{cfile}: {e if isinstance(e, FledgeError) else f'missing or bad field {e}'}"]
     try:
@@ -390,16 +411,16 @@ def _shards(tensors: dict[str, torch.Tensor], shard_size_mb: float | None) -> li
 def _write_weights(out: Path, tensors: dict, shard_size_mb) -> None:
     shards = _shards(tensors, shard_size_mb)
     if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        write_file(out / "model.safetensors", st_save(shards[0], metadata={"format": "pt"}))
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / name, metadata={"format": "pt"})
+        write_file(out / name, st_save(shard, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    write_file(out / "model.safetensors.index.json",
+               (json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n").encode())
 
 
 def export_checkpoint(draft: Eagle3Draft, out_dir, layout="eagle3", dtype=torch.bfloat16, shard_size_mb=None,
@@ -424,7 +445,7 @@ def export_checkpoint(draft: Eagle3Draft, out_dir, layout="eagle3", dtype=torch.
         tensors[layout_name(k, layout)] = t.contiguous()
     out_dir = Path(out_dir)
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        (tmp / "config.json").write_text(json.dumps(cj, indent=2) + "\n")
+        write_file(tmp / "config.json", (json.dumps(cj, indent=2) + "\n").encode())
         _write_weights(tmp, tensors, shard_size_mb)
         problems = validate_checkpoint(tmp)
         if problems:
@@ -470,7 +491,13 @@ def _target_arg(args):
     return load_target(args.target)
 
 
+def _check_out(args) -> None:
+    target_dir = args.target if args.target and Path(args.target).exists() else None  # not a built-in name
+    check_no_overlap(args.out, {"src": args.src, "--target-config": args.target_config, "--target": target_dir})
+
+
 def run_export(args) -> int:
+    _check_out(args)
     draft, _ = _load(args.src, _target_layers_arg(args), embed_from=_target_arg(args))
     out = export_checkpoint(draft, args.out, layout=args.layout, dtype=_dtype(args.dtype),
                             shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
@@ -481,6 +508,7 @@ def run_export(args) -> int:
 
 def run_import(args) -> int:
     """Into fledge's own (eagle3) layout, keeping the source's dtype, and its embeddings if it has them."""
+    _check_out(args)
     draft, r = _load(args.src, _target_layers_arg(args), embed_from=_target_arg(args))
     out = export_checkpoint(draft, args.out, layout="eagle3", dtype=_dtype(r.cfg.torch_dtype),
                             with_embed="embed_tokens.weight" in r.tensors, overwrite=args.overwrite)
@@ -490,6 +518,7 @@ def run_import(args) -> int:
 
 
 def run_init_draft(args) -> int:
+    check_no_overlap(args.out, {"--target": args.target if Path(args.target).exists() else None})
     target = _target_arg(args)
     cfg = DraftConfig.from_target(target.model.config, draft_vocab_size=args.draft_vocab)
     archs = list(getattr(target.model.config, "architectures", None) or [])
@@ -516,14 +545,16 @@ def add_cli(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {', '.join(DTYPES)} (default bfloat16)")
     p.add_argument("--with-embed", action="store_true", help="keep embed_tokens (default: engines share the target's)")
     p.add_argument("--verifier", help="target model name/path recorded for `vllm serve <dir>` (speculators)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (never one holding an input)")
     _add_target_layers(p)
     p.set_defaults(func=run_export)
 
     p = sub.add_parser("import", help="read an eagle3 / speculators / SpecForge drafter into fledge's layout")
-    p.add_argument("src")
-    p.add_argument("out")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("src", help="drafter dir: eagle3 (SGLang/vLLM/SpecForge/EAGLE, safetensors or pytorch_model.bin) "
+                               "or speculators layout")
+    p.add_argument("out", help="output dir, fledge's eagle3 layout in the source's dtype, embeddings kept if present "
+                               "(written atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (default: refuse)")
     _add_target_layers(p)
     p.set_defaults(func=run_import)
 

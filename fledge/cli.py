@@ -1,14 +1,22 @@
 """`fledge <subcommand>`: one subcommand per pipeline step.
 
 Each step module exposes `add_cli(subparsers)` registering its subcommand(s) with a
-`func(args)` default. Errors the user can fix are `FledgeError`s: printed as one line,
-exit 2; `--debug` shows the traceback instead.
+`func(args)` default. Exit codes (`exit_code` holds the scheme):
+  0    success
+  1    runtime failure: the disk is full, an I/O error (one line naming the file), or a bug
+       (a traceback)
+  2    bad input: a `FledgeError`, a missing file, a directory where a file belongs, a
+       folder without write permission (one line naming the file); also argparse's usage errors
+  130  interrupted (Ctrl-C / SIGTERM; `fledge train` saves its checkpoint first)
+`--debug` or FLEDGE_DEBUG=1 shows the traceback instead of the one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 
 from fledge.util import FledgeError
@@ -34,25 +42,48 @@ STEP_MODULES = [
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fledge", description=__doc__.splitlines()[0])
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--debug", action="store_true", help="show tracebacks (also FLEDGE_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True)
     for name in STEP_MODULES:
         importlib.import_module(name).add_cli(sub)
     return p
 
 
+# OS errors that are the machine's state rather than the input: exit 1.
+RUNTIME_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.ENOMEM}
+
+
+def exit_code(e: BaseException) -> int | None:
+    """The exit code for an expected failure, None for one that is a bug (a traceback)."""
+    if isinstance(e, KeyboardInterrupt):
+        return 130
+    if isinstance(e, FledgeError):
+        return 2
+    if isinstance(e, OSError) and e.filename is not None:
+        return 1 if e.errno in RUNTIME_ERRNOS else 2
+    return None
+
+
+def message(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        return "fledge: interrupted"
+    if isinstance(e, OSError):
+        hint = " (free some space, or write elsewhere)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        return f"fledge: error: {e.filename}: {e.strerror or type(e).__name__}{hint}"
+    return f"fledge: error: {e}"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("FLEDGE_DEBUG", "") not in ("", "0")
     try:
         rc = args.func(args)
-    except FledgeError as e:
-        if args.debug:
+    except (Exception, KeyboardInterrupt) as e:
+        code = exit_code(e)
+        if debug or code is None:
             raise
-        print(f"fledge: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("fledge: interrupted", file=sys.stderr)
-        return 130
+        print(message(e), file=sys.stderr)
+        return code
     return int(rc or 0)
 
 

@@ -10,6 +10,7 @@ shows the real speed-up in the last step.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import time
@@ -138,12 +139,15 @@ def run_demo(args) -> int:
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("demo", help="the whole loop in miniature on the built-in target (CPU, minutes)")
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--workdir", default="runs/demo")
+    p = sub.add_parser("demo", help="the whole loop in miniature on the built-in target (CPU, minutes)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m", help="target model: built-in name, GGUF file or HF directory")
+    p.add_argument("--workdir", default="runs/demo", help="where every step writes its files and demo.json")
     p.add_argument("--prompts", type=int, default=8, help="MT-Bench questions the target answers for training")
-    p.add_argument("--eval-prompts", type=int, default=2, help="held-out questions for the speed check")
-    p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--draft-vocab", type=int, default=2048)
-    p.add_argument("--train-steps", type=int, default=20)
+    p.add_argument("--eval-prompts", type=int, default=2, help="held-out questions for the eval and the speed check")
+    p.add_argument("--new-tokens", type=int, default=48,
+                   help="tokens the target writes per answer, and per prompt in the speed check")
+    p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size of the miniature drafter")
+    p.add_argument("--train-steps", type=int, default=20,
+                   help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")
     p.set_defaults(func=run_demo)

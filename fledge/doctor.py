@@ -25,7 +25,7 @@ from tqdm import tqdm
 from fledge.checkpoint import aux_ids_from_serving, canonical_name, checkpoint_keys, draft_config_from_json
 from fledge.config import DraftConfig
 from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, target_ids_from_d2t, validate_aux_layer_ids
-from fledge.checks import Check, fail, ok, report, warn
+from fledge.checks import Check, DraftFacts, draft_facts, fail, ok, report, rope_fields, warn
 from fledge.lint import launch_checks
 from fledge.util import FledgeError
 
@@ -153,56 +153,7 @@ def open_checkpoint(path) -> tuple[Checkpoint, Check]:
     return ck, ok("files", f"config.json + {len(w.files)} tensors in {len(files)} file(s)")
 
 
-# ------------------------------------------------------------------ what the config says
-def _rope(cfg: dict) -> tuple[float | None, dict | None]:
-    """(theta, scaling or None) from either transformers-5 `rope_parameters` or the older
-    `rope_theta` + `rope_scaling` fields."""
-    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = rp.pop("rope_theta", None) or cfg.get("rope_theta")
-    if "type" in rp:
-        rp.setdefault("rope_type", rp.pop("type"))
-    return (float(theta) if theta else None), (rp if rp.get("rope_type", "default") != "default" else None)
-
-
-@dataclass
-class DraftFacts:
-    """The fields every check reads, wherever the layout keeps them."""
-
-    layout: str  # "eagle3" (SGLang + vLLM), "speculators" (vLLM), or what was found
-    hidden: int | None
-    target_hidden: int | None
-    vocab: int | None
-    draft_vocab: int | None
-    max_position: int | None
-    num_layers: int | None
-    rope: tuple
-    aux_top: list | None  # top-level ids: canonical, what vLLM reads
-    aux_nested: list | None  # eagle_config ids: what SGLang reads, in fledge.checkpoint's serving spelling
-    use_aux: bool
-    tied: bool
-    dtype: str | None
-    target_layers: int | None  # recorded by fledge export; engines keep no such field
-    norm_before_residual: bool
-
-
-def draft_facts(cfg: dict) -> DraftFacts:
-    spec = cfg.get("speculators_model_type") is not None
-    lc = (cfg.get("transformer_layer_config") or {}) if spec else cfg
-    ec = cfg.get("eagle_config") or {}
-    hidden = lc.get("hidden_size")
-    return DraftFacts(
-        layout="speculators" if spec else ",".join(cfg.get("architectures") or ["(none)"]),
-        hidden=hidden, target_hidden=cfg.get("target_hidden_size") or hidden,
-        vocab=lc.get("vocab_size"), draft_vocab=cfg.get("draft_vocab_size"),
-        max_position=lc.get("max_position_embeddings"), num_layers=lc.get("num_hidden_layers"),
-        rope=_rope(lc), aux_top=cfg.get("eagle_aux_hidden_state_layer_ids"),
-        aux_nested=None if spec else ec.get("eagle_aux_hidden_state_layer_ids"),
-        use_aux=bool(ec.get("use_aux_hidden_state", True)), tied=bool(lc.get("tie_word_embeddings", False)),
-        dtype=lc.get("dtype") or lc.get("torch_dtype") or cfg.get("torch_dtype"),
-        target_layers=(cfg.get("fledge") or {}).get("target_num_hidden_layers"),
-        norm_before_residual=bool(cfg.get("norm_before_residual", spec)))
-
-
+# ------------------------------------------------------------------ the target
 @dataclass
 class TargetFacts:
     path: Path
@@ -229,7 +180,7 @@ def target_facts(spec: str) -> tuple[TargetFacts | None, Check]:
         cfg = json.loads((p / "config.json").read_text())
         cfg = cfg.get("text_config") or cfg
         t = TargetFacts(p, int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["num_hidden_layers"]),
-                        cfg.get("max_position_embeddings"), _rope(cfg))
+                        cfg.get("max_position_embeddings"), rope_fields(cfg))
     except Exception as e:
         return None, warn("target", f"{spec}: cannot read its config ({type(e).__name__}: {e}); target checks skipped",
                            "pass an HF model directory (with config.json) or a name fledge.target knows")
@@ -432,6 +383,36 @@ def check_t2d(f: DraftFacts, w: Weights) -> Check | None:
     return ok("t2d", "consistent with d2t")
 
 
+def check_verifier(f: DraftFacts, t: TargetFacts | None) -> Check | None:
+    """`vllm serve <speculators dir>` loads speculators_config.verifier.name_or_path as the
+    target, through the HF hub or from a local directory; a name only fledge knows fails there."""
+    if f.layout != "speculators":
+        return None
+    v = f.verifier
+    example = t.path if t else "<HF id or model directory>"
+    fix = f"re-export with `fledge export ... --layout speculators --verifier {example}`"
+    if not isinstance(v, str) or not v:
+        return fail("verifier", "no speculators_config.verifier.name_or_path: vLLM has no target to serve", fix)
+    p = Path(v).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            return fail("verifier", f"{v} has no config.json: vLLM cannot load it as the target", fix)
+        if t and p.resolve() != t.path.resolve():
+            return warn("verifier", f"vLLM serves {v} as the target, but the drafter was checked against {t.path}",
+                        fix)
+        return ok("verifier", f"vLLM serves {v} (a directory here) as the target")
+    if v.startswith(("/", ".", "~")):
+        return warn("verifier", f"{v} is not on this machine: vLLM loads it only where that path exists", fix)
+    if v.count("/") == 1 and all(v.split("/")):
+        return ok("verifier", f"vLLM serves the HF hub model {v} as the target (not fetched here to check)")
+    from fledge.target import BUILTINS  # only for a bare name: pulls in torch and transformers
+    if v in BUILTINS:
+        return fail("verifier", f"{v!r} is a fledge built-in name, not an HF id or path: vLLM cannot load it "
+                    "(`fledge target " + v + "` prints the directory it stands for)", fix)
+    return warn("verifier", f"{v!r} is neither a directory here nor an HF hub id (org/name): vLLM may not find it",
+                fix)
+
+
 def check_context(f: DraftFacts, t: TargetFacts | None) -> Check:
     if f.max_position is None:
         return fail("context", "no max_position_embeddings: engines fall back to a short default",
@@ -518,12 +499,28 @@ def check_weights(stats: dict[str, Stats]) -> Check:
     return ok("weights", f"{len(stats)} float tensors finite and non-degenerate (fp32 scan)")
 
 
-def check_norms(stats: dict[str, Stats]) -> Check:
+# Spacing of floats just above 1.0 (machine epsilon), by stored dtype.
+_EPS_AT_ONE = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
+
+
+def check_norms(stats: dict[str, Stats], w: Weights) -> Check:
+    """Norm gains start at 1.0 and move slowly (~0.002 after a short run). A dtype whose step
+    near 1.0 is coarser than that (bf16: 2^-8 below, 2^-7 above) rounds them back to exactly
+    1.0, so all-ones is only proof of "never trained" in a dtype fine enough to hold the move."""
     ones = [k for k, s in stats.items() if k.endswith("norm.weight") and s.lo == s.hi == 1.0]
-    if ones:
-        return warn("norms", f"{ones} are all ones: never trained (or exported from init)",
-                     "check that the export read the trained checkpoint")
-    return ok("norms", "norm weights moved from their init")
+    if not ones:
+        return ok("norms", "norm weights moved from their init")
+    coarse = sorted({w.dtypes[k] for k in ones if _EPS_AT_ONE.get(w.dtypes[k], 0.0) > 1e-4})
+    if coarse:
+        eps = max(_EPS_AT_ONE[dt] for dt in coarse)
+        return warn("norms", f"{ones} are exactly 1.0 in {'/'.join(coarse)}: never trained, or trained briefly - "
+                    f"{coarse[0]} holds no value in ({1 - eps / 4:.4f}, {1 + eps / 2:.4f}) but 1.0, and a short run "
+                    "moves norms by ~0.002, so the export rounds them back to their init",
+                    "re-export with `fledge export --dtype float32` and rerun doctor: still all ones means never "
+                    "trained (check that export read the trained checkpoint); if they moved, the bf16 copy lost only "
+                    "a gain change a bf16 server rounds away too: harmless")
+    return warn("norms", f"{ones} are exactly 1.0 in {w.dtypes[ones[0]]}: never trained (or exported from init)",
+                "check that the export read the trained checkpoint")
 
 
 def _target_embedding(t: TargetFacts) -> tuple[Weights, str] | None:
@@ -580,14 +577,14 @@ def static_checks(drafter, target: str | None = None) -> tuple[list[Check], Chec
     if not isinstance(f, DraftFacts):
         return [r for r in results + [f] if r is not None], ck, None
     runs = [("architecture", check_architecture, f), ("aux_ids", check_aux_ids, f, t),
-            ("context", check_context, f, t), ("rope", check_rope, f, t)]
+            ("verifier", check_verifier, f, t), ("context", check_context, f, t), ("rope", check_rope, f, t)]
     runs += [("hidden", check_hidden, f, t)] if t else []
     w = ck.weights
     if w is not None:
         stats = scan_weights(w)
         runs += [("keys", check_keys, f, w), ("fc", check_fc, f, w, t), ("shapes", check_shapes, ck.config, w, t),
                  ("vocab", check_vocab, f, w, t), ("d2t", check_d2t, f, w), ("t2d", check_t2d, f, w),
-                 ("dtype", check_dtype, f, w), ("weights", check_weights, stats), ("norms", check_norms, stats),
+                 ("dtype", check_dtype, f, w), ("weights", check_weights, stats), ("norms", check_norms, stats, w),
                  ("embed", check_embed, f, w, t)]
     results += [_guarded(name, fn, *args) for name, fn, *args in runs]
     return [r for r in results if r is not None], ck, f

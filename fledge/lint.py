@@ -12,12 +12,8 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from fledge.checks import Check, fail, ok, warn
-
-if TYPE_CHECKING:
-    from fledge.doctor import DraftFacts
+from fledge.checks import Check, DraftFacts, fail, ok, warn
 
 # Deeper than the training-time-test unroll (7 in SpecForge/EAGLE), extra draft tokens are
 # rarely accepted but each costs a draft forward.
@@ -150,11 +146,11 @@ def _context_check(name: str, flag: str, value, f: DraftFacts | None) -> Check |
     return ok(name, f"{flag} {n} within the drafter's {f.max_position}")
 
 
-def _model_check(launch: Launch, target: str | None) -> Check | None:
-    if not target or not launch.model or not Path(target).exists() or not Path(launch.model).exists():
+def _model_check(served: str | None, target: str | None) -> Check | None:
+    if not target or not served or not Path(target).exists() or not Path(served).exists():
         return None
-    if Path(launch.model).resolve() != Path(target).resolve():
-        return warn("launch.model", f"serves {launch.model}, but the drafter was checked against {target}",
+    if Path(served).resolve() != Path(target).resolve():
+        return warn("launch.model", f"serves {served}, but the drafter was checked against {target}",
                      "run doctor with --target set to the served model")
     return ok("launch.model", "serves the checked target")
 
@@ -180,6 +176,15 @@ def _sglang_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Chec
     return out
 
 
+def _serves_speculators_dir(lc: Launch, drafter: Path, f: DraftFacts | None) -> bool:
+    """`vllm serve <dir>` on the checked drafter in the speculators layout: vLLM speculates with
+    no --speculative-config, taking the target from speculators_config.verifier."""
+    if f is None or f.layout != "speculators" or not lc.model:
+        return False
+    p = Path(lc.model).expanduser()
+    return p.exists() and p.resolve() == drafter.resolve()
+
+
 def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Check]:
     o = lc.options
     out = [fail("launch.legacy", f"--{k} was removed from vLLM", "use --speculative-config JSON")
@@ -192,7 +197,15 @@ def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Check]
         except json.JSONDecodeError as e:
             return out + [fail("launch.spec_config", f"--speculative-config is not JSON ({e.msg})",
                                 '--speculative-config \'{"method": "eagle3", "model": "...", "num_speculative_tokens": 3}\'')]
-    if not isinstance(sc, dict) or not sc:
+    if _serves_speculators_dir(lc, drafter, f):
+        # vLLM reads speculators_config: the verifier becomes the served model, the directory the
+        # drafter, the method and depth come from the config; --speculative-config may only add to
+        # them (method and model stay locked).
+        given = sc if isinstance(sc, dict) else {}
+        sc = {"num_speculative_tokens": f.speculative_tokens, **given, "method": "eagle3", "model": str(drafter)}
+        out.append(ok("launch.spec_config", f"serves a speculators directory: vLLM loads the verifier {f.verifier} "
+                      f"as the target and this directory as its eagle3 drafter"))
+    elif not isinstance(sc, dict) or not sc:
         return out + [fail("launch.spec_config", "no --speculative-config: vLLM serves without speculation",
                             f'--speculative-config \'{{"method": "eagle3", "model": "{drafter}", "num_speculative_tokens": 3}}\'')]
     method = str(sc.get("method") or "")
@@ -229,4 +242,5 @@ def launch_checks(cmd: str, drafter, f: DraftFacts | None, target: str | None = 
     if isinstance(lc, str):
         return [fail("launch.parse", lc, "pass the full server command in quotes: --launch \"python -m ...\"")]
     run = _sglang_checks if lc.engine == "sglang" else _vllm_checks
-    return [c for c in run(lc, Path(drafter), f) + [_model_check(lc, target)] if c is not None]
+    served = f.verifier if lc.engine == "vllm" and _serves_speculators_dir(lc, Path(drafter), f) else lc.model
+    return [c for c in run(lc, Path(drafter), f) + [_model_check(served, target)] if c is not None]

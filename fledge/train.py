@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -44,7 +45,8 @@ from fledge.conventions import accept_length, chain_replay
 from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, feature_model, features_meta,
                              load_samples, online_features, pad_batch)
-from fledge.util import FledgeError, atomic_dir, atomic_write_text, read_jsonl, save_figure
+from fledge.util import (FledgeError, atomic_dir, atomic_write_text, check_no_overlap, pick_device, read_jsonl,
+                         save_figure, settle_dir, write_file)
 from fledge.vocab import load_vocab_ids
 
 # Fields that change nothing about the numbers, so a resume may differ in them.
@@ -103,6 +105,14 @@ class TrainConfig:
         for name in ("data", "vocab", "init", "features", "eval_data"):
             if getattr(self, name) and not Path(getattr(self, name)).exists():
                 raise FledgeError(f"--{name.replace('_', '-')} {getattr(self, name)}: does not exist")
+        for name, want_dir in (("data", False), ("eval_data", False), ("init", True), ("features", True)):
+            path = getattr(self, name)
+            if path and Path(path).is_dir() != want_dir:
+                what = "a directory (drafter or feature dir)" if want_dir else "a tokenized JSONL file"
+                raise FledgeError(f"--{name.replace('_', '-')} {path}: expected {what}")
+        inputs = {f"--{n.replace('_', '-')}": getattr(self, n) for n in ("data", "vocab", "init", "features", "eval_data")}
+        for written in ("draft", "checkpoint", "metrics.jsonl", "curves.png", "result.json"):
+            check_no_overlap(Path(self.out) / written, inputs)
 
 
 # --------------------------------------------------------------------------- the TTT forward
@@ -227,7 +237,7 @@ class Run:
     model: nn.Module       # TTT, wrapped for DDP (or sharded in place by FSDP2)
     ttt: TTT               # the unwrapped module (state dicts)
     target: nn.Module      # what computes the features (features.feature_model)
-    target_name: str
+    verifier: str          # the target as engines load it: its resolved HF directory, not a fledge alias
     head: TargetHead
     aux_ids: tuple
     store: FeatureStore | None
@@ -268,7 +278,7 @@ def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
 
 def setup(cfg: TrainConfig, target) -> Run:
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    device = torch.device(cfg.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(cfg.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:  # "--device cuda": this rank's GPU
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
@@ -303,7 +313,7 @@ def setup(cfg: TrainConfig, target) -> Run:
     warm = max(1, int(cfg.warmup * total))
     cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, cosine(s)))
-    return Run(cfg, wrapped, ttt, feature_model(model), target.name, TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
+    return Run(cfg, wrapped, ttt, feature_model(model), str(target.path or target.name), TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
                store, train, evals, opt, sched, total, per_epoch, rank, world, device)
 
 
@@ -411,26 +421,64 @@ def save_checkpoint(run: Run, step: int, key: dict) -> None:
     if run.rank == 0:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None}
+        buf = io.BytesIO()  # torch's own writer names no file when the disk fills: write the bytes ourselves
+        torch.save({"model": model_sd, "optim": optim_sd, "sched": run.sched.state_dict(), "step": step,
+                    "rng": rng}, buf)
         with atomic_dir(Path(run.cfg.out) / "checkpoint", overwrite=True) as tmp:
-            torch.save({"model": model_sd, "optim": optim_sd, "sched": run.sched.state_dict(), "step": step,
-                        "rng": rng}, tmp / "state.pt")
-            (tmp / "meta.json").write_text(json.dumps({"step": step, "key": key}, indent=1))
+            write_file(tmp / "state.pt", buf.getvalue())
+            write_file(tmp / "meta.json", json.dumps({"step": step, "key": key}, indent=1).encode())
     if dist.is_initialized():
         dist.barrier()
+
+
+def _refuse_resume(ck: Path, step, why: str) -> FledgeError:
+    at = f"from step {step}" if step is not None else "(step unknown)"
+    return FledgeError(f"{ck}: cannot resume {at}: {why}; remove {ck} to start again from step 0, or use a new --out")
+
+
+def read_resume_meta(ck: Path) -> tuple[int, dict]:
+    """(step, resume key) from `<ck>/meta.json`; FledgeError if it is missing or malformed."""
+    try:
+        meta = json.loads((ck / "meta.json").read_text())
+        step, key = meta["step"], meta["key"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        raise _refuse_resume(ck, None, f"meta.json unreadable ({why})") from None
+    if not (isinstance(step, int) and step >= 0 and isinstance(key, dict)):
+        raise _refuse_resume(ck, None, f"meta.json holds step {step!r} and key of type {type(key).__name__}")
+    return step, key
+
+
+def read_resume_state(ck: Path, step: int) -> dict:
+    """`<ck>/state.pt` read with weights_only=True: tensors and plain containers only, so a
+    planted pickle cannot run code. FledgeError naming the step if it is missing, truncated,
+    foreign or of another step than meta.json says."""
+    try:
+        state = torch.load(ck / "state.pt", map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise _refuse_resume(ck, step, "state.pt is missing") from None
+    except Exception:  # truncated zip, garbage, a refused object: torch raises assorted types
+        raise _refuse_resume(ck, step, "state.pt is truncated, corrupt, or holds objects beyond tensors and plain "
+                                       "data (never unpickled: they could run code)") from None
+    keys = {"model", "optim", "sched", "step", "rng"}
+    if not (isinstance(state, dict) and keys <= state.keys()) or state["step"] != step:
+        got = state.get("step") if isinstance(state, dict) else None
+        raise _refuse_resume(ck, step, f"state.pt is not the state of that step (holds step {got})")
+    return state
 
 
 def load_checkpoint_state(run: Run, key: dict) -> int:
     """Restore weights, optimizer, schedule and RNG from `<out>/checkpoint`; return its step
     (0 if there is none). The data position is the step itself (see epoch_batches)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    ck = Path(run.cfg.out) / "checkpoint"
-    if not (ck / "meta.json").exists():
+    ck = settle_dir(Path(run.cfg.out) / "checkpoint")
+    if not ck.exists():
         return 0
-    old = json.loads((ck / "meta.json").read_text())["key"]
+    step, old = read_resume_meta(ck)
     if old != key:
         diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
         raise FledgeError(f"{ck}: checkpoint of another config ({', '.join(diff)} differ); use a new --out")
-    state = torch.load(ck / "state.pt", map_location="cpu", weights_only=False)
+    state = read_resume_state(ck, step)
     set_state_dict(run.ttt, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(full_state_dict=True))
     run.sched.load_state_dict(state["sched"])
@@ -448,7 +496,7 @@ def export(run: Run) -> Path:
     if run.rank == 0:
         draft = Eagle3Draft(run.ttt.draft.cfg)
         draft.load_state_dict({k.removeprefix("draft."): v for k, v in model_sd.items()})
-        export_checkpoint(draft, out, layout="eagle3", verifier=run.target_name, overwrite=True)
+        export_checkpoint(draft, out, layout="eagle3", verifier=run.verifier, overwrite=True)
     return out
 
 
@@ -534,6 +582,16 @@ def print_table(rec: dict) -> None:
 
 
 # --------------------------------------------------------------------------- the loop
+def check_finite(stats: torch.Tensor, step: int, first: bool) -> None:
+    """Stop a run whose loss went NaN or inf (stats: a step's summed CE per TTT step, on the
+    CPU) before the bad step is saved: the checkpoint keeps the last finite step."""
+    if bool(torch.isfinite(stats).all()):
+        return
+    why = (" (the first forward of this run): the target's features or the drafter's weights are not finite"
+           if first else ": nothing of it was saved; rerun with a lower --lr or --clip in a new --out")
+    raise FledgeError(f"training loss is NaN or inf at step {step}{why}")
+
+
 def train(cfg: TrainConfig, target) -> dict:
     """Train (resuming from `<out>/checkpoint` if present); returns the last eval record.
     Raises `Paused` after a SIGINT/SIGTERM, the checkpoint saved at the step it stopped."""
@@ -546,13 +604,16 @@ def train(cfg: TrainConfig, target) -> dict:
     history = [r for r in history if r["step"] <= start]  # later lines belong to the killed attempt
     if run.rank == 0:
         atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in history))
-    bar = tqdm(total=run.total_steps, initial=start, unit="step", disable=run.rank != 0)
     last = {}
     t0, tokens, window = time.perf_counter(), 0, torch.zeros(3, cfg.ttt_steps)
-    with open(metrics, "a") if run.rank == 0 else contextlib.nullcontext() as f, pause_on_signal() as stop:
+    # The bar closes however the loop ends, so an error's one line starts a line of its own.
+    with (tqdm(total=run.total_steps, initial=start, unit="step", disable=run.rank != 0) as bar,
+          open(metrics, "a") if run.rank == 0 else contextlib.nullcontext() as f, pause_on_signal() as stop):
         for step in range(start, run.total_steps):
             stats, ntok = train_step(run, step)
-            tokens, window = tokens + ntok, window + stats.cpu()
+            stats = stats.cpu()  # the step's one sync, which the finite check below rides on
+            check_finite(stats, step + 1, step == start)
+            tokens, window = tokens + ntok, window + stats
             done = step + 1
             new = []
             if done % cfg.log_every == 0 or done == run.total_steps:
@@ -581,9 +642,7 @@ def train(cfg: TrainConfig, target) -> dict:
             if done < run.total_steps and any_rank(stop[0], run.device):
                 if not saved:
                     save_checkpoint(run, done, key)
-                bar.close()
                 raise Paused(done, run.total_steps, out / "checkpoint")
-    bar.close()
     path = export(run)
     if dist.is_initialized():
         dist.barrier()

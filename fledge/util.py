@@ -1,8 +1,10 @@
-"""Errors that reach the user as one line, and writes that never leave half a file."""
+"""Errors that reach the user as one line, writes that never leave half a file, and the
+checks that keep an output from destroying an input."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -17,13 +19,36 @@ class FledgeError(Exception):
     """
 
 
+@contextlib.contextmanager
+def naming(path: str | os.PathLike, force: bool = False):
+    """Give an OSError raised in the block `path` as its file name when it carries none (a
+    full disk fails in write/flush/fsync, which name no file), so the CLI's one line says
+    which output could not be written. `force`: also replace the name it carries (a temp
+    file's name means nothing to the user)."""
+    try:
+        yield
+    except OSError as e:
+        if (e.filename is not None and not force) or e.errno is None:
+            raise
+        raise type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path)) from None
+
+
+def write_file(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` and fsync it (a plain write, for files inside an `atomic_dir`)."""
+    with naming(path), open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary sibling, fsync, then rename: readers see old or new, never half."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with naming(path.parent, force=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with naming(path), os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -42,22 +67,57 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def _old_dir(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def settle_dir(path: str | os.PathLike) -> Path:
+    """Finish an `atomic_dir` swap that a kill interrupted, and return `path`.
+
+    The swap is two renames (path → .path.old, new → path). Killed between them, only
+    `.path.old` is left: it is the last complete content, so it becomes `path` again. Killed
+    after both, `.path.old` is a stale copy and goes. Only the process that owns `path` may
+    call it (`atomic_dir` before writing, `fledge train` before resuming its checkpoint): run
+    by a reader, it could race a writer between its renames.
+    """
+    path = Path(path)
+    old = _old_dir(path)
+    if old.is_dir():
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, path)
+    return path
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike, overwrite: bool = False):
     """Yield a temporary directory that becomes `path` only if the block succeeds.
 
     An existing `path` is kept unless `overwrite`; it is replaced only after the new
-    content is complete, so a crash never leaves a half-written output directory.
+    content is complete, so a crash never leaves a half-written output directory, and a
+    kill between the swap's two renames is undone by the next `settle_dir`, and temporary
+    dirs of writers killed mid-write are removed (one writer per `path` at a time).
+    An OSError without a file name (a full disk) is given `path`'s.
     """
-    path = Path(path)
+    path = settle_dir(path)
     if path.exists() and not overwrite:
         raise FledgeError(f"{path}: already exists (pass --overwrite to replace it)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by writers killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    with naming(path.parent, force=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
-        yield tmp
+        try:
+            with naming(path):
+                yield tmp
+        except OSError as e:  # name the file as the user will know it, not its temporary home
+            if e.filename is None or not str(e.filename).startswith(str(tmp)) or e.errno is None:
+                raise
+            raise type(e)(e.errno, e.strerror, str(path) + str(e.filename)[len(str(tmp)):]) from None
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
+            old = _old_dir(path)
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
             os.replace(tmp, path)
@@ -67,6 +127,42 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_no_overlap(output: str | os.PathLike, inputs: dict[str, str | os.PathLike | None]) -> None:
+    """Refuse an output path that is, contains or lies inside one of `inputs` (flag name →
+    path; None is skipped): replacing the output (--overwrite) would delete or move the input.
+    Paths are compared resolved, so `a/../b`, symlinks and relative spellings are caught."""
+    out = Path(output).resolve()
+    for flag, p in inputs.items():
+        if p is None:
+            continue
+        src = Path(p).resolve()
+        if out == src or out in src.parents or src in out.parents:
+            what = "is" if out == src else "contains" if out in src.parents else "lies inside"
+            raise FledgeError(f"{output}: the output {what} the input {flag} {p}; write it elsewhere")
+
+
+def pick_device(name: str | None):
+    """The torch device for a `--device` value: None → cuda if available, else cpu. A device
+    this machine does not have is a FledgeError saying what to pass instead."""
+    import torch
+
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise FledgeError(f"--device {name}: not a device name (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise FledgeError(f"--device {name}: this machine has no CUDA device; pass --device cpu (or leave it out)")
+        if dev.index is not None and dev.index >= n:
+            raise FledgeError(f"--device {name}: this machine has {n} CUDA device(s): cuda:0 to cuda:{n - 1}")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise FledgeError(f"--device {name}: MPS is not available here; pass --device cpu (or leave it out)")
+    return dev
 
 
 def append_jsonl(f, record: dict) -> None:

@@ -129,7 +129,8 @@ def _weights_file(ckpt_dir: Path) -> Path:
         shard = json.loads(index.read_text()).get("weight_map", {}).get("d2t")
         if shard is None:
             raise FledgeError(f"{index}: no d2t tensor in the checkpoint")
-        return ckpt_dir / shard
+        from fledge.checkpoint import shard_path  # the one reader's check: no shard outside the dir
+        return shard_path(ckpt_dir, index, shard)
     return ckpt_dir / "model.safetensors"
 
 

@@ -72,11 +72,11 @@ def test_rows_by_target_id_and_new_vocab(tmp_path):
     old_ids = brute_vocab(write_data(tmp_path / "old.jsonl", seed=0))
     old = old_drafter(old_model, old_ids, tmp_path / "old", aux=(1, 3, 6))
     data = write_data(tmp_path / "new.jsonl", seed=1)
-    report = adapt(AdaptConfig(str(tmp_path / "old"), "new", data, str(tmp_path / "run"), train=False),
-                   Target(new_model, None, "new", None))
+    report = adapt(AdaptConfig(str(tmp_path / "old"), "new", data, str(tmp_path / "run"), rebuild_vocab=True,
+                               train=False), Target(new_model, None, "new", None))
     init = load_checkpoint(tmp_path / "run" / "init", embed_from=new_model)
 
-    # (b) the adapted drafter's vocab is NEW's, from NEW's data
+    # (b) with --rebuild-vocab the adapted drafter's vocab is NEW's, from NEW's data
     new_ids = brute_vocab(data)
     assert init.target_ids().tolist() == new_ids
     shared = [t for t in new_ids if t in old_ids]
@@ -158,7 +158,7 @@ def test_cli_fine_tune_writes_a_valid_drafter(tmp_path, capsys):
     data = write_data(tmp_path / "d.jsonl", seed=2)
     args = ["adapt", "--drafter", str(tmp_path / "old"), "--target", str(target_dir), "--data", data,
             "--out", str(tmp_path / "run"), "--max-steps", "2", "--batch-size", "2", "--ttt-steps", "2",
-            "--eval-samples", "2", "--pad-multiple", "1", "--draft-vocab", "48"]
+            "--eval-samples", "2", "--pad-multiple", "1", "--rebuild-vocab", "--draft-vocab", "48"]
     assert cli_main(args) == 0
     final = tmp_path / "run" / "train" / "draft"
     assert validate_checkpoint(final) == []
@@ -166,7 +166,41 @@ def test_cli_fine_tune_writes_a_valid_drafter(tmp_path, capsys):
     assert draft.target_ids().tolist() == brute_vocab(data, 48)
     report = json.loads((tmp_path / "run" / "adapt.json").read_text())
     assert report["train"]["steps"] == 2 and report["train"]["draft"] == str(final)
-    assert "lm_head rows carried / initialised" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "lm_head rows carried / initialised" in out and "held-out accept length" in out
+    before, after = report["heldout"]["before"], report["heldout"]["after"]
+    assert after["accept_len"] == report["train"]["eval"]["accept_len"]
+    assert after["loss0"] == report["train"]["eval"]["loss"][0]
+    assert 1.0 <= before["accept_len"] <= 3.0  # ttt-steps 2: at most 2 drafts + the bonus
+    assert before["loss0"] != after["loss0"]  # measured on the drafter before the fine-tune moved it
     assert cli_main(args) == 0  # resumes: training is already done, the drafter is re-exported
     assert cli_main(args[:-1] + ["40"]) == 2
     assert "other arguments" in capsys.readouterr().err
+
+
+def test_vocab_kept_unless_rebuild_asked(tmp_path, capsys):
+    """By default adapt keeps OLD's vocab (data too small to rebuild one is the usual case); with
+    --rebuild-vocab it says how many tokens changed and warns when --data shows fewer distinct
+    tokens than the vocab holds."""
+    old_model, new_model = make_tiny("llama", seed=0), make_tiny("llama", seed=1)
+    old_ids = brute_vocab(write_data(tmp_path / "old.jsonl", seed=0))
+    old_drafter(old_model, old_ids, tmp_path / "old")
+    small = write_data(tmp_path / "small.jsonl", seed=1, n=2, length=12)  # 18 masked tokens < 64 slots
+    new = Target(new_model, None, "new", None)
+    kept = adapt(AdaptConfig(str(tmp_path / "old"), "new", small, str(tmp_path / "keep"), train=False), new)
+    assert load_checkpoint(tmp_path / "keep" / "init", embed_from=new_model).target_ids().tolist() == old_ids
+    assert kept["vocab"]["entries_differ"] == 0 and not kept["vocab"]["rebuilt"] and kept["warnings"] == []
+    assert kept["lm_head_rows"] == {"carried": N, "initialised": 0}
+
+    rebuilt = adapt(AdaptConfig(str(tmp_path / "old"), "new", small, str(tmp_path / "rebuild"), rebuild_vocab=True,
+                                train=False), new)
+    seen = len({t for r in map(json.loads, open(small)) for t, m in zip(r["input_ids"], r["loss_mask"]) if m})
+    assert rebuilt["vocab"]["distinct_data_tokens"] == seen < N
+    assert rebuilt["vocab"]["only_b"] == len(set(brute_vocab(small)) - set(old_ids)) > 0
+    assert len(rebuilt["warnings"]) == 1 and f"{seen:,} distinct" in rebuilt["warnings"][0]
+    assert "warning" in capsys.readouterr().err
+    try:
+        AdaptConfig(str(tmp_path / "old"), "new", small, str(tmp_path / "x"), draft_vocab=32)
+        raise AssertionError("--draft-vocab without --rebuild-vocab accepted")
+    except FledgeError as e:
+        assert "--rebuild-vocab" in str(e)

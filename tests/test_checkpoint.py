@@ -208,6 +208,9 @@ def test_export_is_atomic(tmp_path):
         export_checkpoint(draft, out)
     with pytest.raises(FledgeError, match="--verifier"):
         export_checkpoint(draft, out, layout="speculators", overwrite=True)
+    # A built-in alias is a name only fledge resolves: vLLM would fail to load it as the verifier.
+    with pytest.raises(FledgeError, match="built-in name"):
+        export_checkpoint(draft, out, layout="speculators", verifier="smollm2-135m", overwrite=True)
     assert read_dir(out)[0] == before[0] and sorted(p.name for p in tmp_path.iterdir()) == ["d"]
     export_checkpoint(draft, out, layout="speculators", verifier="v", overwrite=True)
     assert read_dir(out)[0]["speculators_model_type"] == "eagle3"

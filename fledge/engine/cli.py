@@ -11,13 +11,7 @@ from fledge.engine.drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, S
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import build_engine_target
 from fledge.engine.spec import generate_spec, oracle_text
-from fledge.util import FledgeError, atomic_write_json
-
-
-def pick_device(name: str | None) -> torch.device:
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from fledge.util import FledgeError, atomic_write_json, pick_device
 
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
