@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fledge.util import FledgeError, atomic_dir, atomic_write_json
+from fledge.util import FledgeError, atomic_dir, atomic_write_json, check_no_overlap
 
 HELDOUT_SUFFIX = "-heldout"
 SETS = ("train", "heldout")
@@ -145,6 +145,8 @@ def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048,
     from fledge.data import load_tokenizer
     from fledge.target import resolve_target
 
+    for path in [*inputs, *heldout]:  # --overwrite would delete an input inside the output
+        check_no_overlap(out, {"conversations": path})
     if out.exists() and not overwrite:
         raise FledgeError(f"{out}: already exists (pass --overwrite to replace it)")
     if workers < 1:

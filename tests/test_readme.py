@@ -82,3 +82,14 @@ def test_readme_quick_start_runs_as_written(tmp_path, monkeypatch):
     assert len(bench["results"]) == 3 and all(r["accept_length"] >= 1.0 for r in bench["results"])  # 3 default shapes
     assert json.loads((tmp_path / "runs/mt/tune.json").read_text())["predictions"]
     assert (tmp_path / "runs/mt-adapt/train/draft/config.json").is_file()
+
+
+def test_links_in_the_docs_name_files_that_exist():
+    root = README.parent
+    for doc in [README, *sorted((root / "docs").glob("*.md")), root / "drafters/smollm2-135m/README.md"]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if "://" not in target:
+                assert (doc.parent / target).exists(), f"{doc.name}: link to {target}"
+        # bench/results/ files named in the text (not only links) must exist too
+        for name in re.findall(r"\b(\w+_(?:h200\w*|cpu)\.json)\b", doc.read_text()):
+            assert (root / "bench/results" / name).exists(), f"{doc.name}: names {name}"

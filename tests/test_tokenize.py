@@ -98,3 +98,6 @@ def test_bad_line_names_file_and_line(tmp_path, tokenizer_dir):
     with pytest.raises(FledgeError, match=r"c\.jsonl:3: not valid JSON"):
         tk.tokenize([conv], tmp_path / "tok", tokenizer_dir, 64)
     assert not (tmp_path / "tok").exists()
+    with pytest.raises(FledgeError, match="the output is the input conversations"):
+        tk.tokenize([conv], conv, tokenizer_dir, 64, overwrite=True)
+    assert conv.is_file()
