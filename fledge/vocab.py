@@ -11,6 +11,7 @@ draft vocab can never be drafted.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,19 +21,52 @@ from safetensors.torch import save as st_save
 from tqdm import tqdm
 
 from fledge.conventions import d2t_from_target_ids, t2d_from_target_ids, target_ids_from_d2t
-from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, read_jsonl
+from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, check_no_overlap, read_jsonl
 
 
-def _masked_tokens(record: dict, path) -> torch.Tensor:
-    ids, mask = record.get("input_ids"), record.get("loss_mask")
-    if ids is None or mask is None or len(ids) != len(mask):
-        raise FledgeError(f"{path}: record {record.get('id')!r} is not a tokenized sample (input_ids/loss_mask)")
-    ids, mask = torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
-    return ids[mask]
+def _masked_tokens(record, path, lineno) -> torch.Tensor:
+    """The trained tokens of one sample; ids must be integers and the mask 0/1, of one length.
+    (torch.tensor with no dtype keeps what the JSON held: a float id stays float and is
+    refused here rather than rounded to some other token.)"""
+    where = f"{path}:{lineno}"
+    if not isinstance(record, dict) or "input_ids" not in record or "loss_mask" not in record:
+        raise FledgeError(f"{where}: not a tokenized sample (input_ids, loss_mask); "
+                          f"give the *.tok.jsonl that `fledge prep --tokenizer` writes")
+    try:
+        ids, mask = torch.tensor(record["input_ids"]), torch.tensor(record["loss_mask"])
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise FledgeError(f"{where}: input_ids and loss_mask must be lists of integers") from None
+    if ids.ndim != 1 or mask.ndim != 1 or ids.numel() != mask.numel():
+        raise FledgeError(f"{where}: input_ids and loss_mask must be flat lists of one length")
+    if ids.numel() and ids.dtype != torch.int64:
+        raise FledgeError(f"{where}: input_ids hold {ids.dtype} values, not integer token ids")
+    if mask.numel() and not (mask.dtype in (torch.int64, torch.bool) and ((mask == 0) | (mask == 1)).all()):
+        raise FledgeError(f"{where}: loss_mask must hold only 0 and 1")
+    return ids.to(torch.int64)[mask.to(torch.bool)]
 
 
-def count_masked_tokens(dataset_path, target_vocab: int) -> torch.Tensor:
-    """Counts [target_vocab] of the tokens at loss_mask 1 in a tokenized training set."""
+def _check_input(path) -> None:
+    path = Path(path)
+    if not path.exists():
+        raise FledgeError(f"{path}: no such file (a tokenized JSONL from `fledge prep --tokenizer`)")
+    if path.is_dir():
+        raise FledgeError(f"{path}: is a directory; give its tokenized JSONL (e.g. train.tok.jsonl)")
+
+
+def _records(path):
+    """(lineno, record) of a tokenized JSONL, with the ways reading it can fail as one line."""
+    _check_input(path)
+    try:
+        yield from read_jsonl(path)
+    except UnicodeDecodeError:
+        raise FledgeError(f"{path}: not UTF-8 text; not a tokenized JSONL") from None
+    except RecursionError:
+        raise FledgeError(f"{path}: JSON nested too deeply; not a tokenized JSONL") from None
+
+
+def count_masked_tokens(dataset_path, target_vocab: int, empty: list | None = None) -> torch.Tensor:
+    """Counts [target_vocab] of the tokens at loss_mask 1 in a tokenized training set.
+    `empty`, when given, collects the line numbers of samples with no trained token."""
     counts = torch.zeros(target_vocab, dtype=torch.int64)
     pending = []
 
@@ -43,8 +77,10 @@ def count_masked_tokens(dataset_path, target_vocab: int) -> torch.Tensor:
         counts.add_(torch.bincount(toks, minlength=target_vocab))
         pending.clear()
 
-    for _, rec in tqdm(read_jsonl(dataset_path), desc=f"count {Path(dataset_path).name}", unit="sample"):
-        pending.append(_masked_tokens(rec, dataset_path))
+    for lineno, rec in tqdm(_records(dataset_path), desc=f"count {Path(dataset_path).name}", unit="sample"):
+        pending.append(_masked_tokens(rec, dataset_path, lineno))
+        if empty is not None and not pending[-1].numel():
+            empty.append(lineno)
         if len(pending) == 1024:  # one bincount per batch: per-record ones cost a vocab-sized add each
             flush()
     if pending:
@@ -90,8 +126,8 @@ def coverage(target_ids, dataset_path) -> float:
     inside = torch.zeros(int(ids.max()) + 1, dtype=torch.bool)
     inside[ids] = True
     hit = total = 0
-    for _, rec in read_jsonl(dataset_path):
-        toks = _masked_tokens(rec, dataset_path)
+    for lineno, rec in _records(dataset_path):
+        toks = _masked_tokens(rec, dataset_path, lineno)
         total += toks.numel()
         toks = toks[(toks >= 0) & (toks < inside.numel())]
         hit += int(inside[toks].sum())
@@ -126,7 +162,10 @@ def save_vocab(path, target_ids: torch.Tensor, target_vocab: int, stats: dict) -
 def _weights_file(ckpt_dir: Path) -> Path:
     index = ckpt_dir / "model.safetensors.index.json"
     if index.exists():
-        shard = json.loads(index.read_text()).get("weight_map", {}).get("d2t")
+        try:
+            shard = json.loads(index.read_text()).get("weight_map", {}).get("d2t")
+        except (ValueError, AttributeError):
+            raise FledgeError(f"{index}: not a safetensors index (JSON with a weight_map)") from None
         if shard is None:
             raise FledgeError(f"{index}: no d2t tensor in the checkpoint")
         from fledge.checkpoint import shard_path  # the one reader's check: no shard outside the dir
@@ -173,18 +212,53 @@ def _print_rows(rows) -> None:
     print_table([[k, v if not isinstance(v, float) else f"{v:.4f}"] for k, v in rows])
 
 
+def _check_outputs(args) -> None:
+    out = Path(args.out)
+    for path in (out, out.with_suffix(".json")):
+        if path.is_dir():
+            raise FledgeError(f"-o {args.out}: {path} is a directory; give a .safetensors file name")
+        check_no_overlap(path, {"dataset": args.dataset, "--heldout": args.heldout})
+
+
+def unseen_warning(unseen: int, size: int, distinct: int) -> str | None:
+    """The line that says a vocab is padded with ids the data never trained."""
+    if not unseen:
+        return None
+    return (f"{unseen} of the {size} vocab slots hold ids never seen in the data (it has {distinct} distinct "
+            f"trained tokens): they can never be drafted right; more data or --size {distinct} loses nothing")
+
+
 def run_build(args) -> int:
+    _check_input(args.dataset)
+    if args.heldout:
+        _check_input(args.heldout)
+    _check_outputs(args)
     target_vocab = _target_vocab(args)
-    counts = count_masked_tokens(args.dataset, target_vocab)
-    ids = top_target_ids(counts, args.size)
+    empty: list[int] = []
+    counts = count_masked_tokens(args.dataset, target_vocab, empty)
     total = int(counts.sum())
+    if total == 0:
+        raise FledgeError(f"{args.dataset}: no sample has a trained token (every loss_mask is 0); "
+                          f"nothing to build a vocab from")
+    if empty:
+        print(f"warning: {args.dataset}: {len(empty)} samples have no trained token (first at line "
+              f"{empty[0]}); they add nothing", file=sys.stderr)
+    ids = top_target_ids(counts, args.size)
+    distinct, unseen = int((counts > 0).sum()), int((counts[ids] == 0).sum())
     stats = {"dataset": str(args.dataset), "target_vocab": target_vocab, "draft_vocab_size": args.size,
-             "masked_tokens": total, "distinct_tokens": int((counts > 0).sum()),
-             "unseen_in_vocab": int((counts[ids] == 0).sum()), "min_count_in_vocab": int(counts[ids].min()),
+             "masked_tokens": total, "distinct_tokens": distinct, "samples_without_trained_token": len(empty),
+             "unseen_in_vocab": unseen, "min_count_in_vocab": int(counts[ids].min()),
              "train_coverage": int(counts[ids].sum()) / max(total, 1)}
+    warning = unseen_warning(unseen, args.size, distinct)
+    if warning:
+        stats["warning"] = warning
+        print(f"warning: {warning}", file=sys.stderr)
     if args.heldout:
         stats["heldout_coverage"] = coverage(ids, args.heldout)
-    save_vocab(args.out, ids, target_vocab, stats)
+    try:
+        save_vocab(args.out, ids, target_vocab, stats)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e}; a previous vocab there is left as it was", str(args.out)) from None
     _print_rows(stats.items())
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")
     return 0
@@ -210,16 +284,16 @@ def add_cli(sub) -> None:
     b = vs.add_parser("build", help="top-N loss-masked target tokens of a tokenized training set")
     b.add_argument("dataset", help="tokenized training set JSONL (input_ids, loss_mask)")
     b.add_argument("--size", type=int, required=True, help="draft vocab size N")
-    b.add_argument("--target-vocab", type=int, help="target vocab size")
+    b.add_argument("--target-vocab", type=int, help="target vocab size (default: read from --target's config)")
     b.add_argument("--target", help="target spec (HF dir, GGUF, built-in name): vocab_size from its config")
-    b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on")
+    b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on (default: none)")
     b.add_argument("-o", "--out", required=True, help="output .safetensors ({d2t, t2d}); stats go to .json")
     b.set_defaults(func=run_build)
     c = vs.add_parser("coverage", help="share of a tokenized set's trained tokens inside a draft vocab")
     c.add_argument("vocab", help="vocab .safetensors or drafter checkpoint dir")
-    c.add_argument("dataset")
+    c.add_argument("dataset", help="tokenized JSONL (input_ids, loss_mask) whose trained tokens are counted")
     c.set_defaults(func=run_coverage)
     d = vs.add_parser("diff", help="compare two draft vocabs (vocab files or drafter checkpoint dirs)")
-    d.add_argument("a")
-    d.add_argument("b")
+    d.add_argument("a", help="first vocab: a .safetensors with d2t (and t2d), or a drafter checkpoint dir")
+    d.add_argument("b", help="second vocab, the same kinds; entries are compared position by position")
     d.set_defaults(func=run_diff)

@@ -66,9 +66,10 @@ def healthy(url: str) -> bool:
 
 
 def start(target: Path, name: str, port: int = 0, max_model_len: int = 1024, dtype: str = "float32",
-          log: Path | None = None, timeout: float = 300.0, venv: Path | None = None) -> Server:
+          log: Path | None = None, timeout: float = 300.0, venv: Path | None = None, extra: tuple = ()) -> Server:
     """Start the server and wait (at most `timeout` s) until it answers /health.
-    `log` receives vLLM's output (None: this terminal)."""
+    `log` receives vLLM's output (None: this terminal); `extra`: more vLLM arguments
+    (e.g. --speculative-config JSON)."""
     venv = venv or venv_dir()
     env = venv_env(venv)
     port = port or free_port()
@@ -77,7 +78,7 @@ def start(target: Path, name: str, port: int = 0, max_model_len: int = 1024, dty
     cmd = [str(venv / "bin" / "python"), "-W", "ignore::DeprecationWarning", "-m",
            "vllm.entrypoints.openai.api_server", "--model", str(target), "--served-model-name", name,
            "--host", HOST, "--port", str(port), "--max-model-len", str(max_model_len), "--dtype", dtype,
-           "--enforce-eager", "--seed", "0"]
+           "--enforce-eager", "--seed", "0", *extra]
     out = open(log, "ab") if log else None
     t0 = time.monotonic()
     try:

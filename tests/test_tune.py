@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from fledge.cli import main
 from fledge.tune import (Profile, Shape, Timings, build_tree, chain_accept_length, expected_accept_length, grid,
-                         parse_ms_table, predict, rank_all, simulate_accept_length)
+                         parse_ms_table, predict, rank_all, report, simulate_accept_length, stops_paying, sweep, verdict)
 from fledge.util import FledgeError
 
 
@@ -126,9 +127,10 @@ def test_kimi_k25_what_if_says_speculation_loses(tmp_path):
     assert at_theirs["tok_s"] == pytest.approx(1e3 * L / iter_ms)
     assert at_theirs["tok_s"] < 1e3 / ar_ms  # ~61 < 86: speculation loses on their hardware
     assert at_theirs["break_even_accept_length"] == pytest.approx(iter_ms / ar_ms)  # ~2.97: needs 3+
-    assert data["verdict"] == "LOSES" and data["best"]["tok_s"] < 1e3 / ar_ms
+    assert not data["pays"] and data["best"]["tok_s"] < 1e3 / ar_ms
+    assert data["verdict"].startswith("VERDICT: serve without speculation")
     assert data["gain_percent"] == pytest.approx(100 * (data["best"]["tok_s"] * ar_ms / 1e3 - 1))
-    assert all(p["topk"] == 1 for p in data["predictions"])  # a chain-only profile says nothing of trees
+    assert any(p["topk"] > 1 for p in data["predictions"])  # an accept length alone ranks trees too
 
 
 def test_predictions_rank_and_flags():
@@ -160,3 +162,116 @@ def test_bad_input(capsys):
     assert rc == 2 and "--verify-ms" in err and len(err.splitlines()) == 1
     rc = main(["tune", "--what-if", "--ar-ms", "10", "--verify-ms", "1:10", "--draft-ms", "1", "--accept-length", "9"])
     assert rc == 2 and "--accept-length" in capsys.readouterr().err
+
+
+def test_verdict_needs_a_margin_and_flags_only_when_it_pays(tmp_path):
+    """A 3% gain on these timings is inside the 5% margin: serve without speculation, no flags;
+    the same timings with --margin 0 speculate and print the flags."""
+    prof = Profile.chain([0.5] * 3)
+    L = chain_accept_length([0.5])  # the 1-step chain: 1.5
+    ar = 10.0
+    verify = L * ar / 1.03 - 0.5  # the 1-step chain gains exactly 3%
+    t = Timings(ar, {1: ar, 2: verify, 3: 10 * ar}, {1: 0.5})
+    preds = rank_all(prof, t, grid(3, (1,)))
+    assert preds[0].shape == Shape(1, 1, 2) and preds[0].speedup == pytest.approx(1.03)
+    text, data = report(preds, t, "d", margin=0.05)
+    assert "serve without speculation" in text and "inside the 5% margin" in text and "SGLang:" not in text
+    assert not data["pays"]
+    text, data = report(preds, t, "d", margin=0.0)
+    assert data["pays"] and "VERDICT: speculate with s1 k1 n2" in text and "--speculative-num-steps 1" in text
+
+
+def test_what_would_have_to_change_is_the_break_even_point():
+    """Plugging the printed verify bound (or accept length) back in gives exactly 1 + margin."""
+    prof = Profile.geometric(2.1, 3)
+    t = Timings(1000 / 86, {1: 11.6, 4: 30.0, 8: 34.0}, {1: 1.5}, 0.4)
+    preds = rank_all(prof, t, grid(4, (1,)))
+    ref = predict(prof, t, Shape(3, 1, 4))
+    v = verdict(preds, t, 0.1, ref)
+    x = float(v.change.split("verify <= ")[1].split(" ms")[0])
+    y = float(v.change.split("accept length >= ")[1].split(" ")[0])
+    faster = Timings(t.ar_ms, {**t.verify_ms, 4: x}, t.draft_ms, t.overhead_ms)
+    assert predict(prof, faster, ref.shape).speedup == pytest.approx(1.1, abs=2e-3)  # printed to 0.01 ms
+    assert y * t.ar_ms / ref.iter_ms == pytest.approx(1.1, abs=2e-3)
+
+
+def test_accept_length_fit_at_the_shape_it_was_measured_at():
+    for L, shape in [(2.1, Shape(3, 4, 16)), (3.2, Shape(5, 4, 16)), (1.8, Shape(3, 1, 4))]:
+        prof = Profile.fit(L, shape)
+        assert expected_accept_length(prof, shape) == pytest.approx(L, abs=1e-6)
+        assert prof.width > 1  # trees can be ranked from it
+        row = prof.ranks[0]
+        assert all(a > b for a, b in zip(row, row[1:])) and sum(row) <= 1
+    with pytest.raises(FledgeError, match="--accept-shape"):
+        Profile.fit(4.5, Shape(3, 4, 16))  # more than a 3-step tree can accept
+
+
+def test_draft_ms_is_predicted_when_absent(tmp_path, capsys):
+    argv = ["tune", "--what-if", "--ar-ms", "6", "--verify-ms", "1:6,8:6.5", "--accept-length", "2.5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--draft-ms" in err and "--model" in err and len(err.strip().splitlines()) == 1
+    out = tmp_path / "w.json"
+    fixture = str(Path(__file__).parent / "fixtures" / "tune" / "llama31_8b_config.json")
+    assert main([*argv, "--model", fixture, "--gpu", "h100", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["timings"]["draft_ms"]) == {"1", "2", "4", "8"} and 0 < data["timings"]["draft_ms"]["1"] < 6
+    assert any("draft step predicted" in n for n in data["notes"])
+
+
+def test_concurrency_sweep_against_ranking_each_level():
+    prof = Profile.fit(2.5, Shape(3, 1, 4))
+    shapes = grid(4, (1, 2))
+
+    def at(c):  # verify grows with the rows a batch adds: speculation pays less as c grows
+        return Timings(10 + 0.02 * c, {1: 10 + 0.02 * c, 8: 10 + 0.5 * c, 64: 10 + 4 * c}, {1: 0.4, 2: 0.45}, 0.3, c)
+
+    rows = sweep(prof, at, shapes, [1, 4, 16, 64, 256], 0.05)
+    for r in rows:
+        best = rank_all(prof, at(r["concurrency"]), shapes)[0]
+        assert r["speedup"] == pytest.approx(best.speedup) and r["label"] == best.shape.label
+        assert r["pays"] == (best.speedup > 1.05)
+    assert rows[0]["pays"] and not rows[-1]["pays"]
+    assert stops_paying(rows) == next(r["concurrency"] for r in rows if not r["pays"])
+
+
+def test_hardware_model_cli_writes_table_json_png(tmp_path):
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    fixture = str(Path(__file__).parent / "fixtures" / "tune" / "llama31_8b_config.json")
+    assert main(["tune", "--model", fixture, "--gpu", "h200", "--accept-length", "3.0", "--accept-shape", "3,1,4",
+                 "--concurrency", "1,8,64", "--json", str(out), "--png", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["concurrency"] for r in data["concurrency"]] == [1, 8, 64]
+    assert data["breakdown"]["ar"]["memory_ms"] > data["breakdown"]["ar"]["compute_ms"]  # batch 1 is memory-bound
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_import_cycle_between_bench_and_tune():
+    """bench, calibrate and the hardware model sit below tune: none of them imports it."""
+    import ast
+
+    import fledge
+
+    root = Path(fledge.__file__).parent
+    for name in ("bench.py", "calibrate.py", "hwmodel.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "fledge.tune" not in imported, name
+
+
+@pytest.mark.slow  # the real target and drafter on the CPU: about a minute on a loaded 2-core machine
+def test_measured_tune_validates_on_the_shipped_engine_path(tmp_path):
+    """The command that checks the model against the engine on a GPU, at CPU sizes: it predicts,
+    then runs the shapes asked for through the same path (fused rounds) and reports both."""
+    out = tmp_path / "v.json"
+    drafter = str(Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m")
+    rc = main(["tune", "--target", "smollm2-135m", "--drafter", drafter, "--device", "cpu", "--num-prompts", "1",
+               "--max-new-tokens", "12", "--max-steps", "3", "--probe-topk", "2", "--validate",
+               "--shapes", "1,1,2;3,2,6", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = data["validation"]
+    assert [(r["num_steps"], r["topk"], r["num_draft_tokens"]) for r in rows] == [(1, 1, 2), (3, 2, 6)]
+    assert all(r["tok_s_measured"] > 0 and r["accept_measured"] >= 1 for r in rows)
+    assert "fused greedy rounds" in data["notes"][0]

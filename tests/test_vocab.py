@@ -118,3 +118,34 @@ def test_cli_build_coverage_and_diff_against_a_checkpoint(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert any(line.split()[:2] == ["overlap", "15"] for line in printed.splitlines())
     assert cli.main(["vocab", "coverage", str(ckpt), str(tmp_path / "held.jsonl")]) == 0
+
+
+def test_build_warns_when_slots_hold_unseen_ids(tmp_path, capsys):
+    rng = random.Random(3)
+    recs = write_dataset(tmp_path / "t.jsonl", rng, 97, n=10)
+    distinct = len(masked_counter(recs))
+    out = tmp_path / "v.safetensors"
+    assert cli.main(["vocab", "build", str(tmp_path / "t.jsonl"), "--size", "90", "--target-vocab", "97",
+                     "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    stats = json.loads(out.with_suffix(".json").read_text())
+    unseen = 90 - distinct
+    assert stats["unseen_in_vocab"] == unseen and stats["distinct_tokens"] == distinct
+    assert f"{unseen} of the 90 vocab slots hold ids never seen" in stats["warning"]
+    assert err.count(f"warning: {unseen} of the 90 vocab slots") == 1
+    assert cli.main(["vocab", "build", str(tmp_path / "t.jsonl"), "--size", str(distinct), "--target-vocab", "97",
+                     "-o", str(out)]) == 0
+    assert "warning" not in json.loads(out.with_suffix(".json").read_text())
+    assert "never seen" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere.safetensors", "absolute"])
+def test_index_shard_outside_the_checkpoint_is_refused(tmp_path, shard):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"d2t": torch.zeros(4, dtype=torch.int64), "t2d": torch.ones(4, dtype=torch.bool)},
+              str(tmp_path / "elsewhere.safetensors"))
+    shard = str(tmp_path / "elsewhere.safetensors") if shard == "absolute" else shard
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"d2t": shard}}))
+    with pytest.raises(FledgeError, match="is not a file name inside|leads outside"):
+        load_vocab_ids(ckpt)

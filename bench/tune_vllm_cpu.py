@@ -1,0 +1,147 @@
+"""`fledge tune calibrate` against real vLLM (CPU build): SmolLM2-135M and the shipped drafter.
+
+    python bench/tune_vllm_cpu.py [--ks 1,2,3,4,5] [--calibrate-ks 1,5] [--levels 1,2] [--max-new-tokens 48]
+
+Starts vLLM without speculation and with an EAGLE-3 chain of each k, one server at a time
+(scripts/vllm_serve.py, 127.0.0.1 only). Calibrates the hardware model on the plain server and
+the --calibrate-ks chains (`fledge tune calibrate --merge`, server by server), then predicts every
+k's tok/s per request at concurrency 1 from that profile and the acceptance of the longest
+calibrating chain, and compares with what vLLM serves at each k (the same client, measured
+after the calibration). Prints a table and writes bench/results/tune_vllm_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fledge import hwmodel
+from fledge.bench import ServerBench, bench_server
+from fledge.calibrate import PROMPTS, parse_levels
+from fledge.cli import main as fledge
+from fledge.target import resolve_target
+from fledge.tune import Profile, Shape, Timings, predict, profile_from_json
+from fledge.util import atomic_write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTER = ROOT / "drafters" / "smollm2-135m"
+
+
+def serve_module():
+    spec = importlib.util.spec_from_file_location("vllm_serve", ROOT / "scripts" / "vllm_serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# Run-to-run spread of one server's tok/s on this 2-core CPU (the same k measured twice has
+# differed by up to ~15%): orders between settings closer than this are not measured facts.
+NOISE = 0.15
+
+
+def misranked(rows: list[dict], noise: float) -> list[tuple[int, int]]:
+    """Pairs of k (faster measured first) that vLLM separates by more than `noise` but the
+    prediction orders the other way: the ranking errors that are not measurement noise."""
+    bad = []
+    for a in rows:
+        for b in rows:
+            if a["tok_s_measured"] > (1 + noise) * b["tok_s_measured"] and a["tok_s_predicted"] <= b["tok_s_predicted"]:
+                bad.append((a["k"], b["k"]))
+    return bad
+
+
+def spec_args(k: int) -> tuple:
+    return ("--speculative-config", json.dumps({"method": "eagle3", "model": str(DRAFTER), "num_speculative_tokens": k}))
+
+
+def run(ks: list[int], calibrate_ks: list[int], levels: str, max_new_tokens: int, requests: int, out_dir: Path) -> dict:
+    """vLLM's logs and the calibrated profile go to `out_dir`."""
+    serve, target = serve_module(), resolve_target("smollm2-135m")
+    profile_path = out_dir / "tune_vllm_cpu_profile.json"
+    measured, starts = {}, {}
+
+    def tok_s(url: str) -> float:
+        cfg = ServerBench(url + "/v1", PROMPTS, None, max_new_tokens, (1,), requests, 600.0, 300.0, ignore_eos=True)
+        return bench_server(cfg)[0]["per_request_tok_s"]
+
+    def calibrate(url: str) -> None:
+        merge = ["--merge", str(profile_path)] if profile_path.exists() else []
+        rc = fledge(["tune", "calibrate", "--url", url + "/v1", *merge, "--model", str(target), "--drafter", str(DRAFTER),
+                     "--gpu", "cpu", "--dtype", "float32", "--no-cuda-graphs", "--context", "128", "--levels", levels,
+                     "--requests", str(requests), "--max-new-tokens", str(max_new_tokens), "--out", str(profile_path)])
+        if rc:
+            raise SystemExit(rc)
+
+    # One server at a time (a vLLM start is the expensive part): the plain one and each
+    # calibrating chain feed one profile (--merge); the other chains are only measured.
+    for k in [0, *calibrate_ks, *[k for k in ks if k not in calibrate_ks]]:
+        t0 = time.monotonic()
+        server = serve.start(target, "smollm2-135m", log=out_dir / f"vllm_k{k}.log", timeout=900,
+                             extra=spec_args(k) if k else ())
+        starts[k] = round(time.monotonic() - t0, 1)
+        try:
+            if k == 0 or k in calibrate_ks:
+                calibrate(server.url)
+            measured[k] = tok_s(server.url)
+        finally:
+            server.stop()
+
+    prof = json.loads(profile_path.read_text())
+    tgt, drf = hwmodel.load_specs(str(target), str(DRAFTER), "float32", None, None)
+    hw = hwmodel.hardware("cpu", 1, "nvlink", cuda_graphs=False, **prof["hardware"]["overrides"])
+    st = hwmodel.step_times(tgt, drf, hw, 1, 128, verify_sizes=tuple(k + 1 for k in ks), topks=(1,))
+    t = Timings(st.ar_ms, st.verify_ms, st.draft_ms, st.overhead_ms)
+    acceptance: Profile = profile_from_json(profile_path)
+    rows = []
+    for k in ks:
+        p = predict(acceptance, t, Shape(k, 1, k + 1))
+        rows.append({"k": k, "accept_predicted": p.accept_length, "tok_s_predicted": p.tok_s, "tok_s_measured": measured[k],
+                     "error_percent": 100 * (p.tok_s / measured[k] - 1)})
+    ranked = [{"k": 0, "tok_s_predicted": 1e3 / t.ar_ms, "tok_s_measured": measured[0]}, *rows]
+    rank_pred = [r["k"] for r in sorted(ranked, key=lambda r: -r["tok_s_predicted"])]
+    rank_meas = [r["k"] for r in sorted(ranked, key=lambda r: -r["tok_s_measured"])]
+    return {"machine": "this CPU (vLLM CPU build, float32, --enforce-eager)", "target": "smollm2-135m",
+            "drafter": str(DRAFTER.relative_to(ROOT)), "max_new_tokens": max_new_tokens, "requests": requests,
+            "calibrate_levels": levels, "calibrate_ks": calibrate_ks, "plain_tok_s_measured": measured[0],
+            "plain_tok_s_predicted": 1e3 / t.ar_ms, "server_start_s": starts, "rows": rows,
+            "ranking_predicted": rank_pred, "ranking_measured": rank_meas, "ranking_same": rank_pred == rank_meas,
+            "ranking_noise": NOISE, "misranked_beyond_noise": misranked(ranked, NOISE),
+            "profile_fit": prof["fit"]["mean_abs_error_percent"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ks", default="1,2,3,4,5")
+    ap.add_argument("--calibrate-ks", default="1,5", help="chains the calibration measures (with the plain server)")
+    ap.add_argument("--levels", default="1,2", help="concurrency levels the calibration measures")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tune_vllm_cpu.json")
+    args = ap.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tune_vllm_cpu."))
+    report = run(parse_levels(args.ks, "--ks"), parse_levels(args.calibrate_ks, "--calibrate-ks"), args.levels, args.max_new_tokens, args.requests, work)
+    report["profile"] = json.loads((work / "tune_vllm_cpu_profile.json").read_text())
+    print(f"vLLM logs in {work}")
+    print(f"plain decoding: measured {report['plain_tok_s_measured']:.1f} tok/s, calibrated model "
+          f"{report['plain_tok_s_predicted']:.1f}")
+    print(f"{'k':>3}{'accept':>8}{'predicted':>11}{'measured':>10}{'error':>8}")
+    for r in report["rows"]:
+        print(f"{r['k']:>3}{r['accept_predicted']:>8.2f}{r['tok_s_predicted']:>11.1f}{r['tok_s_measured']:>10.1f}"
+              f"{r['error_percent']:>+7.1f}%")
+    print(f"ranking of k: predicted {report['ranking_predicted']}, measured {report['ranking_measured']}"
+          f" ({'same' if report['ranking_same'] else 'differs'}; k = 0 is plain decoding); pairs measured more than"
+          f" {100 * NOISE:.0f}% apart but predicted in the other order: {report['misranked_beyond_noise'] or 'none'}")
+    atomic_write_json(args.out, report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

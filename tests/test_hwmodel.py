@@ -1,0 +1,162 @@
+"""The hardware model: byte and FLOP counts against HF models' own parameters (dense, MLA + MoE),
+the expert union against a simulation of uniform routing, and public figures it must predict
+from the configs and the GPU table alone (fixtures under tests/fixtures/tune, each with its
+source): Kimi-K2.5 on 8 x RTX PRO 6000 over PCIe, and SpecForge's SpecBundle table."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import make_tiny
+from fledge import hwmodel as H
+from fledge.cli import main
+from fledge.tune import Timings
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tune"
+UNIT = H.Hardware(H.Gpu(1.0, {"fp32": 1.0}), bw_efficiency=1.0, flops_efficiency=1.0)  # 1 GB/s, 1 TFLOP/s
+
+
+def _linear_params(hf) -> list[tuple[str, int]]:
+    """Every weight a forward reads from memory, by HF's own parameter list (embedding rows and
+    norms left out, as the model does)."""
+    skip = ("embed_tokens", "norm", "e_score_correction_bias")
+    return [(n, p.numel()) for n, p in hf.named_parameters() if not any(s in n for s in skip)]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_bytes_and_flops_match_hf_parameters(family):
+    hf = make_tiny(family)
+    m = H.spec_from_config(hf.config.to_dict(), "tiny", dtype="fp32")
+    params = _linear_params(hf)
+    total = sum(n for _, n in params)
+    # Enough rows that every expert is touched: the forward reads every weight once.
+    assert H.forward(m, UNIT, 10 ** 6, 1, 0).memory_ms * 1e6 == pytest.approx(4 * total)
+    # One token: 2 FLOPs per weight it multiplies with; routed experts only the k it picks.
+    per_expert = sum(n for name, n in params if ".experts." in name) / max(m.moe_layers * m.experts, 1)
+    active = total - m.moe_layers * (m.experts - m.active) * per_expert
+    assert H.forward(m, UNIT, 1, 1, 0).compute_ms * 1e9 == pytest.approx(2 * active)
+    if family == "deepseek_v3":
+        assert m.mla and m.experts == 8 and m.dense_layers == 1 and m.moe_layers == 7
+
+
+def test_drafter_bytes_match_fledge_drafter(tmp_path):
+    from fledge.checkpoint import export_checkpoint
+    from fledge.config import DraftConfig
+    from fledge.draft import Eagle3Draft
+
+    hf = make_tiny("llama")
+    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config, draft_vocab_size=97), hf)
+    out = export_checkpoint(draft, tmp_path / "d", layout="eagle3")
+    m = H.spec_from_config(json.loads((out / "config.json").read_text()), "draft", dtype="fp32")
+    want = sum(p.numel() for n, p in draft.named_parameters()
+               if n.startswith(("midlayer.self_attn", "midlayer.mlp", "lm_head")))
+    assert m.draft and m.vocab == 97
+    assert H.forward(m, UNIT, 1, 1, 0).memory_ms * 1e6 == pytest.approx(4 * want)
+
+
+def test_expert_union_matches_uniform_routing_simulation():
+    rng = random.Random()
+    for experts, k, rows in [(384, 8, 16), (384, 8, 128), (8, 2, 3), (64, 6, 40)]:
+        trials = [len(set().union(*(rng.sample(range(experts), k) for _ in range(rows)))) for _ in range(3000)]
+        mean = sum(trials) / len(trials)
+        sd = (sum((x - mean) ** 2 for x in trials) / (len(trials) - 1)) ** 0.5
+        assert abs(mean - H.distinct_experts(experts, k, rows)) < 5 * sd / len(trials) ** 0.5 + 1e-9
+
+
+def test_roofline_and_all_reduces():
+    cfg = json.loads((FIXTURES / "kimi_k25_config.json").read_text())
+    kimi = H.spec_from_config(cfg, "kimi")
+    assert kimi.quant == "int4" and kimi.mla == (1536, 512, 128, 64, 128) and kimi.vocab == 163840
+    # Latency-bound link: exactly two all-reduces per layer (122 for 61 layers, as logged).
+    hw = H.hardware("rtx-pro-6000", 8, "pcie", bus_gbs=1e12)
+    assert H.forward(kimi, hw, 1, 1, 0).comm_ms == pytest.approx(122 * 45e-3, rel=1e-6)
+    # Memory-bound at one row: twice the bandwidth halves the memory term, not the rest.
+    fast = H.hardware("rtx-pro-6000", 8, "pcie", hbm_gbs=2 * 1792)
+    a, b = H.forward(kimi, hw, 1, 1, 512), H.forward(kimi, fast, 1, 1, 512)
+    assert b.memory_ms == pytest.approx(a.memory_ms / 2) and b.launch_ms == a.launch_ms
+    # CUDA graphs off costs launches only.
+    eager = H.hardware("rtx-pro-6000", 8, "pcie", cuda_graphs=False)
+    assert H.forward(kimi, eager, 1, 1, 0).launch_ms > H.forward(kimi, hw, 1, 1, 0).launch_ms
+
+
+def kimi_times():
+    cfg = json.loads((FIXTURES / "kimi_k25_config.json").read_text())
+    kimi = H.spec_from_config(cfg, "kimi")
+    return H.step_times(kimi, H.default_drafter(kimi), H.hardware("rtx-pro-6000", 8, "pcie"), 1, 2048)
+
+
+def test_kimi_k25_on_8_rtx_pro_6000_pcie(tmp_path):
+    """DESIGN.md: no-spec 82-90 tok/s, a 16-token verify ~30 ms, accept ~2.1 at steps 3 / topk 4 /
+    16 draft tokens, and speculation lost. From the config and the table alone."""
+    st = kimi_times()
+    ar_tok_s = 1e3 / st.ar_ms
+    assert 82 * 0.85 <= ar_tok_s <= 90 * 1.15, ar_tok_s
+    assert st.verify_ms[16] == pytest.approx(30, rel=0.2)  # "near": within 20%
+    assert st.verify_ms[16] > 2 * st.ar_ms  # the expert union: a wide verify costs several AR steps
+    out = tmp_path / "kimi.json"
+    rc = main(["tune", "--model", str(FIXTURES / "kimi_k25_config.json"), "--gpu", "rtx-pro-6000", "--tp", "8",
+               "--interconnect", "pcie", "--accept-length", "2.1", "--accept-shape", "3,4,16", "--json", str(out)])
+    assert rc == 0
+    ref = json.loads(out.read_text())["reference"]
+    assert (ref["num_steps"], ref["topk"], ref["num_draft_tokens"]) == (3, 4, 16)
+    assert ref["accept_length"] == pytest.approx(2.1, abs=1e-6) and ref["speedup"] < 1  # loses at their shape
+
+
+def specbundle_predictions(gpu: str = "h200"):
+    """Each SpecBundle row's speed-up against plain decoding, predicted with the row's own accept
+    length. The table does not record its hardware: H200 is assumed, Llama-3.1-8B on one GPU,
+    Llama-3.3-70B on four over NVLink (the fewest H200s that hold it with room for KV); the
+    drafters are the default EAGLE-3 layer with a 32,000-token draft vocabulary, as theirs."""
+    rows = json.loads((FIXTURES / "specbundle_llama.json").read_text())["rows"]
+    out = []
+    for model, cfg_file, tp in [("Llama-3.1-8B-Instruct", "llama31_8b_config.json", 1),
+                                ("Llama-3.3-70B-Instruct", "llama33_70b_config.json", 4)]:
+        m = H.spec_from_config(json.loads((FIXTURES / cfg_file).read_text()), cfg_file)
+        mine = [r for r in rows if r["model"] == model]
+        st = H.step_times(m, H.default_drafter(m), H.hardware(gpu, tp, "nvlink"), mine[0]["batch_size"], 1024)
+        t = Timings(st.ar_ms, st.verify_ms, st.draft_ms, st.overhead_ms, mine[0]["batch_size"])
+        for r in mine:
+            it = r["steps"] * t.draft(1) + t.verify(r["num_draft_tokens"]) + t.overhead_ms
+            out.append({**r, "predicted": r["accept_length"] * t.ar_ms / it, "measured": r["tok_s"] / r["baseline_tok_s"]})
+    return out
+
+
+def _check_rows(rows):
+    errors = [abs(r["predicted"] / r["measured"] - 1) for r in rows]
+    pairs = {}
+    for r in rows:
+        pairs.setdefault((r["benchmark"], r["drafter"]), {})[r["steps"]] = r
+    wrong = []
+    for key, p in pairs.items():
+        if len(p) == 2 and abs(p[3]["measured"] / p[7]["measured"] - 1) > 0.05:  # ties inside the margin: no winner
+            if (p[3]["predicted"] > p[7]["predicted"]) != (p[3]["measured"] > p[7]["measured"]):
+                wrong.append(key)
+    return max(errors), wrong
+
+
+def test_specbundle_llama31_8b_batch1():
+    worst, wrong = _check_rows([r for r in specbundle_predictions() if r["model"].startswith("Llama-3.1")])
+    assert worst <= 0.15 and not wrong, (worst, wrong)
+
+
+@pytest.mark.xfail(strict=True, reason="the model predicts Llama-3.3-70B at batch 8 up to 20% too fast (its rounds cost "
+                   "more than it counts); kept at the same +-15% so a fix shows as XPASS")
+def test_specbundle_llama33_70b_batch8():
+    worst, wrong = _check_rows([r for r in specbundle_predictions() if r["model"].startswith("Llama-3.3")])
+    assert worst <= 0.15 and not wrong, (worst, wrong)
+
+
+def test_bad_configs_and_names(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
+    for argv, word in [(["--model", str(cfg), "--gpu", "h100"], "num_hidden_layers"),
+                       (["--model", str(FIXTURES / "llama31_8b_config.json"), "--gpu", "h900"], "--gpu"),
+                       (["--model", str(FIXTURES / "llama31_8b_config.json")], "--gpu"),
+                       (["--model", str(tmp_path / "nope.json"), "--gpu", "h100"], "--model")]:
+        rc = main(["tune", *argv, "--accept-length", "2"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and word in err and len(err.splitlines()) == 1, err
