@@ -21,9 +21,7 @@ checked against sdpa_bias.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +29,7 @@ import torch.nn.functional as F
 from fledge.engine.attention import Prefix, prefix_attention
 from fledge.engine.tree import ancestors
 from fledge.util import atomic_write_json
+from machine import machine_name, result_path
 from profile_decode import graph_ms
 
 BLOCK = 128
@@ -117,7 +116,7 @@ def main(argv=None) -> int:
                          "mean_len": float(lengths.float().mean())})
             print(f"{B:>5} {S:>5} {T:>4} {name:>10} {us:>9.1f} {gbs:>7.0f} {err:>8.4f}")
     device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    out = args.out or Path(__file__).parent / "results" / f"attn_decode_{re.sub(r'[^a-z0-9]+', '_', device.lower())}.json"
+    out = args.out or result_path("attn_decode", machine_name(dev))
     atomic_write_json(out, {"device": device, "torch": torch.__version__,
                             "heads": [H, KV, D], "rows": rows})
     print(f"wrote {out}")

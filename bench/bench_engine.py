@@ -7,20 +7,18 @@ engine AR, oracle chain (the engine's ceiling), n-gram, EAGLE-3 chain 7 and one 
 (with --drafter). --compile compiles the engine's layer functions for every engine row, the AR
 baseline included, and the drafter; it adds AR rows uncompiled, and compiled but attending
 through SDPA over attention spans instead of the prefix kernel (variants, not baselines: what
-each part buys; the matmul and mem-efficient SDPA variants of session 4 lost, see NOTES.md). Ratios are against engine AR from the
+each part buys; docs/performance.md says which other variants lost). Ratios are against engine AR from the
 same run — HF rows against engine AR on the same prompts (--hf-prompts runs HF on fewer); `match_ar` counts prompts
 whose output equals engine AR's token for token (exact in fp32; in bf16 a verify over many
 tokens rounds differently from a 1-token step, so near-ties may flip). Prints a table and
-writes bench/results/engine_<device>.json.
+writes bench/results/engine_<machine>.json (engine_<machine>_fp32.json in fp32).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -36,6 +34,7 @@ from fledge.engine.spec import generate_spec, oracle_text
 from fledge.engine.stats import SpecStats
 from fledge.target import load_target
 from fledge.util import FledgeError, atomic_write_json
+from machine import machine_name, result_path
 
 
 def sync(device):
@@ -74,8 +73,8 @@ def oracle_runner(target, eos, graphs: bool, spec, resident=None):
     """The oracle drafts the greedy text the verify step itself computes (spec.oracle_text:
     untimed passes, each fed the last one's output, from AR's), then one timed pass proposes
     it. An oracle fed AR's text drafts wrong for the rest of a request after a near-tie that a
-    verify and a one-row step round apart in bf16 (accept length 1.3 at H200 bf16, session 5);
-    one refining pass left 6.74 on all 80 prompts in session 12. In fp32 the text is AR's."""
+    verify and a one-row step round apart in bf16 (accept length 1.3 on an H200 in bf16); one
+    refining pass still left 6.74 on 80 MT-Bench prompts there. In fp32 the text is AR's."""
     device = next(target.parameters()).device
 
     def run(prompt, params, ar):
@@ -119,7 +118,7 @@ def bench(args) -> dict:
     graphs = not args.no_cuda_graph
 
     # Run order = the order below: the baseline and the drafters first, then the references and
-    # the AR variants, so that a run cut short (a device call's limit) loses the least.
+    # the AR variants, so that a run cut short (a time limit, a kill) loses the least.
     configs, hf_names = {}, set()
     if args.drafter:
         fast = args.fast_topk
@@ -156,7 +155,7 @@ def bench(args) -> dict:
     if args.compile:  # the same engine without torch.compile, to show what compiling buys
         plain = build_engine_target(t.model, dtype, device)
         configs["engine AR (not compiled)"] = ar_runner(plain, eos, graphs, resident(plain))
-        # and compiled, but with decode attention through SDPA over spans (session 4's engine)
+        # and compiled, but with decode attention through SDPA over spans (no prefix kernel)
         spans = build_engine_target(t.model, dtype, device, fns=compiled(prefix_kernel=False))
         configs["engine AR (SDPA over spans)"] = ar_runner(spans, eos, graphs, resident(spans))
         if args.gemv_rows:  # and with every matmul through cuBLAS
@@ -171,8 +170,7 @@ def bench(args) -> dict:
         configs = {n: run for n, run in configs.items() if n == "engine AR" or n in want}
         hf_names &= set(configs)
     n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
-    name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
-    header = {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
+    header = {"device": machine_name(device), "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
               "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
               "few_rows": args.few_rows, "resident_prefill": res is not None, "hf_prompts": n_hf if hf_names else 0,
               "prompts": len(prompts), "only": args.only,
@@ -206,7 +204,7 @@ def bench(args) -> dict:
                                           "verify_ms_per_step", "other_ms_per_step", "depth_acceptance", "histogram")})
         results[name] = row
         with_ratios(results, per_prompt, n_hf, hf_names)
-        if args.out:  # so far, in case the run is cut off (a device call's time limit): kept until the final write
+        if args.out:  # so far, in case the run is cut off (a time limit, a kill): kept until the final write
             atomic_write_json(args.out, {**header, "partial": True, "results": results})
     return {**header, "results": results}
 
@@ -267,7 +265,7 @@ def main(argv=None) -> int:
                    help="torch.compile the engine's layer functions and the drafter's halves; adds an uncompiled AR row")
     p.add_argument("--device")
     p.add_argument("--dtype")
-    p.add_argument("--out", help="JSON path (default bench/results/engine_<device>.json)")
+    p.add_argument("--out", help="JSON path (default bench/results/engine_<machine>[_fp32].json)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_prompts, args.repeats = min(args.num_prompts, 10), 1
@@ -277,7 +275,9 @@ def main(argv=None) -> int:
         print(f"bench_engine: error: {e}", file=sys.stderr)
         return 2
     print_table(report)
-    out = args.out or Path(__file__).parent / "results" / f"engine_{report['device']}.json"
+    # fp32 on a GPU is the exactness bench, kept beside the bf16 speed bench.
+    fp32_gpu = report["dtype"] == "float32" and report["device"] != "cpu"
+    out = args.out or result_path("engine", report["device"], "fp32" if fp32_gpu else "")
     atomic_write_json(out, report)
     print(f"wrote {out}")
     return 0

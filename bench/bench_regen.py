@@ -18,10 +18,8 @@ need not agree exactly, so it is shown, not required. Prints a table; writes JSO
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -32,6 +30,7 @@ from fledge.engine.model import build_engine_target
 from fledge.engine.stream import generate_stream
 from fledge.target import load_target
 from fledge.util import FledgeError, atomic_write_json
+from machine import machine_name, result_path
 
 
 def now(device) -> float:
@@ -117,7 +116,7 @@ def bench(args) -> dict:
                 row["stream_vs_hf"] = row["engine_stream"]["tok_s"] / row["hf"]["tok_s"]
             row["same_rows"] = sum(x == y for x, y in zip(rows, hf_rows))
         results.append(row)
-    name = "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower())
+    name = machine_name(device)
     return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."),
             "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "greedy": True,
             "hf": "generate, eager, dynamic cache, left padding", "engine": f"generate_ar, right padding, length-sorted row groups of {ROW_GROUP}, CUDA graph per span tuple",
@@ -153,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=2048, help="prompt + answer must fit (as fledge regen's --max-len)")
     p.add_argument("--device")
     p.add_argument("--dtype")
-    p.add_argument("--out", help="JSON path (default bench/results/regen_<device>.json)")
+    p.add_argument("--out", help="JSON path (default bench/results/regen_<machine>.json)")
     args = p.parse_args(argv)
     try:
         report = bench(args)
@@ -161,7 +160,7 @@ def main(argv=None) -> int:
         print(f"bench_regen: error: {e}", file=sys.stderr)
         return 2
     print_table(report)
-    out = args.out or Path(__file__).parent / "results" / f"regen_{report['device']}.json"
+    out = args.out or result_path("regen", report["device"])
     atomic_write_json(out, report)
     print(f"wrote {out}")
     return 0

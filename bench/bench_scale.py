@@ -1,9 +1,9 @@
 """Training scale-out: per-GPU throughput and loss agreement of DDP / FSDP2 runs against one GPU.
 
-    python bench/bench_scale.py RUN_1GPU RUN_DDP RUN_FSDP --ranks N [--out scale.json --png scale.png]
+    python bench/bench_scale.py RUN_1GPU RUN_DDP RUN_FSDP --ranks N [--png scale.png]
 
 Each RUN is a `fledge train --out` directory of the same data, steps and GLOBAL batch
-(scripts/gpu_headline.sh scale makes them). Throughput is the mean of the runs' logged
+(`fledge train` with `torchrun --nproc-per-node N ... --parallel ddp` and `fsdp` makes them). Throughput is the mean of the runs' logged
 `target_tok_s` (target tokens of the global batch per second, all ranks together), leaving out
 the first --skip windows (CUDA/NCCL start-up, allocator warm-up). Scaling efficiency =
 (tok/s on N GPUs / N) / (tok/s on 1 GPU). Loss agreement: the largest relative difference of
@@ -18,7 +18,10 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
 from fledge.util import FledgeError, atomic_write_json, read_jsonl, save_figure
+from machine import machine_name, result_path
 
 
 def load_run(path: Path) -> list[dict]:
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("runs", nargs="+", type=Path, help="the 1-GPU run first, then the multi-GPU runs")
     p.add_argument("--ranks", type=int, required=True, help="GPUs of every run after the first")
     p.add_argument("--skip", type=int, default=2, help="first log windows left out of the throughput")
-    p.add_argument("--out")
+    p.add_argument("--out", help="JSON path (default bench/results/scale_<machine>x<ranks>.json)")
     p.add_argument("--png")
     args = p.parse_args(argv)
     try:
@@ -80,8 +83,10 @@ def main(argv=None) -> int:
         diff = "-" if r["max_rel_loss_diff_vs_1gpu"] is None else f"{100 * r['max_rel_loss_diff_vs_1gpu']:.2f}%"
         print(f"{name:>8} {r['ranks']:>4} {r['tok_s']:>10.0f} {r['tok_s_per_gpu']:>10.0f} "
               f"{100 * r['scaling_efficiency']:>9.1f}% {diff:>13}")
-    if args.out:
-        atomic_write_json(args.out, {"skip_windows": args.skip, "runs": summary})
+    # The runs were made on this machine's GPUs, where this script runs after them.
+    out = args.out or result_path("scale", machine_name("cuda" if torch.cuda.is_available() else "cpu", args.ranks))
+    atomic_write_json(out, {"skip_windows": args.skip, "runs": summary})
+    print(f"wrote {out}")
     if args.png:
         plot(runs, summary, args.png)
     return 0

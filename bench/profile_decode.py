@@ -5,16 +5,14 @@ sum is what launching and gaps cost.
 
     python bench/profile_decode.py --shapes 1x512,256x512,256x2048 [--compile]
 
-Prints a table per shape and writes JSON (default bench/results/profile_decode_<device>.json).
+Prints a table per shape and writes JSON (default bench/results/profile_decode_<machine>.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,6 +22,7 @@ from fledge.engine.generate import capture_cuda_graph, decode_logits, decode_spa
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.target import load_target
 from fledge.util import FledgeError, atomic_write_json
+from machine import machine_name, result_path
 
 
 def decode_step(model, batch: int, span: int):
@@ -105,7 +104,7 @@ def main(argv=None) -> int:
     except (FledgeError, ValueError) as e:
         print(f"profile_decode: error: {e}", file=sys.stderr)
         return 2
-    report = {"device": re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower()),
+    report = {"device": machine_name(dev),
               "target": "smollm2-135m shapes, random weights" if args.random else args.target,
               "dtype": args.dtype, "compiled_layers": args.compile, "compile_mode": args.mode,
               "prefix_kernel": getattr(model, "prefix_kernel", False), "gemv_rows": args.gemv_rows, "shapes": []}
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
                   f"{row['kernel_ms_per_step']:.3f} ms in {row['launches_per_step']} launches (eager profile)")
             for name, n, us in row["kernels"][:args.top]:
                 print(f"  {us:9.1f} us {n:5d}x  {name[:90]}")
-    out = args.out or Path(__file__).parent / "results" / f"profile_decode_{report['device']}.json"
+    out = args.out or result_path("profile_decode", report["device"])
     atomic_write_json(out, report)
     print(f"wrote {out}")
     return 0

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -30,6 +28,7 @@ from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.engine.resident import Resident
 from fledge.engine.spec import RoundState, fused_round, generate_spec, oracle_text, verify_forward
 from fledge.util import atomic_write_json
+from machine import machine_name, result_path
 from profile_decode import kernels_us
 from random_target import smollm2_random
 
@@ -63,8 +62,8 @@ def prefill_profile(target, prompt, aux_ids, iters: int = 5) -> dict:
     (engine.resident; with and without aux states); then the eager one under torch.profiler:
     the GPU time of its kernels and the host ops that took the most time themselves. Kernels
     far below the wall time mean host work (dispatch, guards, allocation).
-    The profiler goes last: in session 8's first probe an eager prefill timed after it took
-    25.9 ms against 12.0 before (bench/results/profile_round_session8a_nvidia_h200.json)."""
+    The profiler goes last: on an H200 an eager prefill timed after it took 25.9 ms against
+    12.0 ms timed before it."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = next(target.parameters()).device
@@ -245,7 +244,7 @@ def main(argv=None) -> int:
         for compiled, fresh in variants:
             drafter = Eagle3Drafter(draft, spec, target, compile=compiled, fast_topk=args.fast_topk)
             generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=16), [])  # compile, capture
-            if fresh:  # new cache buffers for the request, as before session 4: do guards fail on them?
+            if fresh:  # new cache buffers for the request, as without a resident cache: do guards fail on them?
                 drafter.kv = None
             _, fused = generate_spec(target, drafter, prompt, params, [])
             generate_spec(target, drafter, prompt, SamplingParams(max_new_tokens=16), [], phased=True)
@@ -281,8 +280,7 @@ def main(argv=None) -> int:
                 generate_spec(target, drafter, q, short, [])[1].prefill_ms for q in new)
         print("mean prefill ms per request at new prompt lengths", lens, {k: round(v, 1) for k, v in fresh_prompts.items()
                                                                          if k != "lengths"})
-    name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(dev).lower()) if dev.type == "cuda" else "cpu"
-    out = args.out or Path(__file__).parent / "results" / f"profile_round_{name}.json"
+    out = args.out or result_path("profile_round", machine_name(dev))
     atomic_write_json(out, {"device": name, "target": "smollm2-135m shapes, random weights", "dtype": str(dt).removeprefix("torch."),
                             "compiled_layers": args.compile, "compile_mode": args.mode,
                             "prefix_kernel": getattr(target, "prefix_kernel", False), "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,

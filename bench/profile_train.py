@@ -7,11 +7,11 @@ weights and random tokens, so no download is needed (kernel times depend on shap
 Prints and writes: the step's wall time split into features / TTT forward+backward / optimizer
 (synchronised, medians), target tokens per second, and the GPU kernels of two steps (after three
 more warm-up steps, `profile_decode.kernels_us`) grouped as
-attention, matmul, softmax and the rest, with the top kernels by time. Before the session-9 run
-nothing measured this split; the training-time test attends over every earlier step's keys
-through a dense mask (`train.ttt_mask`), which this shows the price of. `--compare` first runs
-the step as it was in session 9 (the head's draft columns gathered from the full logits, the soft
-CE eager), on the same model and inputs, so the two are measured in one call.
+attention, matmul, softmax and the rest, with the top kernels by time. The training-time test
+attends over every earlier step's keys through a dense mask (`train.ttt_mask`), which this shows
+the price of. `--compare` first runs a reference step (the head's draft columns gathered from the
+full logits, the soft CE eager: the step before those two optimisations), on the same model and
+inputs, so the two are measured in one call.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from fledge.draft import Eagle3Draft
 from fledge.features import TargetHead, aux_layer_ids_for, feature_model, online_features
 from fledge.train import TTT
 from fledge.util import atomic_write_json
+from machine import machine_name, result_path
 
 # Kernel name fragments, tried in this order (memory-efficient attention kernels are named
 # fmha_cutlass*, so attention is tried before matmul).
@@ -44,7 +45,7 @@ def category(kernel: str) -> str:
 
 
 def gathered_view(head: TargetHead, hidden):
-    """TargetHead.view as it was before session 10: the draft vocab's columns gathered out of the
+    """TargetHead.view without the gathered draft rows: the draft vocab's columns gathered out of the
     full logits, then cast and softmaxed (the reference `--compare` times against)."""
     logits = F.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
     return logits[..., head.draft_ids].float().softmax(-1), head.to_draft[logits.argmax(-1)]
@@ -53,7 +54,7 @@ def gathered_view(head: TargetHead, hidden):
 def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps: int = 8, warmup: int = 3,
             top: int = 12, seed: int = 0, compiled_loss: bool | None = None, before: bool = False) -> dict:
     """Time `steps` training steps after `warmup`, then profile two (kernels on CUDA only).
-    `before`: the session-9 step (gathered head columns, eager loss) whatever `compiled_loss` says."""
+    `before`: the reference step (gathered head columns, eager loss) whatever `compiled_loss` says."""
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -100,7 +101,7 @@ def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps
     feats, fwd_bwd, optim = (statistics.median(x) for x in zip(*times))
     total = statistics.median(sum(t) for t in times)
     compiled = not before and (cuda if compiled_loss is None else compiled_loss)
-    out = {"variant": "session 9 (gathered head, eager loss)" if before else
+    out = {"variant": "reference (gathered head, eager loss)" if before else
            f"now (draft-vocab head rows, {'compiled' if compiled else 'eager'} loss)",
            "first_loss": losses[0], "batch": batch, "seq": seq, "ttt_steps": ttt_steps, "draft_vocab": draft_vocab,
            "steps": steps,
@@ -134,12 +135,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--random", action="store_true", help="SmolLM2-135M's shapes, random weights (bench/random_target.py)")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seq", type=int, default=512, help="tokens a sequence (the session-9 data: 524 on average)")
+    p.add_argument("--seq", type=int, default=512, help="tokens a sequence (the shipped drafter's data: 524 on average)")
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, default=16384)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--compare", action="store_true", help="also the session-9 step first, same model and inputs")
+    p.add_argument("--compare", action="store_true", help="also the reference step first, same model and inputs")
     p.add_argument("--out")
     args = p.parse_args(argv)
     if not args.random:
@@ -152,8 +153,9 @@ def main(argv=None) -> int:
     variants.append(profile(model, args.batch, args.seq, args.ttt_steps, args.draft_vocab, args.steps))
     for r in variants:
         print_report(r)
-    if args.out:
-        atomic_write_json(args.out, {"variants": variants})
+    out = args.out or result_path("profile_train", machine_name(dev))
+    atomic_write_json(out, {"variants": variants})
+    print(f"wrote {out}")
     return 0
 
 

@@ -27,6 +27,7 @@ from fledge.engine.spec import generate_spec
 from fledge.features import TargetHead, feature_model, online_features
 from fledge.train import TTT, replay_counts, summarize
 from fledge.util import FledgeError, atomic_write_json
+from machine import machine_name, result_path
 
 
 def main(argv=None) -> int:
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=7, help="the chain's num_steps (= TTT steps evaluated)")
     p.add_argument("--device")
     p.add_argument("--dtype")
-    p.add_argument("--out", default="bench/results/replay_check_cpu.json")
+    p.add_argument("--out", help="JSON path (default bench/results/replay_check_<machine>.json)")
     a = p.parse_args(argv)
     try:
         rig = load_rig(a.target, a.drafter, a.device, a.dtype)
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
               "definitions": "accept lengths with the bonus token (SGLang's). engine: generate_spec's rounds; "
                              "replay: conventions.chain_replay over TTT's hit map of the engine's AR text; "
                              "simulated: train.summarize, 1 + sum_j prod_{i<=j} acc_i"}
+    a.out = a.out or result_path("replay_check", machine_name(rig.device))
     atomic_write_json(a.out, result)
     print(f"{'prompts':>8} {'engine':>8} {'replay':>8} {'simulated':>10}  (chain {a.steps}, accept length with bonus)")
     print(f"{len(prompts):>8} {result['engine_accept_len']:>8.3f} {result['replay_accept_len']:>8.3f} "

@@ -54,6 +54,10 @@ DATASETS = {
                        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
 }
 
+# A conversation whose `source` ends in this goes to `fledge tokenize`'s held-out set
+# (e.g. `sharegpt-heldout`; regen keeps `source`).
+HELDOUT_SUFFIX = "-heldout"
+
 # Checkpoint layouts `fledge export` writes: SGLang/vLLM's eagle3, and vLLM's speculators.
 LAYOUTS = ("eagle3", "speculators")
 

@@ -21,7 +21,7 @@ import os
 import sys
 
 from fledge.cli_args import (add_adapt, add_bench, add_checkpoint, add_demo, add_doctor, add_features, add_generate,
-                              add_prep, add_regen, add_target, add_train, add_tune, add_vocab)
+                              add_prep, add_regen, add_target, add_tokenize, add_train, add_tune, add_vocab)
 from fledge.util import FledgeError
 
 
@@ -30,6 +30,7 @@ COMMANDS = [
     add_target,
     add_prep,
     add_regen,
+    add_tokenize,
     add_vocab,
     add_features,
     add_train,

@@ -11,8 +11,9 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import os
 
-from fledge.catalog import BUILTINS, DATASETS, FLOAT_DTYPES, FORMATS, LAYOUTS, SHORT_DTYPES
+from fledge.catalog import BUILTINS, DATASETS, FLOAT_DTYPES, FORMATS, HELDOUT_SUFFIX, LAYOUTS, SHORT_DTYPES
 from fledge.config import ADAPT_TRAIN_OPTIONS, PARALLEL, TRAIN_OPTIONS, TrainConfig
 
 
@@ -100,6 +101,20 @@ def add_regen(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
     p.set_defaults(func=handler("fledge.regen:run_regen"))
+
+
+def add_tokenize(sub) -> None:
+    p = sub.add_parser("tokenize", help="conversations (from regen) → train/held-out samples with loss masks")
+    p.add_argument("conversations", nargs="+", help="conversations JSONL or .jsonl.gz (sources ending in "
+                   f"{HELDOUT_SUFFIX!r} go to the held-out set)")
+    p.add_argument("-o", "--out", required=True, help="output dir: train.tok.jsonl, heldout.tok.jsonl, summary.json")
+    p.add_argument("--tokenizer", default="smollm2-135m", help="HF dir, .gguf file or target name (default smollm2-135m)")
+    p.add_argument("--heldout", action="append", default=[], metavar="FILE",
+                   help="conversations that all go to the held-out set (repeatable)")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: one per CPU)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=handler("fledge.tokenize:run_tokenize"))
 
 
 def add_vocab(sub) -> None:

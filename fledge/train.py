@@ -92,8 +92,9 @@ def soft_ce(logits, probs, top, rows):
 # fp32 logits and their log-softmax, each as wide as the draft vocab, and read them back for the
 # product and again in the backward: two thirds of a step's kernel time went to such elementwise
 # and indexing kernels (127 of 196 ms on an H200: SmolLM2-135M, batch 64 x 512 tokens, 7 TTT
-# steps, a 16,384-token draft vocab). Compiled, the gather and the product fold into the
-# reductions. Row counts vary by batch and step: dynamic shapes.
+# steps, a 16,384-token draft vocab; bench/results/profile_train_h200.json). Compiled, the
+# gather and the product fold into the reductions. Row counts vary by batch and step: dynamic
+# shapes.
 soft_ce_compiled = torch.compile(soft_ce, dynamic=True)
 
 

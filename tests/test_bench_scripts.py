@@ -66,7 +66,7 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path, monkeypatch):
     AR's (resident rows and the eager-prefill rows alike), the oracle accepts every draft (17
     tokens = the prefill's + two full rounds of 8), and every engine row reports its
     per-request time before the first step. The JSON written after each row (what a run cut
-    by a device call's limit leaves) already says what ran where, with ratios."""
+    short by a time limit leaves) already says what ran where, with ratios."""
     import bench_engine
     out = tmp_path / "engine.json"
     writes = []
@@ -98,8 +98,8 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path, monkeypatch):
 
 def test_engine_bench_only_rows_and_a_tree_wider_than_the_default_room(tmp_path, capsys):
     """--only keeps the named rows beside the engine AR baseline; a name that is no row is one
-    clear error naming the rows. A 200-token tree fits the resident cache (session 12's first
-    run of a 256-token tree stopped at 'cache of 512 slots < ... + 256')."""
+    clear error naming the rows. A 200-token tree fits the resident cache (a 256-token tree
+    once stopped at 'cache of 512 slots < ... + 256')."""
     import bench_engine
     drafter = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m"
     common = ["--drafter", str(drafter), "--tree", "3,60,200", "--num-prompts", "1", "--max-new-tokens", "6",
@@ -118,7 +118,7 @@ def test_engine_bench_only_rows_and_a_tree_wider_than_the_default_room(tmp_path,
 
 
 def test_profile_round_checks_and_prefill_profile_on_a_tiny_target():
-    """profile_round's GPU-lease helpers, run here on a tiny target: few_rows_check finds the
+    """profile_round's GPU helpers, run here on a tiny target: few_rows_check finds the
     few-rows path (interpreted) equal to the plain one in fp32, prefill_profile reports a wall
     time (eager and resident) and the host ops that took it, and round_gap times replays."""
     import torch
@@ -156,10 +156,10 @@ def test_profile_train_splits_a_step_on_a_tiny_target():
     assert 0.5 * r["step_ms"] <= parts <= 2 * r["step_ms"]
     assert r["target_tok_s"] == pytest.approx(2 * 24 / r["step_ms"] * 1e3)
     assert "kernel_ms" not in r  # kernels are profiled on CUDA only
-    # --compare's reference (session 9's step) starts from the same loss on the same inputs
+    # --compare's reference step starts from the same loss on the same inputs
     before = profile_train.profile(make_tiny("llama"), batch=2, seq=24, ttt_steps=3, draft_vocab=64, steps=1, warmup=1,
                                    before=True)
-    assert before["variant"].startswith("session 9") and r["variant"].startswith("now")
+    assert before["variant"].startswith("reference") and r["variant"].startswith("now")
     assert before["first_loss"] == pytest.approx(r["first_loss"], rel=1e-5)
     names = {"fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention", "nvjet_tst_64x8_64x16_1x1_v_bz_TNT": "matmul",
              "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul", "cunn_SoftMaxForward<4, float>": "softmax",
@@ -182,3 +182,16 @@ def test_replay_check_walks_the_engines_rounds_on_smollm2(tmp_path):
     assert abs(r["engine_accepted"] - r["replay_accepted"]) <= 2 * 3
     assert r["engine_rounds"] >= sum(-(-(row["answer_tokens"] - 1) // 4) for row in r["rows"])  # <= 3 drafts + a bonus
     assert 1.0 <= r["replay_accept_len"] <= 4.0 and 1.0 <= r["simulated_accept_len"] <= 4.0
+
+
+def test_result_files_are_named_by_benchmark_and_machine(monkeypatch):
+    """One results file per benchmark and machine: the GPU's model without its vendor."""
+    import torch
+    from machine import RESULTS, machine_name, result_path
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert machine_name("cpu") == "cpu" and machine_name("cuda:0") == "h200" and machine_name("cuda", 2) == "h200x2"
+    assert result_path("engine", "h200", "fp32") == RESULTS / "engine_h200_fp32.json"
+    # Every kept result matches the pattern the scripts write.
+    files = list(RESULTS.iterdir())
+    assert files and all(p.suffix in (".json", ".png") and p.stem.split("_")[-1] in
+                         {"cpu", "h200", "h200x2", "fp32", "hf", "oracle"} for p in files), files

@@ -12,8 +12,8 @@ PACKAGE = Path(__file__).parent.parent / "fledge"
 LAYERS = [
     ("cli", {"fledge.cli", "fledge.cli_args"}),
     ("workflows", {"fledge.demo", "fledge.adapt", "fledge.tune", "fledge.bench", "fledge.doctor", "fledge.lint",
-                   "fledge.probe", "fledge.checks", "fledge.train", "fledge.regen", "fledge.data", "fledge.vocab",
-                   "fledge.vllm_cpu", "fledge.hwmodel", "fledge.calibrate", "fledge.engine.cli"}),
+                   "fledge.probe", "fledge.checks", "fledge.train", "fledge.regen", "fledge.data", "fledge.tokenize",
+                   "fledge.vocab", "fledge.vllm_cpu", "fledge.hwmodel", "fledge.calibrate", "fledge.engine.cli"}),
     ("engine/checkpoint/features", {"fledge.checkpoint", "fledge.features", "fledge.engine", "fledge.engine.attention",
                                     "fledge.engine.drafters", "fledge.engine.few_rows", "fledge.engine.generate",
                                     "fledge.engine.model", "fledge.engine.resident", "fledge.engine.spec",

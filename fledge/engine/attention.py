@@ -7,7 +7,7 @@ token per row) and tree verification (N new tokens). Row b's queries see the cac
 slots so that batch 1 still fills the GPU (flash-decoding), then a second kernel merges the
 splits. It also writes the step's K/V into the cache, so no scatter runs before it. Because a
 row stops at its own length, one decode graph serves every step of a run: no attention spans,
-no graph per span tuple. On the H200 (bench/results/attn_decode_nvidia_h200.json, profile_*):
+no graph per span tuple. On the H200 in bf16 (bench/attn_decode.py, bench/profile_decode.py):
 batched it reads K/V at 2.9-3.6 TB/s where SDPA's masked kernel read 1.9-2.1; at batch 1 it is
 level with cuDNN at 384 slots and faster at 1,024 (12.8 against 19.3 us a layer); a whole
 batch-1 decode step went from 1.253 to 0.937 ms. `Prefix.dense` is the same mask as a bool tensor for
@@ -141,8 +141,8 @@ if triton is not None:
         # row's length take a loop of their own that neither loads new K/V nor stores: the
         # same values into the same _online_block, without the extra loads and the branch in
         # every block of a long row. Batched decode at 1,024 rows read 249.8K tok/s before the
-        # one pass, 173.1K after it and 215.4K with this loop (random weights, H200; at 256
-        # rows 125.5K, 114.8K, 135.1K: bench/results/profile_batched*_nvidia_h200.json).
+        # one pass, 173.1K after it and 215.4K with this loop (random weights, H200, bf16; at
+        # 256 rows 125.5K, 114.8K, 135.1K; 256 new tokens, no eos).
         cached_hi = tl.minimum(hi, length)
         mid = lo + tl.maximum(cached_hi - lo, 0) // BLOCK_N * BLOCK_N
         for start in range(lo, mid, BLOCK_N):

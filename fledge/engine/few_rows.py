@@ -5,10 +5,9 @@ Eager or compiled, a layer's o_proj first copies the attention's [B, n_kv, G*T, 
 [B, T, H*D] rows for cuBLAS, then adds the result to the stream. Here one program loads a
 BLOCK_N x K slice of the weight and every row's K inputs at once (two power-of-two K tiles,
 tl.dot over 16 rows, the pads masked): one memory round trip and one kernel. On the H200, 30
-layers' weights in turn, 8 rows: 2.80 us a layer against 5.07 for the copy and cuBLAS
-(bench/results/few_rows_micro_nvidia_h200.json).
+layers' weights in turn, 8 rows: 2.80 us a layer against 5.07 for the copy and cuBLAS (bf16).
 
-The same kernel with the norm, gate/up and down matmuls fused in (session 7's first forms)
+The same kernel with the norm, gate/up and down matmuls fused in
 tied or lost against cuBLAS plus Inductor's fused norm and SiLU kernels (qkv 4.13 against
 3.17 + a norm kernel; down_proj 6.02 against 5.02), so those stay as they were.
 """
@@ -29,8 +28,8 @@ MAX_K = 2048
 def k_split(k: int) -> tuple[int, int]:
     """An input width k as a + b, powers of two from 16 with a >= b (a power of two k as two
     halves), or (0, 0). A program loads its inputs and weight slice as these two tiles at
-    once: a loop over K waits for each step's loads in turn (5.8 us a matmul on the H200 in
-    session 7's first form)."""
+    once: a loop over K waits for each step's loads in turn (5.8 us a matmul on the H200 with
+    such a loop)."""
     if k < 32 or k > MAX_K:
         return 0, 0
     a = 1 << (k.bit_length() - 1)
@@ -85,7 +84,7 @@ if triton is not None:
         tl.store(Y + rows[:, None] * N + cols[None, :], (y.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt), mask=omask)
 
 
-# The best of 9 tiles for SmolLM2's o_proj at 8 and 16 rows (few_rows_micro_nvidia_h200.json).
+# The best of 9 tiles for SmolLM2's o_proj at 8 and 16 rows (timed on the H200, bf16).
 BLOCK_N, NUM_WARPS = 16, 4
 
 

@@ -129,8 +129,8 @@ def apply_rope(x, cos, sin):
 
 
 # On the CPU, x @ w.T (F.linear) for a few rows costs up to 2.5x more than w @ x.T: MKL's GEMM
-# with the big operand transposed. SmolLM2's weights read from memory, 2 cores
-# (bench/results/chain_sweep_cpu.json, "matmul_us_by_rows"): lm_head at 5 rows 35.6 against
+# with the big operand transposed. SmolLM2's weights read from memory, on a 2-core CPU in fp32:
+# lm_head at 5 rows 35.6 against
 # 16.1 ms, at 2 rows 32.5 against 12.9 (one row: 17.7 and 14.2). So a verify step of a few tokens
 # costs about one decode step, where through F.linear it cost 1.4-1.9.
 CPU_FEW_ROWS = 64
@@ -140,8 +140,8 @@ def linear(x, w, b, gemv_rows: int = 0):
     """F.linear; or, for at most `gemv_rows` rows (batch x tokens), the same product written as
     a multiply and a sum over K. Compiled, that is one reduction kernel that streams the weight,
     with the ops around it (residual add, SiLU x up) fused in — where cuBLAS's smallest GEMM
-    took ~3.9 us per matmul at one row on the H200, 45% of a decode step
-    (bench/results/profile_decode_random_compiled_nvidia_h200.json). On the CPU, 2 to
+    took ~3.9 us per matmul at one row on the H200 in bf16, 45% of a decode step
+    (bench/profile_decode.py --random --compile). On the CPU, 2 to
     CPU_FEW_ROWS rows multiply as w @ x.T (see CPU_FEW_ROWS). Output in x's dtype, as F.linear."""
     rows = x.numel() // x.shape[-1]
     if rows <= gemv_rows:
@@ -216,8 +216,8 @@ def final_norm(x, delta, weight, eps: float):
 
 
 # cuDNN's SDPA kernel builds an execution plan for every new shape: 40-88 ms per new prompt length
-# on the H200, against 0.1-0.3 ms for the flash and mem-efficient kernels (a first form of
-# bench/sdpa_first_call.py, session 4; its output was printed, not saved).
+# on the H200, against 0.1-0.3 ms for the flash and mem-efficient kernels (timed on the first
+# call of each kernel at new lengths).
 # Attention whose shape changes with every request (a prompt's prefill, the drafter's pass over
 # it) therefore runs without it; fixed-shape steps, captured once, keep SDPA's own choice.
 ONE_OFF_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
@@ -231,7 +231,7 @@ def one_off_attention():
 def decode_attention(q, k, v, bias):
     """SDPA's math as two batched matmuls and a softmax, for decode steps of many rows: compiled,
     it read K/V at ~3.2-3.3 TB/s on the H200 at 256-1024 rows, where SDPA's masked kernel read
-    ~2.1 (bench/results/attn_decode_nvidia_h200.json). Eager it would not pay (the scores make extra passes)."""
+    ~2.1 (bench/attn_decode.py). Eager it would not pay (the scores make extra passes)."""
     s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + bias
     return s.softmax(-1).to(v.dtype) @ v
 
@@ -239,7 +239,7 @@ def decode_attention(q, k, v, bias):
 DECODE_ATTENTION_MIN_ROWS = 64  # default: a row group this large decodes through LayerFns.decode_attention
 # Compiled default: forwards of up to 4 rows (batch-1 decode) multiply as
 # reductions (`linear`). On the H200 a batch-1 decode step of SmolLM2's shapes took 0.699 ms
-# against 0.937 with cuBLAS (bench/results/profile_decode_gemv*_nvidia_h200.json).
+# against 0.937 with cuBLAS (bench/profile_decode.py --gemv-rows 4 against 0, bf16).
 GEMV_ROWS = 4
 
 
@@ -291,9 +291,8 @@ class LayerFns:
         (on a GPU, for head sizes it takes). `gemv_rows`: see `linear` (0: cuBLAS always).
         `few_rows`: forwards of more than `gemv_rows` and at most this many rows run o_proj as
         engine.few_rows' kernel (0: none; at most few_rows.MAX_ROWS). On the H200 (random weights,
-        session 8, same call) it took 0.04 ms off a verify and a round: chain 7 verify 1.006
-        against 1.047 ms, round 1.644 against 1.683 (bench/results/profile_round_nvidia_h200.json
-        against profile_round_no_few_rows_nvidia_h200.json)."""
+        bf16, both in one run of bench/profile_round.py) it took 0.04 ms off a verify and a
+        round: chain 7 verify 1.006 against 1.047 ms, round 1.644 against 1.683."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
         # back to eager after the eighth.
@@ -452,7 +451,7 @@ class Transformer(nn.Module):
         # Eager layer functions: prompt lengths vary, and a compile per length would cost more
         # than the launches it saves in a one-off forward. (Padding a batch-1 prompt to a
         # power-of-two bucket through the compiled functions saved nothing on the H200: 26.3
-        # against 26.1 ms a request, bench/results/engine_nvidia_h200_prefill_buckets.json;
+        # against 26.1 ms a request in bench/bench_engine.py;
         # the time goes to host work, not kernels.) A cuDNN plan per length would cost more
         # still when decoding follows; training's feature pass meets its few padded lengths
         # again and again, and keeps SDPA's choice.

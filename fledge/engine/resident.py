@@ -2,9 +2,9 @@
 prefill captured as a CUDA graph per prompt-length bucket.
 
 Why: an eager prefill launches ~600 kernels from Python. On the H200 a request spent 13-26 ms on
-that before its first decode step (bench/results/engine_nvidia_h200_session7.json, "prefill_ms_per_prompt"),
+that before its first decode step (bench/bench_engine.py's "prefill_ms_per_prompt", bf16),
 a sixth of an AR request and a third of an oracle one. Compiling the prefill per bucket saved
-nothing (session 7: the host work became Dynamo's); a graph replay is one call. A graph holds
+nothing (the host work became Dynamo's); a graph replay is one call. A graph holds
 its buffers' addresses, so the cache it writes must outlive the request: `Resident` owns it, and
 generate_ar / generate_spec take it (`resident=`) instead of allocating one. Every bucket is
 captured when the Resident is built, before any request's clock starts.

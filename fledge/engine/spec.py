@@ -273,7 +273,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
         verify, propose, observe = _round_functions(target, cache, drafter, device, use_cuda_graph)
     # Device drafters need nothing from the host between rounds: the host reads round i while
     # round i+1 runs. On the H200 a round otherwise waited 0.015-0.33 ms for the host, by the
-    # host's load (bench/results/profile_round*_session8*_nvidia_h200.json, "round_gap").
+    # host's load (bench/profile_round.py's "round_gap").
     ahead = Ahead(run_round, spec.path_len + 2, device) if fused and drafter.device_only else None
     gen = torch.Generator(device=device).manual_seed(params.seed)
     clock, stats = Clock(device), SpecStats(spec.num_steps, spec.num_draft_tokens, prompt_tokens=len(prompt))
@@ -302,7 +302,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
             # surely holds it (each unread round adds at most path_len slots) and the rounds
             # already queued may leave tokens to write: a round queued past max_new_tokens is
             # a whole round of device time wasted per request (1.05 ms of an oracle request's
-            # 32.7 in session 9), where waiting for the host costs ~0.03 ms once.
+            # 32.7 on the H200 in bf16), where waiting for the host costs ~0.03 ms once.
             free = size - spec.num_draft_tokens - (L + len(out) - 1)
             left = params.max_new_tokens - len(out)
             while ahead.queued() < 2 and (ahead.queued() == 0 or (free >= ahead.queued() * spec.path_len

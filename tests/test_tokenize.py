@@ -1,0 +1,103 @@
+"""`fledge tokenize` on real SmolLM2 tokenization: every conversation once, the held-out split by
+source, shards of another split never reused, the same samples as one serial build_training_set."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from fledge import tokenize as tk
+from fledge.data import build_training_set, load_tokenizer
+from fledge.util import FledgeError
+
+
+def conversations(n: int, rng: random.Random, source: str = "sharegpt", start: int = 0) -> str:
+    words = ["alpha", "beta", "gamma", "line\u2028break", "para\u2029graph", "tab\x0bhere", "x\x1cy", "€uro"]
+    rows = [{"id": f"c{i}", "source": source,
+             "messages": [{"role": "user", "content": " ".join(rng.choices(words, k=5))},
+                          {"role": "assistant", "content": " ".join(rng.choices(words, k=9))}]}
+            for i in range(start, start + n)]
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir():
+    from fledge.target import resolve_target
+    return str(resolve_target("smollm2-135m"))
+
+
+def run(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    tk.add_cli(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(["tokenize", *argv])
+    return args.func(args)
+
+
+def ids_of(path: Path) -> list[str]:
+    return sorted(json.loads(line)["id"] for line in path.read_text().splitlines())
+
+
+def test_tokenize_keeps_every_conversation_once(tmp_path, tokenizer_dir):
+    # Unicode line breaks inside JSON strings must not split records (str.splitlines would).
+    rng = random.Random()
+    conv = tmp_path / "c.jsonl"
+    conv.write_text(conversations(9, rng), encoding="utf-8")
+    out = tmp_path / "tok"
+    assert run([str(conv), "-o", str(out), "--tokenizer", tokenizer_dir, "--max-len", "256", "--workers", "2"]) == 0
+    stats = json.loads((out / "summary.json").read_text())["train"]
+    assert stats["conversations"] == 9 and ids_of(out / "train.tok.jsonl") == sorted(f"c{i}" for i in range(9))
+    assert not list(tmp_path.glob(".tok.shards"))  # the work directory goes once the output is whole
+
+
+def test_tokenize_shards_of_another_split_are_not_reused(tmp_path, tokenizer_dir):
+    rng = random.Random()
+    conv = tmp_path / "c.jsonl"
+    conv.write_text(conversations(6, rng), encoding="utf-8")
+    out = tmp_path / "tok"
+    tk.tokenize([conv], out, tokenizer_dir, 256, workers=1)
+    conv.write_text(conversations(7, rng), encoding="utf-8")  # same path, new content
+    with pytest.raises(FledgeError, match="already exists"):
+        tk.tokenize([conv], out, tokenizer_dir, 256, workers=1)
+    # A kill after the shards were written leaves them behind; a run on other input must not use them.
+    tk._plan_shards({"train": ["x\n"] * 3, "heldout": []}, tmp_path / ".tok.shards", {"other": 1}, 2)
+    tk.tokenize([conv], out, tokenizer_dir, 256, workers=1, overwrite=True)
+    assert len((out / "train.tok.jsonl").read_text().splitlines()) == 7
+
+
+def test_heldout_by_source_and_by_file_equal_a_serial_build(tmp_path, tokenizer_dir):
+    rng = random.Random(0)
+    conv = tmp_path / "regen.jsonl.gz"
+    text = conversations(5, rng) + conversations(3, rng, source="sharegpt-heldout", start=5)
+    conv.write_bytes(gzip.compress(text.encode()))
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text(conversations(2, rng, start=8), encoding="utf-8")
+    out = tmp_path / "tok"
+    summary = tk.tokenize([conv], out, tokenizer_dir, 64, workers=2, heldout=[extra])
+    assert ids_of(out / "train.tok.jsonl") == [f"c{i}" for i in range(5)]
+    assert ids_of(out / "heldout.tok.jsonl") == sorted(f"c{i}" for i in range(5, 10))
+    assert summary["heldout"]["conversations"] == 5
+    # Brute force: one build_training_set over the same conversations in one process.
+    serial_in = tmp_path / "serial.jsonl"
+    serial_in.write_text(text.split("\n", 5)[-1] + extra.read_text(), encoding="utf-8")
+    ref = build_training_set(load_tokenizer(tokenizer_dir), serial_in, tmp_path / "serial.tok.jsonl", 64)
+    got = {json.loads(x)["id"]: x for x in (out / "heldout.tok.jsonl").read_text().splitlines()}
+    want = {json.loads(x)["id"]: x for x in (tmp_path / "serial.tok.jsonl").read_text().splitlines()}
+    assert got == want
+    for k in ("samples", "tokens", "trained_tokens", "share_truncated"):
+        assert summary["heldout"][k] == ref[k], k
+
+
+def test_bad_line_names_file_and_line(tmp_path, tokenizer_dir):
+    conv = tmp_path / "c.jsonl"
+    conv.write_text(conversations(2, random.Random()) + "{not json\n", encoding="utf-8")
+    with pytest.raises(FledgeError, match=r"c\.jsonl:3: not valid JSON"):
+        tk.tokenize([conv], tmp_path / "tok", tokenizer_dir, 64)
+    assert not (tmp_path / "tok").exists()
+    with pytest.raises(FledgeError, match="the output is the input conversations"):
+        tk.tokenize([conv], conv, tokenizer_dir, 64, overwrite=True)
+    assert conv.is_file()
