@@ -3,7 +3,6 @@ source, shards of another split never reused, the same samples as one serial bui
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import random
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fledge import cli
 from fledge import tokenize as tk
 from fledge.data import build_training_set, load_tokenizer
 from fledge.util import FledgeError
@@ -32,9 +32,7 @@ def tokenizer_dir():
 
 
 def run(argv: list[str]) -> int:
-    p = argparse.ArgumentParser()
-    tk.add_cli(p.add_subparsers(dest="command", required=True))
-    args = p.parse_args(["tokenize", *argv])
+    args = cli.build_parser().parse_args(["tokenize", *argv])
     return args.func(args)
 
 
