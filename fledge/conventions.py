@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from fledge.util import FledgeError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -58,8 +59,8 @@ def aux_ids_to_sglang(ids: Sequence[int], num_layers: int) -> tuple[int, int, in
 
 
 # --------------------------------------------------------------------------- draft vocab
-# The d2t functions import torch when called: the aux-id rules above are read by
-# `fledge.config`, which the CLI's parsers use without loading torch.
+# The d2t functions import torch (or numpy) when called: the aux-id rules above are read by
+# `fledge.config`, which the CLI's parsers use without loading either.
 def d2t_from_target_ids(target_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
     """Offsets such that target = i + d2t[i] (SpecForge/SGLang/vLLM: int64 offsets).
 
@@ -78,15 +79,18 @@ def d2t_from_target_ids(target_ids: torch.Tensor, target_vocab: int) -> torch.Te
     return t - torch.arange(t.numel(), dtype=torch.int64)
 
 
-def target_ids_from_d2t(d2t: torch.Tensor, target_vocab: int) -> torch.Tensor:
-    """Draft id i → target id i + d2t[i]; refuses maps that are out of range or not one-to-one."""
-    import torch
+def target_ids_from_d2t(d2t, target_vocab: int) -> np.ndarray:
+    """Draft id i → target id i + d2t[i]; refuses maps that are out of range or not one-to-one.
 
-    d2t = torch.as_tensor(d2t).to(torch.int64).flatten()
-    t = d2t + torch.arange(d2t.numel(), dtype=torch.int64)
-    if t.numel() and (t.min() < 0 or t.max() >= target_vocab):
+    numpy in and out (a CPU torch tensor converts as it is; wrap the result in
+    `torch.from_numpy`): `fledge doctor` reads d2t without loading torch."""
+    import numpy as np
+
+    d2t = np.asarray(d2t).astype(np.int64, copy=False).ravel()
+    t = d2t + np.arange(d2t.size, dtype=np.int64)
+    if t.size and (t.min() < 0 or t.max() >= target_vocab):
         raise FledgeError(f"d2t maps draft ids to target ids outside [0, {target_vocab})")
-    if torch.unique(t).numel() != t.numel():
+    if np.unique(t).size != t.size:
         raise FledgeError("d2t maps two draft ids to one target id")
     return t
 

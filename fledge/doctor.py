@@ -4,7 +4,9 @@ Every check here exists because the failure it catches is *silent* in SGLang or 
 server starts, serves correct text, and acceptance quietly collapses (plain `EAGLE` on an
 EAGLE-3 drafter, a missing `d2t` or `hidden_norm`, a context window shorter than the
 target's). The doctor reads config.json and safetensors headers itself, tensor by tensor, so
-a broken checkpoint is reported, never raised.
+a broken checkpoint is reported, never raised. It reads weights with numpy and the layout with
+`fledge.layout`: without `--target` (a name fledge.target resolves) or `--probe` it never
+loads torch, whose start-up would cost more than every check together.
 
 Results are a list of `Check`s; `report(results)` prints them and returns the exit code
 (0 all PASS, 1 some WARN, 2 some FAIL). Any further source of checks (a live acceptance
@@ -18,15 +20,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
 from fledge.catalog import BUILTINS
-from fledge.checkpoint import aux_ids_from_serving, canonical_name, checkpoint_keys, draft_config_from_json
 from fledge.config import DraftConfig
 from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, target_ids_from_d2t, validate_aux_layer_ids
 from fledge.checks import Check, DraftFacts, draft_facts, fail, ok, report, rope_fields, warn
+from fledge.layout import aux_ids_from_serving, canonical_name, checkpoint_keys, draft_config_from_json
 from fledge.lint import launch_checks
 from fledge.util import FledgeError
 
@@ -42,17 +44,37 @@ class Weights:
     files: dict[str, Path] = field(default_factory=dict)
     shapes: dict[str, tuple] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)
-    bin_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # pytorch_model.bin, mmapped
+    bin_tensors: dict = field(default_factory=dict)  # pytorch_model.bin's torch tensors, mmapped
 
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """The tensor (or rows start:stop of it), in its stored dtype."""
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        """The tensor (or rows start:stop of it) as numpy, in its stored dtype; bfloat16, which
+        numpy lacks, widened exactly to float32."""
         if name in self.bin_tensors:
             t = self.bin_tensors[name]
-            return t if start is None else t[start:stop]
-        with safe_open(self.files[name], "pt") as f:
-            if start is None or not self.shapes[name]:
-                return f.get_tensor(name)
-            return f.get_slice(name)[start:stop]
+            t = t if start is None or not self.shapes[name] else t[start:stop]
+            return (t.float() if self.dtypes[name] == "bfloat16" else t).numpy()
+        return read_safetensor(self.files[name], name, start, stop)
+
+
+def read_safetensor(path: Path, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+    """Tensor `name` of a safetensors file (rows start:stop of it) as numpy, bfloat16 widened
+    exactly to float32: a bfloat16 is the upper half of a float32's bits. safetensors' numpy
+    reader refuses bfloat16, so those bits are read where the file's header says they lie (the
+    format: an 8-byte little-endian header length, the JSON header, then the data)."""
+    with safe_open(path, "np") as f:
+        view = f.get_slice(name)
+        shape = tuple(view.get_shape())
+        whole = start is None and stop is None or not shape
+        a, b, _ = (0, 1, 1) if not shape else slice(start, stop).indices(shape[0])  # clamped, as Python's
+        b = max(a, b)
+        if view.get_dtype() != "BF16":
+            return f.get_tensor(name) if whole else view[a:b]
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        begin = 8 + n + json.loads(fh.read(n))[name]["data_offsets"][0]
+    row = math.prod(shape[1:])
+    bits = np.fromfile(path, dtype="<u2", count=(b - a) * row, offset=begin + 2 * a * row)
+    return (bits.astype("<u4") << 16).view("<f4").reshape((b - a, *shape[1:]) if shape else ())
 
 
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -67,11 +89,13 @@ def _scan_file(path: Path, w: Weights) -> str | None:
     """Add a file's tensors to `w`; return a problem in words, or None."""
     try:
         if path.suffix == ".bin":
+            import torch  # a pickle of torch tensors: only torch reads it
+
             tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             items = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()]
             w.bin_tensors.update(tensors)
         else:
-            with safe_open(path, "pt") as f:
+            with safe_open(path, "np") as f:
                 items = [(k, tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()]
             items = [(k, shape, _ST_DTYPES.get(dt, dt.lower())) for k, shape, dt in items]
     except Exception as e:  # a truncated or foreign file: any error is the finding
@@ -357,15 +381,16 @@ def check_d2t(f: DraftFacts, w: Weights) -> Check:
         return warn("d2t", "a full-vocabulary drafter carrying d2t: vLLM registers no d2t then and refuses the key",
                      "drop d2t (the map is the identity); fledge export does")
     d2t = w.read("d2t")
-    if d2t.is_floating_point() or d2t.dim() != 1:
-        return fail("d2t", f"d2t is {d2t.dtype} with shape {list(d2t.shape)}; engines need 1-D integer offsets", fix)
-    if f.draft_vocab and d2t.numel() != f.draft_vocab:
-        return fail("d2t", f"d2t has {d2t.numel()} entries, draft_vocab_size is {f.draft_vocab}", fix)
+    if d2t.dtype.kind not in "iu" or d2t.ndim != 1:
+        return fail("d2t", f"d2t is {w.dtypes['d2t']} with shape {list(d2t.shape)}; engines need 1-D integer offsets",
+                    fix)
+    if f.draft_vocab and d2t.size != f.draft_vocab:
+        return fail("d2t", f"d2t has {d2t.size} entries, draft_vocab_size is {f.draft_vocab}", fix)
     try:
         ids = target_ids_from_d2t(d2t, f.vocab or 2**62)
     except Exception as e:
         return fail("d2t", str(e), fix)
-    return ok("d2t", f"{ids.numel()} draft ids -> distinct target ids in [{int(ids.min())}, {int(ids.max())}]")
+    return ok("d2t", f"{ids.size} draft ids -> distinct target ids in [{int(ids.min())}, {int(ids.max())}]")
 
 
 def check_t2d(f: DraftFacts, w: Weights) -> Check | None:
@@ -374,12 +399,12 @@ def check_t2d(f: DraftFacts, w: Weights) -> Check | None:
         return None
     t2d, d2t = w.read("t2d"), w.read("d2t")
     try:
-        ids = target_ids_from_d2t(d2t, t2d.numel())
+        ids = target_ids_from_d2t(d2t, t2d.size)
     except Exception:
         return warn("t2d", "cannot compare with an invalid d2t")
-    mask = t2d.bool() if t2d.dtype == torch.bool else t2d != 0
-    if (f.vocab and t2d.numel() != f.vocab) or int(mask.sum()) != ids.numel() or not bool(mask[ids].all()):
-        return warn("t2d", f"t2d ({int(mask.sum())} set of {t2d.numel()}) disagrees with d2t; engines use d2t",
+    mask = t2d.ravel() != 0
+    if (f.vocab and t2d.size != f.vocab) or int(mask.sum()) != ids.size or not bool(mask[ids].all()):
+        return warn("t2d", f"t2d ({int(mask.sum())} set of {t2d.size}) disagrees with d2t; engines use d2t",
                      "re-export so t2d is built from the same vocab")
     return ok("t2d", "consistent with d2t")
 
@@ -474,15 +499,14 @@ def scan_weights(w: Weights) -> dict[str, Stats]:
             step = max(1, _CHUNK // max(1, math.prod(shape[1:])))
             bad, lo, hi = 0, math.inf, -math.inf
             for a in range(0, rows, step):
-                x = (w.read(k, a, a + step) if shape else w.read(k)).float().flatten()
-                fin = torch.isfinite(x)
-                n_bad = x.numel() - int(fin.sum())
+                x = (w.read(k, a, a + step) if shape else w.read(k)).astype(np.float32, copy=False).ravel()
+                fin = np.isfinite(x)
+                n_bad = x.size - int(fin.sum())
                 x = x[fin] if n_bad else x
-                if x.numel():
-                    mn, mx = torch.aminmax(x)
-                    lo, hi = min(lo, float(mn)), max(hi, float(mx))
+                if x.size:
+                    lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
                 bad += n_bad
-                bar.update(fin.numel())
+                bar.update(fin.size)
             out[k] = Stats(len(shape), bad, lo, hi)
     return out
 
@@ -547,8 +571,9 @@ def check_embed(f: DraftFacts, w: Weights, t: TargetFacts | None) -> Check:
     step = max(1, _CHUNK // max(1, tw.shapes[key][1]))
     diff = norm = 0.0
     for a in range(0, rows, step):
-        x, y = w.read("embed_tokens.weight", a, a + step).float(), tw.read(key, a, a + step).float()
-        diff, norm = diff + float((x - y).pow(2).sum()), norm + float(y.pow(2).sum())
+        x = w.read("embed_tokens.weight", a, a + step).astype(np.float32, copy=False)
+        y = tw.read(key, a, a + step).astype(np.float32, copy=False)
+        diff, norm = diff + float(np.square(x - y).sum(dtype=np.float64)), norm + float(np.square(y).sum(dtype=np.float64))
     rel = math.sqrt(diff / max(norm, 1e-30))
     if rel > 1e-2:  # beyond a bf16 round trip
         return warn("embed", f"embed_tokens differs from the target's (relative L2 {rel:.3g}): vLLM uses the "
@@ -604,11 +629,11 @@ def against_check(drafter, other) -> Check:
         except Exception as e:
             return warn("against", f"{p}: invalid d2t ({e})")
     a, b = maps
-    n = min(a.numel(), b.numel())
-    differ = int((a[:n] != b[:n]).sum()) + abs(a.numel() - b.numel())
+    n = min(a.size, b.size)
+    differ = int((a[:n] != b[:n]).sum()) + abs(a.size - b.size)
     shared = len(set(a.tolist()) & set(b.tolist()))
-    why = (f"{differ:,} of {max(a.numel(), b.numel()):,} d2t entries differ; the target-id sets share {shared:,} "
-           f"({shared / max(1, a.numel()):.1%} of this drafter's {a.numel():,})")
+    why = (f"{differ:,} of {max(a.size, b.size):,} d2t entries differ; the target-id sets share {shared:,} "
+           f"({shared / max(1, a.size):.1%} of this drafter's {a.size:,})")
     if differ:
         return warn("against", why, "expected across target versions; retarget with `fledge adapt` rather than reuse")
     return ok("against", why)

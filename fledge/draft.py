@@ -1,7 +1,8 @@
 """The EAGLE-3 drafter: one Llama decoder layer over [embedding ; fused target states].
 
 Parameter names are exactly the served checkpoint's (`LlamaForCausalLMEagle3` in SGLang and
-vLLM), so `state_dict()` is the export and no key mapping exists anywhere.
+vLLM), so `state_dict()` is the export and no key mapping exists anywhere (`fledge.layout`
+lists the same names and shapes for readers that load no torch; a test holds the two equal).
 
 One draft step, for a token x_t at position t:
     h      = fc(cat[aux_low, aux_mid, aux_high])    (first step; later steps reuse the draft's own h)

@@ -191,7 +191,7 @@ def load_vocab_ids(path) -> tuple[torch.Tensor, int]:
         target_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     else:
         raise FledgeError(f"{file}: no t2d and no config.json to tell the target vocab size")
-    return target_ids_from_d2t(d2t, target_vocab), target_vocab
+    return torch.from_numpy(target_ids_from_d2t(d2t, target_vocab)), target_vocab
 
 
 def _target_vocab(args) -> int:

@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny
 from fledge import cli
-from fledge.checkpoint import (aux_ids_from_serving, checkpoint_keys, export_checkpoint, load_checkpoint,
-                               serving_aux_ids, validate_checkpoint)
+from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
 from fledge.config import DraftConfig
 from fledge.conventions import aux_ids_from_sglang, default_aux_layer_ids
 from fledge.draft import Eagle3Draft
+from fledge.layout import aux_ids_from_serving, checkpoint_keys, serving_aux_ids
 from fledge.util import FledgeError
 
 N_DRAFT = 100
@@ -60,6 +60,25 @@ def assert_same_weights(draft: Eagle3Draft, loaded: Eagle3Draft, with_embed=Fals
 
 
 # --------------------------------------------------------------------------- good paths
+@pytest.mark.parametrize("family,draft_vocab,intermediate,head_dim", [("llama", N_DRAFT, None, None),
+                                                                      ("qwen3", None, 40, 32), ("gemma3", 7, None, 8)])
+def test_checkpoint_keys_are_the_drafts_state_dict(family, draft_vocab, intermediate, head_dim):
+    """fledge.layout lists the served tensors without torch; Eagle3Draft's state dict is what
+    export writes, so the two must agree in names, order and shapes (a full vocab drops d2t)."""
+    tcfg = make_tiny(family, **({"head_dim": head_dim} if head_dim else {})).config
+    cfg = DraftConfig.from_target(tcfg, draft_vocab_size=draft_vocab, intermediate_size=intermediate)
+    assert head_dim is None or cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size
+    with torch.device("meta"):
+        sd = Eagle3Draft(cfg).state_dict()
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        del sd["d2t"]
+    keys = checkpoint_keys(cfg)
+    assert list(keys) == list(sd)
+    assert {k: shape for k, (shape, _) in keys.items()} == {k: tuple(v.shape) for k, v in sd.items()}
+    assert {k for k, (_, required) in keys.items() if not required} == {"embed_tokens.weight", "t2d"}
+    assert ("d2t" in keys) == (cfg.draft_vocab_size != cfg.vocab_size)
+
+
 def test_eagle3_layout_fields(tmp_path):
     draft, _ = tiny_draft()
     out = export_checkpoint(draft, tmp_path / "d", verifier="org/tiny")

@@ -382,3 +382,68 @@ def test_lint_and_checks_do_not_import_doctor():
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert "fledge.doctor" not in imported, name
+
+
+# ---------------------------------------------------------------- torch-free reading
+def test_numpy_reader_matches_the_torch_reader(target, tmp_path):
+    """The doctor reads weights with numpy (bf16 widened from its bits); fledge.checkpoint reads
+    them with torch. Same tensors, bit for bit, whole and by rows, in every dtype a file holds."""
+    from safetensors.torch import load_file as torch_load
+
+    from fledge.checkpoint import read_tensors
+
+    model, _ = target
+    edge = torch.tensor([[0.0, -0.0, float("inf"), float("-inf")], [float("nan"), 1e-40, -3.0e38, 1.0 + 2**-7]])
+    mixed = {"bf16": torch.cat([edge, torch.randn(6, 4)]).bfloat16(), "f16": torch.randn(5, 3).half(),
+             "f32": torch.randn(4, 2, 3), "i64": torch.arange(-3, 9), "bool": torch.rand(7) > 0.5,
+             "scalar": torch.tensor(2.5).bfloat16(), "empty": torch.zeros(0, 4).bfloat16()}
+    save_file(mixed, tmp_path / "mixed.safetensors")
+    drafters = [_export(model, tmp_path / "bf16", dtype=torch.bfloat16, with_embed=True),
+                _export(model, tmp_path / "spec", layout="speculators", verifier="org/tiny", shard_size_mb=0.01)]
+
+    def bits(t):
+        t = t.float() if t.dtype == torch.bfloat16 else t
+        return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16) if t.dtype == torch.half else t
+
+    def same(a, b, k):
+        assert a.dtype == (torch.float32 if b.dtype == torch.bfloat16 else b.dtype) and a.shape == b.shape, k
+        assert torch.equal(bits(a), bits(b)), k
+
+    ref = torch_load(tmp_path / "mixed.safetensors")
+    for k, t in ref.items():
+        same(torch.from_numpy(doctor.read_safetensor(tmp_path / "mixed.safetensors", k)), t, k)
+        for a, b in ((1, 3), (3, 10**6)) if t.dim() else ():  # rows past the end are clamped, as in Python
+            same(torch.from_numpy(doctor.read_safetensor(tmp_path / "mixed.safetensors", k, a, b)), t[a:b], k)
+    for d in drafters:
+        w = doctor.open_checkpoint(d)[0].weights
+        tensors, _ = read_tensors(d)
+        assert {doctor.canonical_name(k) for k in w.files} == set(tensors)
+        for k in w.files:
+            t = tensors[doctor.canonical_name(k)]
+            same(torch.from_numpy(w.read(k)), t, k)
+            same(torch.from_numpy(w.read(k, 2, 10**6)), t[2:], k)
+
+
+def test_doctor_without_target_loads_neither_torch_nor_transformers(target, tmp_path):
+    """`fledge doctor DRAFTER` runs in its own process and must not import torch or transformers
+    (their start-up is most of its time); its verdicts are those of the doctor run here."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, _ = target
+    drafter = _export(model, tmp_path / "d", dtype=torch.bfloat16)
+    _edit_tensors(drafter, lambda sd: sd.pop("midlayer.hidden_norm.weight"))  # a FAIL as well as PASSes
+    probe = ("import json, sys\nfrom fledge.cli import main\nrc = main(['doctor', sys.argv[1], '--json'])\n"
+             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+             "open(sys.argv[2], 'w').write(json.dumps({'rc': rc, 'heavy': heavy}))\n")
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", probe, str(drafter), str(tmp_path / "seen.json")], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["heavy"] == [], seen["heavy"][:10]
+    here = doctor.doctor(drafter)
+    assert seen["rc"] == exit_code(here) == 2
+    assert {c["name"]: c["status"] for c in json.loads(out.stdout)["checks"]} == _statuses(here)
