@@ -9,6 +9,8 @@ holds the scheme):
        (a traceback)
   2    bad input: a `FledgeError`, a missing file, a directory where a file belongs, a
        folder without write permission (one line naming the file); also argparse's usage errors
+  75   `fledge train --time-budget`: the budget ran out before the planned steps did; the
+       checkpoint is saved and the same command resumes the run (EX_TEMPFAIL: try again)
   130  interrupted (Ctrl-C / SIGTERM; `fledge train` saves its checkpoint first)
 `--debug` or FLEDGE_DEBUG=1 shows the traceback instead of the one line.
 """

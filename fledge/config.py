@@ -91,6 +91,9 @@ PARALLEL = ("ddp", "fsdp")  # how `fledge train` spreads over torchrun's ranks (
 # TrainConfig fields that `fledge train` sets with a plain `--name VALUE`: (option, type, what
 # it sets). The help adds the field's default.
 TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes over --data)"),
+                 ("time-budget", float, "wall-clock seconds for this call: the step count is planned from a "
+                                        "measured warm-up (instead of --max-steps); a run behind its plan pauses "
+                                        "at the budget (checkpoint saved, exit 75)"),
                  ("epochs", int, "passes over --data when --max-steps is unset"),
                  ("batch-size", int, "sequences per rank per micro-batch"),
                  ("grad-accum", int, "micro-batches per optimizer step"),
@@ -111,7 +114,7 @@ TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes ove
 # The ones `fledge adapt` passes through to its fine-tune: the draft's shape is OLD's, and the
 # loss and optimizer constants stay fledge train's.
 ADAPT_TRAIN_OPTIONS = tuple(o for o in TRAIN_OPTIONS if o[0] not in ("weight-decay", "clip", "step-decay",
-                                                                     "draft-intermediate-size"))
+                                                                     "draft-intermediate-size", "time-budget"))
 
 
 @dataclass
@@ -134,6 +137,7 @@ class TrainConfig:
     grad_accum: int = 1
     epochs: int = 1
     max_steps: int | None = None      # optimizer steps; None: `epochs` passes
+    time_budget: float | None = None  # seconds: the step count is planned to fit (fledge.train.budget_steps)
     lr: float = 1e-4
     warmup: float = 0.03              # share of steps with linear warm-up
     weight_decay: float = 0.0
@@ -156,6 +160,8 @@ class TrainConfig:
                   (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
+                  (self.time_budget is None or self.time_budget > 0, "time_budget must be > 0 seconds"),
+                  (not (self.time_budget and self.max_steps), "--time-budget plans the step count; drop --max-steps"),
                   (min(self.log_every, self.eval_every, self.save_every, self.epochs) >= 1, "intervals/epochs must be >= 1"),
                   (not (self.init and self.vocab), "--init brings its own vocab; drop --vocab"),
                   (not (self.init and self.draft_intermediate_size), "--init brings its own shape; drop --draft-intermediate-size"),

@@ -17,6 +17,16 @@ the same gradient: two ranks with batch b equal one rank with batch 2b.
 
 SIGINT or SIGTERM pauses a run after its current optimizer step, checkpoint saved (exit 130);
 the same command resumes it exactly, as it resumes one killed outright from its last save.
+
+`--time-budget SECONDS` plans the step count instead of `--max-steps`: a warm-up (one pass,
+then three timed forward/backward passes over training batches, and one timed eval, none of
+which changes the run) measures what a step and an eval cost, and the plan is the most steps
+that fit what is left of the budget (`budget_steps`). The LR schedule is built for that count,
+which `metrics.jsonl` records (a `plan` record) and every checkpoint keeps (`total_steps` in its
+meta.json), so a resumed run continues the same plan and never plans again (its budget is then
+only a deadline). A run still short of its plan when the budget runs out pauses as on SIGINT,
+exit 75 (EX_TEMPFAIL). The budget counts from before the target loads to the last step; the
+export after it comes on top.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import random
 import signal
 import sys
 import time
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +60,11 @@ from fledge.util import (FledgeError, atomic_dir, atomic_write_text, pick_device
                          save_figure, settle_dir, write_file)
 from fledge.vocab import load_vocab_ids
 
-# Fields that change nothing about the numbers, so a resume may differ in them.
-RESUME_FREE = {"out", "log_every", "eval_every", "save_every", "device"}
+# Fields that change nothing about the numbers, so a resume may differ in them (a resumed run
+# keeps the step count its checkpoint records, so a new time budget is only a new deadline).
+RESUME_FREE = {"out", "log_every", "eval_every", "save_every", "device", "time_budget"}
+# Exit code of a run paused by its time budget: "try again later" (BSD sysexits' EX_TEMPFAIL).
+EXIT_BUDGET = 75
 
 
 # --------------------------------------------------------------------------- the TTT forward
@@ -184,13 +198,13 @@ class Run:
     train: list[Sample]
     evals: list[Sample]
     opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
-    total_steps: int
     per_epoch: int         # optimizer steps per pass over the training set
     rank: int
     world: int
     device: torch.device
     plan: dict = dataclasses.field(default_factory=dict)  # epoch -> its global batches
+    total_steps: int = 0   # set with `sched` by `start_schedule` once the step count is known
+    sched: torch.optim.lr_scheduler.LambdaLR | None = None
 
 
 def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
@@ -247,14 +261,18 @@ def setup(cfg: TrainConfig, target) -> Run:
     if per_epoch == 0:
         raise FledgeError(f"{cfg.data}: {len(train)} training samples, fewer than one global batch "
                           f"({cfg.batch_size} x {world} ranks x {cfg.grad_accum} accumulation)")
-    total = cfg.max_steps or per_epoch * cfg.epochs
     opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    warm = max(1, int(cfg.warmup * total))
-    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))  # noqa: E731
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, cosine(s)))
     return Run(cfg, wrapped, ttt, feature_model(model), str(target.path or target.name), TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
-               store, train, evals, opt, sched, total, per_epoch, rank, world, device)
+               store, train, evals, opt, per_epoch, rank, world, device)
+
+
+def start_schedule(run: Run, total: int) -> None:
+    """Fix the run's length: linear warm-up over `--warmup` of `total` steps, then cosine decay to 0."""
+    warm = max(1, int(run.cfg.warmup * total))
+    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))  # noqa: E731
+    run.total_steps = total
+    run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lambda s: min((s + 1) / warm, cosine(s)))
 
 
 def parallelize(ttt: TTT, how: str, world: int, device) -> nn.Module:
@@ -287,6 +305,17 @@ def autocast(run: Run):
 def train_step(run: Run, step: int) -> tuple[torch.Tensor, int]:
     """One optimizer step over global batch `step`; returns the all-reduced stats [3, k] and
     the target tokens of the global batch."""
+    stats, ntok = accumulate(run, step)
+    torch.nn.utils.clip_grad_norm_([p for p in run.ttt.parameters() if p.requires_grad], run.cfg.clip)
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    return stats, ntok
+
+
+def accumulate(run: Run, step: int) -> tuple[torch.Tensor, int]:
+    """The forward and backward passes of global batch `step`, gradients summed into `.grad`;
+    returns the all-reduced stats [3, k] and the target tokens of the global batch."""
     cfg = run.cfg
     epoch, k = divmod(step, run.per_epoch)
     if epoch not in run.plan:
@@ -302,10 +331,6 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, int]:
             loss, s = run.model(ids, aux, probs, top, mask, norm)
         loss.backward()
         stats += s
-    torch.nn.utils.clip_grad_norm_([p for p in run.ttt.parameters() if p.requires_grad], cfg.clip)
-    run.opt.step()
-    run.sched.step()
-    run.opt.zero_grad(set_to_none=True)
     return all_reduce(stats), sum(len(run.train[i].input_ids) for i in batch)
 
 
@@ -366,7 +391,8 @@ def save_checkpoint(run: Run, step: int, key: dict) -> None:
                     "rng": rng}, buf)
         with atomic_dir(Path(run.cfg.out) / "checkpoint", overwrite=True) as tmp:
             write_file(tmp / "state.pt", buf.getvalue())
-            write_file(tmp / "meta.json", json.dumps({"step": step, "key": key}, indent=1).encode())
+            meta = {"step": step, "total_steps": run.total_steps, "key": key}
+            write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
     if dist.is_initialized():
         dist.barrier()
 
@@ -376,17 +402,20 @@ def _refuse_resume(ck: Path, step, why: str) -> FledgeError:
     return FledgeError(f"{ck}: cannot resume {at}: {why}; remove {ck} to start again from step 0, or use a new --out")
 
 
-def read_resume_meta(ck: Path) -> tuple[int, dict]:
-    """(step, resume key) from `<ck>/meta.json`; FledgeError if it is missing or malformed."""
+def read_resume_meta(ck: Path) -> tuple[int, dict, int | None]:
+    """(step, resume key, the run's step count) from `<ck>/meta.json`; FledgeError if it is
+    missing or malformed. The step count is None where meta.json records none."""
     try:
         meta = json.loads((ck / "meta.json").read_text())
-        step, key = meta["step"], meta["key"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        step, key, total = meta["step"], meta["key"], meta.get("total_steps")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         why = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
         raise _refuse_resume(ck, None, f"meta.json unreadable ({why})") from None
     if not (isinstance(step, int) and step >= 0 and isinstance(key, dict)):
         raise _refuse_resume(ck, None, f"meta.json holds step {step!r} and key of type {type(key).__name__}")
-    return step, key
+    if total is not None and not (isinstance(total, int) and total >= max(step, 1)):
+        raise _refuse_resume(ck, step, f"meta.json holds total_steps {total!r}")
+    return step, key, total
 
 
 def read_resume_state(ck: Path, step: int) -> dict:
@@ -407,17 +436,24 @@ def read_resume_state(ck: Path, step: int) -> dict:
     return state
 
 
-def load_checkpoint_state(run: Run, key: dict) -> int:
-    """Restore weights, optimizer, schedule and RNG from `<out>/checkpoint`; return its step
-    (0 if there is none). The data position is the step itself (see epoch_batches)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+def checkpoint_meta(run: Run, key: dict) -> tuple[int, int | None] | None:
+    """(step, the run's step count or None) of `<out>/checkpoint`, None if there is none;
+    FledgeError for a checkpoint of another config."""
     ck = settle_dir(Path(run.cfg.out) / "checkpoint")
     if not ck.exists():
-        return 0
-    step, old = read_resume_meta(ck)
+        return None
+    step, old, total = read_resume_meta(ck)
     if old != key:
         diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
         raise FledgeError(f"{ck}: checkpoint of another config ({', '.join(diff)} differ); use a new --out")
+    return step, total
+
+
+def load_checkpoint_state(run: Run, step: int) -> None:
+    """Restore weights, optimizer, schedule and RNG from `<out>/checkpoint` (at `step`, as
+    `checkpoint_meta` read it). The data position is the step itself (see epoch_batches)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    ck = Path(run.cfg.out) / "checkpoint"
     state = read_resume_state(ck, step)
     set_state_dict(run.ttt, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(full_state_dict=True))
@@ -426,7 +462,6 @@ def load_checkpoint_state(run: Run, key: dict) -> int:
     random.setstate(state["rng"]["python"])
     if state["rng"]["cuda"] is not None and run.device.type == "cuda":
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return state["step"]
 
 
 def export(run: Run) -> Path:
@@ -441,11 +476,14 @@ def export(run: Run) -> Path:
 
 
 class Paused(Exception):
-    """Training stopped by SIGINT/SIGTERM between optimizer steps, its checkpoint saved: the
-    same command resumes it exactly."""
+    """Training stopped between optimizer steps by SIGINT/SIGTERM (`exit_code` 130) or by its
+    time budget (EXIT_BUDGET), its checkpoint saved: the same command resumes it exactly."""
 
-    def __init__(self, step: int, total: int, checkpoint: Path):
-        super().__init__(f"paused at step {step} of {total}; {checkpoint} holds the run: rerun the same command to resume")
+    def __init__(self, step: int, total: int, checkpoint: Path, budget: float | None = None):
+        why = f"the time budget of {budget:g} s ran out" if budget is not None else "paused"
+        super().__init__(f"{why} at step {step} of {total}; {checkpoint} holds the run: rerun the same command to "
+                         "resume")
+        self.exit_code = 130 if budget is None else EXIT_BUDGET
 
 
 @contextlib.contextmanager
@@ -473,13 +511,77 @@ def pause_on_signal():
             signal.signal(sig, h)
 
 
-def any_rank(flag: bool, device) -> bool:
-    """Whether any rank saw the signal: ranks must stop at the same step (checkpoints are collective)."""
+def any_rank(flags: list[bool], device) -> list[bool]:
+    """Each flag: whether any rank raised it. Ranks must stop at the same step (checkpoints are
+    collective), for a signal one of them saw or a budget one of them ran out of."""
+    return [bool(x) for x in rank_max(torch.tensor([float(f) for f in flags]), device).tolist()]
+
+
+def rank_max(x: torch.Tensor, device) -> torch.Tensor:
+    """The elementwise max of `x` (a CPU tensor) over the ranks."""
     if not dist.is_initialized():
-        return flag
-    t = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+        return x
+    x = x.to(device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.cpu()
+
+
+# --------------------------------------------------------------------------- the time budget
+def planned_seconds(steps: int, step_s: float, eval_s: float, eval_every: int | None) -> float:
+    """Seconds `steps` optimizer steps take with their evals (every `eval_every` steps and at
+    the last; `eval_every` None: no eval)."""
+    return steps * step_s + (-(-steps // eval_every) * eval_s if eval_every else 0.0)
+
+
+def budget_steps(budget: float, spent: float, step_s: float, eval_s: float, eval_every: int | None) -> int:
+    """The most optimizer steps whose `planned_seconds` fit in `budget` after `spent`; FledgeError
+    if not even one does."""
+    left = budget - spent
+    most = int(left / max(step_s, 1e-9)) + 1
+    steps = bisect_right(range(most + 1), left, key=lambda n: planned_seconds(n, step_s, eval_s, eval_every)) - 1
+    if steps < 1:
+        need = spent + planned_seconds(1, step_s, eval_s, eval_every)
+        raise FledgeError(f"--time-budget {budget:g}: no optimizer step fits (setting up and measuring took "
+                          f"{spent:.1f} s, a step takes {step_s:.2g} s, an eval {eval_s:.2g} s): give at least "
+                          f"{math.ceil(need)} s")
+    return steps
+
+
+def measure(run: Run, clock) -> tuple[float, float]:
+    """(seconds per optimizer step, seconds per eval) for a time budget's plan: global batch 0's
+    forward and backward once untimed (caches, compilation), then those of batches 1-3 timed,
+    then one eval timed. Gradients are dropped and RNG states put back, so the run goes on as if
+    none of it happened; the optimizer's own step is not timed (it is small beside the passes)."""
+    rng = (torch.get_rng_state(), random.getstate(),
+           torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None)
+    times = []
+    for step in range(4):
+        t = clock()
+        accumulate(run, step % run.per_epoch)[0].cpu()  # the copy waits for the GPU
+        times.append(clock() - t)
+        run.opt.zero_grad(set_to_none=True)
+    t = clock()
+    if run.evals:
+        evaluate(run)
+    eval_s = clock() - t
+    torch.set_rng_state(rng[0])
+    random.setstate(rng[1])
+    if rng[2] is not None:
+        torch.cuda.set_rng_state_all(rng[2])
+    step_s, eval_s = rank_max(torch.tensor([sum(times[1:]) / 3, eval_s], dtype=torch.float64), run.device).tolist()
+    return step_s, eval_s
+
+
+def plan_budget(run: Run, begun: float, clock) -> dict:
+    """The `plan` record of a time-budget run: its step count and what it was planned from.
+    Every rank plans from the slowest rank's figures, so all plan the same count."""
+    step_s, eval_s = measure(run, clock)
+    spent = float(rank_max(torch.tensor([clock() - begun], dtype=torch.float64), run.device))
+    eval_every = run.cfg.eval_every if run.evals else None
+    steps = budget_steps(run.cfg.time_budget, spent, step_s, eval_s, eval_every)
+    return {"kind": "plan", "step": 0, "time_budget": run.cfg.time_budget, "total_steps": steps,
+            "seconds_per_step": step_s, "seconds_per_eval": eval_s if eval_every else None, "spent_s": spent,
+            "planned_s": spent + planned_seconds(steps, step_s, eval_s, eval_every)}
 
 
 # --------------------------------------------------------------------------- logging
@@ -532,18 +634,30 @@ def check_finite(stats: torch.Tensor, step: int, first: bool) -> None:
     raise FledgeError(f"training loss is NaN or inf at step {step}{why}")
 
 
-def train(cfg: TrainConfig, target) -> dict:
+def train(cfg: TrainConfig, target, clock=time.monotonic, begun: float | None = None) -> dict:
     """Train (resuming from `<out>/checkpoint` if present); returns the last eval record.
-    Raises `Paused` after a SIGINT/SIGTERM, the checkpoint saved at the step it stopped."""
+    Raises `Paused` after a SIGINT/SIGTERM or once `cfg.time_budget` seconds of `clock` have
+    passed since `begun` (default: the call), the checkpoint saved at the step it stopped."""
+    begun = clock() if begun is None else begun
     run = setup(cfg, target)
     out = Path(cfg.out)
     key = resume_key(run)
-    start = load_checkpoint_state(run, key)  # refuses a foreign checkpoint before anything is written
+    resumed = checkpoint_meta(run, key)  # refuses a foreign checkpoint before anything is written
+    start, total = resumed or (0, None)
+    plan = plan_budget(run, begun, clock) if resumed is None and cfg.time_budget else None
+    start_schedule(run, plan["total_steps"] if plan else total or cfg.max_steps or run.per_epoch * cfg.epochs)
+    if resumed:
+        load_checkpoint_state(run, start)
     metrics = out / "metrics.jsonl"
-    history = [r for _, r in read_jsonl(metrics, on_bad=lambda *a: None)] if start and metrics.exists() else []
-    history = [r for r in history if r["step"] <= start]  # later lines belong to the killed attempt
+    history = [r for _, r in read_jsonl(metrics, on_bad=lambda *a: None)] if resumed and metrics.exists() else []
+    # Lines past the checkpoint's step belong to the attempt that was killed.
+    history = [r for r in history if r["step"] <= start] + ([plan] if plan else [])
     if run.rank == 0:
         atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in history))
+        if plan:
+            print(f"fledge train: {plan['total_steps']} steps fit the time budget of {cfg.time_budget:g} s "
+                  f"({plan['seconds_per_step']:.3g} s a step; {plan['spent_s']:.1f} s spent setting up and "
+                  "measuring)", file=sys.stderr)
     last = {}
     t0, tokens, window = time.perf_counter(), 0, torch.zeros(3, cfg.ttt_steps)
     # The bar closes however the loop ends, so an error's one line starts a line of its own.
@@ -579,10 +693,13 @@ def train(cfg: TrainConfig, target) -> dict:
                 save_checkpoint(run, done, key)
             t0 += time.perf_counter() - paused
             bar.update(1)
-            if done < run.total_steps and any_rank(stop[0], run.device):
-                if not saved:
-                    save_checkpoint(run, done, key)
-                raise Paused(done, run.total_steps, out / "checkpoint")
+            if done < run.total_steps:
+                late = cfg.time_budget is not None and clock() - begun >= cfg.time_budget
+                signalled, late = any_rank([stop[0], late], run.device)
+                if signalled or late:
+                    if not saved:
+                        save_checkpoint(run, done, key)
+                    raise Paused(done, run.total_steps, out / "checkpoint", None if signalled else cfg.time_budget)
     path = export(run)
     if dist.is_initialized():
         dist.barrier()
@@ -593,14 +710,15 @@ def run_train(args) -> int:
     from fledge.target import load_target
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    begun = time.monotonic()  # a time budget counts the target's loading too
     try:
-        result = train(cfg, load_target(cfg.target))
+        result = train(cfg, load_target(cfg.target), begun=begun)
     except Paused as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"fledge train: {e}", file=sys.stderr)
         if dist.is_initialized():
             dist.destroy_process_group()
-        return 130
+        return e.exit_code
     if int(os.environ.get("RANK", 0)) == 0:
         if result["eval"]:
             print_table(result["eval"])

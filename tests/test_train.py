@@ -25,7 +25,8 @@ from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, TargetHead, feature_model, features_meta, load_samples, online_features,
                              write_features)
 from fledge.target import Target
-from fledge.train import TTT, TrainConfig, replay_counts, summarize, train, unroll
+from fledge.train import (EXIT_BUDGET, TTT, Paused, TrainConfig, budget_steps, planned_seconds, replay_counts,
+                          summarize, train, unroll)
 from fledge.util import FledgeError
 from fledge.vocab import save_vocab
 
@@ -363,6 +364,65 @@ def test_sigint_pauses_with_a_checkpoint_and_resumes_the_same_curve(tmp_path):
     assert rc == 130 and 3 <= step < 12
 
 
+# --------------------------------------------------------------------------- --time-budget
+def test_budget_plans_the_most_steps_that_fit():
+    """budget_steps against counting up one step at a time: steps cost step_s, an eval runs
+    every eval_every steps and after the last."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        budget, spent = float(torch.rand((), generator=g)) * 100, float(torch.rand((), generator=g)) * 10
+        step_s, eval_s = 0.05 + float(torch.rand((), generator=g)), float(torch.rand((), generator=g)) * 5
+        every = None if torch.rand((), generator=g) < 0.2 else int(torch.randint(1, 20, (), generator=g))
+        n = 0
+        while spent + (n + 1) * step_s + (-(-(n + 1) // every) * eval_s if every else 0) <= budget:
+            n += 1
+        if n == 0:
+            with pytest.raises(FledgeError, match=f"--time-budget {budget:g}: no optimizer step fits"):
+                budget_steps(budget, spent, step_s, eval_s, every)
+        else:
+            assert budget_steps(budget, spent, step_s, eval_s, every) == n
+            assert spent + planned_seconds(n, step_s, eval_s, every) <= budget
+
+
+def test_time_budget_pauses_and_resumes_to_the_planned_run(tmp_path):
+    """A budget run plans N steps from its warm-up, runs slower than planned, pauses at the
+    budget (exit 75, checkpoint saved), is resumed twice (once more under the budget, once
+    without it) and ends bit-equal to a run of --max-steps N: the warm-up changed nothing, the
+    schedule was fixed by the plan, and no resume planned again. The clock reads 1 s per
+    reading while measuring and 10 s per reading once the plan is written."""
+    write_data(tmp_path / "data.jsonl", n=48)
+    metrics = tmp_path / "budget" / "metrics.jsonl"
+
+    def clock():
+        now = [0.0]
+
+        def read():
+            now[0] += 10.0 if metrics.exists() and '"plan"' in metrics.read_text() else 1.0
+            return now[0]
+        return read
+
+    budget = config(tmp_path, "budget", max_steps=None, time_budget=24.0)
+    meta = tmp_path / "budget" / "checkpoint" / "meta.json"
+    stops = []
+    for _ in range(2):
+        with pytest.raises(Paused) as e:
+            train(budget, tiny_target(), clock=clock())
+        assert e.value.exit_code == EXIT_BUDGET == 75 and "time budget of 24 s ran out" in str(e.value)
+        stops.append(json.loads(meta.read_text()))
+    plans = [json.loads(line) for line in metrics.read_text().splitlines() if '"plan"' in line]
+    assert len(plans) == 1 and plans[0]["step"] == 0
+    n = plans[0]["total_steps"]
+    assert plans[0]["planned_s"] <= 24.0 and plans[0]["seconds_per_step"] == 1.0
+    assert [m["total_steps"] for m in stops] == [n, n] and 1 <= stops[0]["step"] < stops[1]["step"] < n
+    result = train(config(tmp_path, "budget", max_steps=None), tiny_target())  # resumed without a budget
+    assert result["steps"] == n
+    assert [json.loads(line)["kind"] for line in metrics.read_text().splitlines()].count("plan") == 1
+    train(config(tmp_path, "straight", max_steps=n), tiny_target())
+    assert curve(tmp_path / "budget") == curve(tmp_path / "straight")
+    a, b = _weights(tmp_path / "budget"), _weights(tmp_path / "straight")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_engine_features_match_hf_capture(family):
     """Training reads the target through the engine's compact model (feature_model): its aux and
@@ -437,6 +497,13 @@ def test_bad_inputs_refused(tmp_path, target_dir, capsys):
     write_features(narrow, (2, 4, 5), load_samples(data, 2048, V), tmp_path / "narrow",
                    features_meta(str(target_dir), data, 2048), "fp32")
     _cli_fails(capsys, tmp_path, target_dir, "--features", str(tmp_path / "narrow"), match="3xH=192")
+    assert not (tmp_path / "run").exists()
+    # a time budget too small for one step, and one next to --max-steps
+    assert cli_main(["train", "--data", data, "--out", str(tmp_path / "run"), "--target", str(target_dir),
+                     "--batch-size", "2", "--ttt-steps", "2", "--time-budget", "0.01"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fledge")]
+    assert len(err) == 1 and "--time-budget 0.01: no optimizer step fits" in err[0] and "give at least" in err[0], err
+    _cli_fails(capsys, tmp_path, target_dir, "--time-budget", "60", match="drop --max-steps")
     assert not (tmp_path / "run").exists()
     # nothing to train after filtering
     write_data(tmp_path / "empty.jsonl", n=8, masked=False)
