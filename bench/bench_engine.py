@@ -25,7 +25,7 @@ from tqdm import tqdm
 from transformers import StaticCache
 
 from fledge.bench import load_prompts, spec_request
-from fledge.engine.cli import eos_ids, load_drafter, pick_device, pick_dtype
+from fledge.engine.cli import eos_ids, load_drafter
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
@@ -33,7 +33,7 @@ from fledge.engine.resident import Resident
 from fledge.engine.spec import generate_spec, oracle_text
 from fledge.engine.stats import SpecStats
 from fledge.target import load_target
-from fledge.util import FledgeError, atomic_write_json
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype
 from machine import machine_name, result_path
 
 

@@ -24,12 +24,12 @@ import time
 import torch
 
 from fledge.bench import load_prompts
-from fledge.engine.cli import eos_ids, pick_device, pick_dtype
+from fledge.engine.cli import eos_ids
 from fledge.engine.generate import ROW_GROUP, SamplingParams, cut_at_eos, generate_ar
 from fledge.engine.model import build_engine_target
 from fledge.engine.stream import generate_stream
 from fledge.target import load_target
-from fledge.util import FledgeError, atomic_write_json
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype
 from machine import machine_name, result_path
 
 

@@ -309,9 +309,10 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, c
     """`compile` None: compiled on CUDA (CUDA graphs and fused rounds are the engine's defaults
     there), eager on the CPU."""
     from fledge.checkpoint import load_checkpoint
-    from fledge.engine.cli import eos_ids, pick_device, pick_dtype
+    from fledge.engine.cli import eos_ids
     from fledge.engine.model import build_engine_target
     from fledge.target import load_target
+    from fledge.util import pick_device, pick_dtype
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fledge.util import FledgeError, append_jsonl, atomic_write_json, check_no_overlap, read_jsonl
+from fledge.util import FledgeError, append_jsonl, atomic_write_json, check_no_overlap, parse_dtype, read_jsonl
 
 
 @dataclass
@@ -484,7 +484,6 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
 
 
 def run_regen(args):
-    import torch
     cfg = RegenConfig(args.max_new_tokens, args.temperature, args.top_p, args.n, args.max_turns,
                       args.max_len, args.chunk, args.seed)
     if args.batch_size < 1:
@@ -496,7 +495,7 @@ def run_regen(args):
                                 args.timeout, args.retries)
     else:
         from fledge.target import load_target
-        dtype = getattr(torch, args.dtype)
+        dtype = parse_dtype(args.dtype)
         target = load_target(args.target, dtype=dtype, device=args.device)
         backend = EngineBackend(target, cfg, args.batch_size, args.device, dtype, args.compile)
     counts = regenerate(args.conversations, args.out, backend, cfg, args.limit)

@@ -1,5 +1,5 @@
-"""Errors that reach the user as one line, writes that never leave half a file, and the
-checks that keep an output from destroying an input."""
+"""Errors that reach the user as one line, writes that never leave half a file, the
+checks that keep an output from destroying an input, and the device and dtype a flag names."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from fledge.catalog import FLOAT_DTYPES, SHORT_DTYPES
 
 
 class FledgeError(Exception):
@@ -163,6 +165,35 @@ def pick_device(name: str | None):
     elif dev.type == "mps" and not torch.backends.mps.is_available():
         raise FledgeError(f"--device {name}: MPS is not available here; pass --device cpu (or leave it out)")
     return dev
+
+
+def dtype_name(name: str, flag: str = "--dtype") -> str:
+    """The torch name of a float dtype spelled as torch does (bfloat16) or short (bf16); any
+    other name is a FledgeError naming `flag` and the names it takes."""
+    if name in FLOAT_DTYPES:
+        return name
+    if name in SHORT_DTYPES:
+        return SHORT_DTYPES[name]
+    raise FledgeError(f"{flag} {name}: choose one of {', '.join([*FLOAT_DTYPES, *SHORT_DTYPES])}")
+
+
+def short_dtype(name: str) -> str:
+    """The short spelling (bf16, fp16, fp32) of a float dtype name, as feature directories and
+    the hardware model write it; a name with no short spelling (fp8, int4) is returned as given."""
+    short = {v: k for k, v in SHORT_DTYPES.items()}
+    return short.get(name, name)
+
+
+def parse_dtype(name: str, flag: str = "--dtype"):
+    """The torch dtype of a float dtype name (see `dtype_name`)."""
+    import torch
+
+    return getattr(torch, dtype_name(name, flag))
+
+
+def pick_dtype(name: str | None, device):
+    """The torch dtype for a `--dtype` value: None → bfloat16 on cuda, float32 elsewhere."""
+    return parse_dtype(name or ("bfloat16" if device.type == "cuda" else "float32"))
 
 
 def append_jsonl(f, record: dict) -> None:

@@ -7,19 +7,11 @@ from pathlib import Path
 
 import torch
 
-from fledge.catalog import FLOAT_DTYPES
 from fledge.engine.drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import build_engine_target
 from fledge.engine.spec import generate_spec, oracle_text
-from fledge.util import FledgeError, atomic_write_json, pick_device
-
-
-def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    name = name or ("bfloat16" if device.type == "cuda" else "float32")
-    if name not in FLOAT_DTYPES:
-        raise FledgeError(f"--dtype {name}: expected {', '.join(FLOAT_DTYPES)}")
-    return getattr(torch, name)
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype
 
 
 def eos_ids(hf_model, tokenizer) -> list[int]:
