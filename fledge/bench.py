@@ -309,9 +309,8 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, c
     """`compile` None: compiled on CUDA (CUDA graphs and fused rounds are the engine's defaults
     there), eager on the CPU."""
     from fledge.checkpoint import load_checkpoint
-    from fledge.engine.cli import eos_ids
     from fledge.engine.model import build_engine_target
-    from fledge.target import load_target
+    from fledge.target import eos_ids, load_target
     from fledge.util import pick_device, pick_dtype
 
     dev = pick_device(device)
@@ -320,7 +319,7 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, c
     t = load_target(target, dtype=dt, device=dev)
     draft = load_checkpoint(drafter, embed_from=t.model).eval().cast(dev, dt)
     return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev, fns=engine_fns(compile)), draft,
-                     eos_ids(t.model, t.tokenizer), dev, compile)
+                     eos_ids(t.tokenizer, t.model.generation_config), dev, compile)
 
 
 def engine_path(rig: EngineRig) -> str:
@@ -343,7 +342,7 @@ def first_user_turns(source: str | None, n: int) -> list[list[dict]]:
 
 def load_prompts(source: str | None, n: int, tokenizer) -> list[list[int]]:
     """Token ids of `first_user_turns` in the target's chat template."""
-    from fledge.engine.cli import encode_chat
+    from fledge.target import encode_chat
 
     return [encode_chat(tokenizer, m) for m in first_user_turns(source, n)]
 

@@ -318,12 +318,6 @@ class NotPrefixStable(Exception):
     """The template renders an earlier turn differently once later turns follow."""
 
 
-def _ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        add_generation_prompt=add_generation_prompt)
-    return list(enc["input_ids"])
-
-
 def _end_of_turn_ids(tokenizer) -> set[int]:
     """Special added tokens: a turn's end-of-turn marker is the last of these it renders."""
     return {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
@@ -350,12 +344,14 @@ def _mask_by_generation(tokenizer, messages, eot: set[int]):
 def _mask_by_prefix(tokenizer, messages, eot: set[int], max_len: int):
     """Render up to each assistant turn with and without it; each rendering must extend the
     previous one token for token, so the ids are the template's own for the whole prefix."""
+    from fledge.target import encode_chat  # torch and transformers: only once a tokenizer is at hand
+
     ids, mask, ends = [], [], []
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _ids(tokenizer, messages[:k], True)
-        upto = _ids(tokenizer, messages[: k + 1], False)
+        before = encode_chat(tokenizer, messages[:k], add_generation_prompt=True)
+        upto = encode_chat(tokenizer, messages[: k + 1], add_generation_prompt=False)
         if before[: len(ids)] != ids or upto[: len(before)] != before:
             raise NotPrefixStable(k)
         stop = max((i + 1 for i in range(len(before), len(upto)) if upto[i] in eot), default=len(upto))

@@ -108,14 +108,11 @@ class EngineBackend:
 
     def __init__(self, target, cfg: RegenConfig, batch_size: int, device: str, dtype, compile: bool = False):
         from fledge.engine.model import build_engine_target
+        from fledge.target import eos_ids
         self.tok, self.cfg, self.batch_size = target.tokenizer, cfg, batch_size
         self.model = build_engine_target(target.model, dtype, device, compile=compile)
-        self.eos = sorted({target.tokenizer.eos_token_id, *_eos_ids(target)} - {None})
+        self.eos = eos_ids(target.tokenizer, target.model.generation_config)
         self.name, self.checked = target.name, False
-
-    def _ids(self, messages):
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
 
     def _text(self, tokens: list[int]) -> Answer:
         """The answer of generated tokens: "stop" if they end at an end-of-turn token (left out)."""
@@ -139,7 +136,8 @@ class EngineBackend:
         """One answer per chat; a prompt with no room for max_new_tokens is finish "context",
         as a server's 400 is. `progress(n)` is called as answers are done."""
         from fledge.engine.generate import SamplingParams, generate_ar
-        ids = [self._ids(c) for c in chats]
+        from fledge.target import encode_chat
+        ids = [encode_chat(self.tok, c) for c in chats]
         out: list[Answer | None] = [None] * len(ids)
         room = self.cfg.max_len - self.cfg.max_new_tokens
         for i, x in enumerate(ids):
@@ -164,12 +162,6 @@ class EngineBackend:
             progress(len(rows))
         progress(len(chats) - len(order))
         return out
-
-
-def _eos_ids(target) -> list[int]:
-    gc = getattr(target.model, "generation_config", None)
-    e = getattr(gc, "eos_token_id", None)
-    return [e] if isinstance(e, int) else list(e or [])
 
 
 class RequestFailed(Exception):

@@ -193,6 +193,27 @@ def load_target(spec: str, dtype=torch.float32, device="cpu") -> Target:
     return Target(model=model, tokenizer=tokenizer, name=spec, path=path)
 
 
+# --------------------------------------------------------------------------- chat
+def eos_ids(tokenizer, generation_config=None) -> list[int]:
+    """Every id that ends a turn: the generation config's (an int or a list) and the tokenizer's."""
+    ids = generation_config.eos_token_id if generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` in the tokenizer's chat template, the assistant turn opened when
+    `add_generation_prompt`. A tokenizer without a template (a bare test model) gets the
+    contents joined by newlines."""
+    if not tokenizer.chat_template:
+        return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        add_generation_prompt=add_generation_prompt)
+    return list(enc["input_ids"])
+
+
 # --------------------------------------------------------------------------- capture
 @dataclass
 class Capture:

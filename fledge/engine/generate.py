@@ -369,13 +369,11 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's pointwise ops")
     a = p.parse_args(argv)
-    from fledge.target import load_target
+    from fledge.target import encode_chat, load_target
 
     target = load_target(a.target)
-    text = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Explain how a CUDA graph speeds up decoding."}], tokenize=False,
-        add_generation_prompt=True)
-    selftest(target.model, target.tokenizer(text)["input_ids"], parse_dtype(a.dtype), torch.device(a.device),
+    prompt = encode_chat(target.tokenizer, [{"role": "user", "content": "Explain how a CUDA graph speeds up decoding."}])
+    selftest(target.model, prompt, parse_dtype(a.dtype), torch.device(a.device),
              [int(b) for b in a.batches.split(",")], a.new_tokens, a.compile)
     return 0
 
