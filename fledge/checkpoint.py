@@ -30,8 +30,8 @@ from safetensors.torch import save as st_save
 
 from fledge.catalog import BUILTINS, LAYOUTS
 from fledge.config import DraftConfig
-from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, t2d_from_target_ids, target_ids_from_d2t,
-                                validate_aux_layer_ids)
+from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, rope_fields, t2d_from_target_ids,
+                                target_ids_from_d2t, validate_aux_layer_ids)
 from fledge.draft import Eagle3Draft
 from fledge.util import FledgeError, atomic_dir, check_no_overlap, parse_dtype, write_file
 
@@ -145,13 +145,6 @@ def detect_layout(cj: dict) -> str | None:
     return None
 
 
-def _rope(layer: dict) -> tuple[float, dict | None]:
-    # transformers 5 writes `rope_parameters`; engines and older files use rope_theta + rope_scaling.
-    rp = dict(layer.get("rope_scaling") or layer.get("rope_parameters") or {})
-    theta = rp.pop("rope_theta", None) or layer.get("rope_theta") or 10000.0
-    return float(theta), (rp if rp.get("rope_type", rp.get("type", "default")) != "default" else None)
-
-
 def _target_layers(cj: dict, target_layers: int | None) -> int:
     recorded = (cj.get("fledge") or {}).get("target_num_hidden_layers")
     if target_layers is not None and recorded is not None and int(recorded) != int(target_layers):
@@ -202,7 +195,7 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
         raise FledgeError(f"num_hidden_layers {layer.get('num_hidden_layers')}: an EAGLE-3 drafter has one layer")
     n = _target_layers(cj, target_layers)
     h, heads = layer["hidden_size"], layer["num_attention_heads"]
-    theta, scaling = _rope(layer)
+    theta, scaling = rope_fields(layer)
     return DraftConfig(
         hidden_size=h, intermediate_size=layer["intermediate_size"], num_attention_heads=heads,
         num_key_value_heads=layer.get("num_key_value_heads") or heads, head_dim=layer.get("head_dim") or h // heads,
