@@ -40,7 +40,8 @@ import jinja2
 from tqdm import tqdm
 
 from fledge.catalog import DATASETS, FORMATS
-from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, read_jsonl, wheel_member
+from fledge.util import (FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, read_jsonl,
+                         wheel_member)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
