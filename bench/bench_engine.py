@@ -25,15 +25,14 @@ from tqdm import tqdm
 from transformers import StaticCache
 
 from fledge.bench import load_prompts, spec_request
-from fledge.engine.cli import eos_ids, load_drafter, pick_device, pick_dtype
-from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig
+from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.engine.resident import Resident
 from fledge.engine.spec import generate_spec, oracle_text
 from fledge.engine.stats import SpecStats
-from fledge.target import load_target
-from fledge.util import FledgeError, atomic_write_json
+from fledge.target import eos_ids, load_target
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype
 from machine import machine_name, result_path
 
 
@@ -111,7 +110,7 @@ def bench(args) -> dict:
         return LayerFns.compiled(**{"gemv_rows": args.gemv_rows, "few_rows": args.few_rows, **kw})
 
     target = build_engine_target(t.model, dtype, device, fns=compiled() if args.compile else LayerFns())
-    eos = eos_ids(t.model, t.tokenizer)
+    eos = eos_ids(t.tokenizer, t.model.generation_config)
     prompts = load_prompts(args.prompts, args.num_prompts, t.tokenizer)
     params = SamplingParams(0.0, 1.0, args.max_new_tokens, 0)
     chain7 = SpecConfig(7, 1, 8)

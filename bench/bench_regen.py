@@ -24,12 +24,11 @@ import time
 import torch
 
 from fledge.bench import load_prompts
-from fledge.engine.cli import eos_ids, pick_device, pick_dtype
 from fledge.engine.generate import ROW_GROUP, SamplingParams, cut_at_eos, generate_ar
 from fledge.engine.model import build_engine_target
 from fledge.engine.stream import generate_stream
-from fledge.target import load_target
-from fledge.util import FledgeError, atomic_write_json
+from fledge.target import eos_ids, load_target
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype
 from machine import machine_name, result_path
 
 
@@ -70,7 +69,7 @@ def bench(args) -> dict:
     dtype = pick_dtype(args.dtype, device)
     t = load_target(args.target, dtype=dtype, device=device)
     engine = build_engine_target(t.model, dtype, device, compile=args.compile)
-    eos = eos_ids(t.model, t.tokenizer)
+    eos = eos_ids(t.tokenizer, t.model.generation_config)
     pad = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else eos[0]
     sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     engine_only = [int(b) for b in args.engine_only.split(",")] if args.engine_only else []

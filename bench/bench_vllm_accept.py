@@ -23,8 +23,7 @@ import torch
 
 from fledge.conventions import accept_length
 from fledge.bench import first_user_turns
-from fledge.engine.cli import load_drafter
-from fledge.engine.drafters import SpecConfig
+from fledge.engine.drafters import SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams
 from fledge.engine.model import build_engine_target
 from fledge.engine.spec import generate_spec

@@ -17,11 +17,10 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fledge.engine.cli import pick_dtype
 from fledge.engine.generate import capture_cuda_graph, decode_logits, decode_spans
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.target import load_target
-from fledge.util import FledgeError, atomic_write_json
+from fledge.util import FledgeError, atomic_write_json, pick_dtype
 from machine import machine_name, result_path
 
 

@@ -15,13 +15,10 @@ Three sources, one command:
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import statistics
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from fledge.conventions import accept_length
+from fledge.openai_client import Client
 from fledge.util import FledgeError, atomic_write_json, save_figure
 
 # --------------------------------------------------------------------------- serving logs
@@ -110,70 +108,32 @@ def _vllm_summary(rows: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------- OpenAI-compatible server
-def _endpoint(url: str, leaf: str) -> str:
-    base = url.rstrip("/").removesuffix("/chat/completions").removesuffix("/models")
-    return f"{base if base.endswith('/v1') else base + '/v1'}/{leaf}"
-
-
-def _open(req, url: str, timeout: float):
-    try:
-        return urllib.request.urlopen(req, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        raise FledgeError(f"{url}: HTTP {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise FledgeError(f"{url}: server not answering ({getattr(e, 'reason', e)})") from None
-
-
 def server_model(url: str, timeout: float) -> str:
     """The first model the server lists (vLLM refuses requests naming another)."""
-    where = _endpoint(url, "models")
-    with _open(where, where, timeout) as r:
-        try:
-            return json.load(r)["data"][0]["id"]
-        except (ValueError, KeyError, IndexError):
-            raise FledgeError(f"{where}: no model list in the answer") from None
+    return Client(url, timeout).models()[0]
 
 
 def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float, ignore_eos: bool = False) -> dict:
     """One streamed chat completion: time to first token, tokens, decode tok/s after it.
     `ignore_eos` (vLLM and SGLang read it): every answer runs to max_tokens, so concurrency
-    stays what was asked for the whole level."""
-    where = _endpoint(url, "chat/completions")
+    stays what was asked for the whole level. Not retried: a retry's time is not a request's."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
-    req = urllib.request.Request(where, json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     first, chunks, usage = None, 0, None
-    with _open(req, where, timeout) as r:
-        for event in _events(r, where):
-            usage = event.get("usage") or usage
-            if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
-                first = first or time.perf_counter()
-                chunks += 1
+    for event in Client(url, timeout).chat_stream(body):
+        usage = event.get("usage") or usage
+        if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
+            first = first or time.perf_counter()
+            chunks += 1
     end = time.perf_counter()
     # Servers may pack several tokens in one chunk; the usage block (if sent) is exact.
     tokens = (usage or {}).get("completion_tokens") or chunks
     first = first or end
     return {"ttft_ms": 1e3 * (first - t0), "tokens": tokens, "seconds": end - t0,
             "decode_tok_s": (tokens - 1) / (end - first) if tokens > 1 and end > first else float("nan")}
-
-
-def _events(response, where: str):
-    """The JSON events of a server-sent-event stream, up to `data: [DONE]`."""
-    try:
-        for raw in response:
-            line = raw.decode(errors="replace").strip()
-            if line == "data: [DONE]":
-                return
-            if line.startswith("data:"):
-                try:
-                    yield json.loads(line[5:])
-                except ValueError:
-                    raise FledgeError(f"{where}: stream event is not JSON: {line[:80]!r}") from None
-    except OSError as e:  # a read timeout or a dropped connection mid-stream
-        raise FledgeError(f"{where}: stream broke off ({e})") from None
 
 
 @dataclass
@@ -309,9 +269,9 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, c
     """`compile` None: compiled on CUDA (CUDA graphs and fused rounds are the engine's defaults
     there), eager on the CPU."""
     from fledge.checkpoint import load_checkpoint
-    from fledge.engine.cli import eos_ids, pick_device, pick_dtype
     from fledge.engine.model import build_engine_target
-    from fledge.target import load_target
+    from fledge.target import eos_ids, load_target
+    from fledge.util import pick_device, pick_dtype
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -319,7 +279,7 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, c
     t = load_target(target, dtype=dt, device=dev)
     draft = load_checkpoint(drafter, embed_from=t.model).eval().cast(dev, dt)
     return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev, fns=engine_fns(compile)), draft,
-                     eos_ids(t.model, t.tokenizer), dev, compile)
+                     eos_ids(t.tokenizer, t.model.generation_config), dev, compile)
 
 
 def engine_path(rig: EngineRig) -> str:
@@ -342,7 +302,7 @@ def first_user_turns(source: str | None, n: int) -> list[list[dict]]:
 
 def load_prompts(source: str | None, n: int, tokenizer) -> list[list[int]]:
     """Token ids of `first_user_turns` in the target's chat template."""
-    from fledge.engine.cli import encode_chat
+    from fledge.target import encode_chat
 
     return [encode_chat(tokenizer, m) for m in first_user_turns(source, n)]
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import urllib.parse
 from dataclasses import asdict
 from pathlib import Path
 
 from fledge import hwmodel
-from fledge.bench import ServerBench, _open, run_level, server_model
+from fledge.bench import ServerBench, run_level
+from fledge.openai_client import Client, metrics_url
 from fledge.util import FledgeError, atomic_write_json
 
 PROMPTS = ["Explain speculative decoding in three paragraphs.", "Write a Python function that merges two sorted lists.",
@@ -43,17 +43,9 @@ _SAMPLE = re.compile(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_to
                      r"(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 
 
-def metrics_url(url: str) -> str:
-    """vLLM and SGLang serve Prometheus metrics at /metrics on the API's host and port."""
-    u = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit((u.scheme, u.netloc, "/metrics", "", ""))
-
-
-def scrape(url: str, timeout: float) -> dict | None:
-    """vLLM's speculative-decoding counters, summed over engines; None when it exports none
-    (no speculation, or another server)."""
-    with _open(url, url, timeout) as r:
-        text = r.read().decode(errors="replace")
+def scrape(text: str) -> dict | None:
+    """vLLM's speculative-decoding counters in a Prometheus text, summed over engines; None
+    when it holds none (no speculation, or another server)."""
     found = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
     any_seen = False
     for name, labels, value in _SAMPLE.findall(text):
@@ -70,16 +62,17 @@ def scrape(url: str, timeout: float) -> dict | None:
 def measure(url: str, metrics: str, levels, requests: int, max_tokens: int, timeout: float) -> list[dict]:
     """One point per concurrency level: decode ms per token per request, and the level's
     speculation (k, accept length, accepted at each position) from the counter deltas."""
+    client = Client(url, timeout)
     try:
-        model = server_model(url, timeout)
+        model = client.models()[0]
     except FledgeError as e:
         raise FledgeError(f"{e}; pass --url of an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1)") from None
     cfg = ServerBench(url, PROMPTS, model, max_tokens, tuple(levels), requests, 600.0, timeout, ignore_eos=True)
     points = []
     for c in levels:
-        before = scrape(metrics, timeout)
+        before = scrape(client.metrics(metrics))
         row = run_level(cfg, model, c)
-        after = scrape(metrics, timeout)
+        after = scrape(client.metrics(metrics))
         point = {"url": url, "concurrency": c, "ms_per_token": 1e3 / row["per_request_tok_s"], "k": 0,
                  "accept_length": 1.0, "requests": row["requests"], "total_tok_s": row["total_tok_s"],
                  "per_request_tok_s": row["per_request_tok_s"]}

@@ -30,15 +30,14 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
-from fledge.catalog import BUILTINS, FLOAT_DTYPES, LAYOUTS, SHORT_DTYPES
+from fledge.catalog import BUILTINS, LAYOUTS
 from fledge.config import DraftConfig
 from fledge.conventions import t2d_from_target_ids, target_ids_from_d2t
 from fledge.draft import Eagle3Draft
 from fledge.layout import (canonical_name, checkpoint_keys, detect_layout, draft_config_from_json, layout_name,
                            serving_aux_ids)
-from fledge.util import FledgeError, atomic_dir, check_no_overlap, write_file
+from fledge.util import FledgeError, atomic_dir, check_no_overlap, parse_dtype, write_file
 
-DTYPES = {**{n: getattr(torch, n) for n in FLOAT_DTYPES}, **{s: getattr(torch, n) for s, n in SHORT_DTYPES.items()}}
 DEFAULT_SPECULATIVE_TOKENS = 3
 # Tensors vLLM fills in without a word when a checkpoint lacks them.
 SILENT_DEFAULTS = {"d2t": " (vLLM would silently use all-zero offsets)",
@@ -326,12 +325,6 @@ def export_checkpoint(draft: Eagle3Draft, out_dir, layout="eagle3", dtype=torch.
 
 
 # --------------------------------------------------------------------------- CLI
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise FledgeError(f"--dtype {name}: choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
 def _target_layers_arg(args) -> int | None:
     if getattr(args, "target_config", None):
         p = Path(args.target_config)
@@ -370,7 +363,7 @@ def _check_out(args) -> None:
 def run_export(args) -> int:
     _check_out(args)
     draft, _ = _load(args.src, _target_layers_arg(args), embed_from=_target_arg(args))
-    out = export_checkpoint(draft, args.out, layout=args.layout, dtype=_dtype(args.dtype),
+    out = export_checkpoint(draft, args.out, layout=args.layout, dtype=parse_dtype(args.dtype),
                             shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
                             verifier=args.verifier, overwrite=args.overwrite)
     _summary(out, args.layout, draft)
@@ -381,7 +374,7 @@ def run_import(args) -> int:
     """Into fledge's own (eagle3) layout, keeping the source's dtype, and its embeddings if it has them."""
     _check_out(args)
     draft, r = _load(args.src, _target_layers_arg(args), embed_from=_target_arg(args))
-    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=_dtype(r.cfg.torch_dtype),
+    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(r.cfg.torch_dtype),
                             with_embed="embed_tokens.weight" in r.tensors, overwrite=args.overwrite)
     print(f"read {args.src} ({r.layout} layout)")
     _summary(out, "eagle3", draft)
@@ -395,6 +388,6 @@ def run_init_draft(args) -> int:
     archs = list(getattr(target.model.config, "architectures", None) or [])
     cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
     draft = Eagle3Draft.from_target(cfg, target.model)
-    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=_dtype(args.dtype), overwrite=args.overwrite)
+    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
     _summary(out, "eagle3", draft)
     return 0

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from fledge.conventions import rope_fields
+
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 _SEVERITY = {PASS: 0, WARN: 1, FAIL: 2}
 
@@ -57,16 +59,6 @@ def report(results: list[Check], as_json: bool = False, out=print) -> int:
 
 
 # ------------------------------------------------------------------ what a drafter's config says
-def rope_fields(cfg: dict) -> tuple[float | None, dict | None]:
-    """(theta, scaling or None) from either transformers-5 `rope_parameters` or the older
-    `rope_theta` + `rope_scaling` fields."""
-    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = rp.pop("rope_theta", None) or cfg.get("rope_theta")
-    if "type" in rp:
-        rp.setdefault("rope_type", rp.pop("type"))
-    return (float(theta) if theta else None), (rp if rp.get("rope_type", "default") != "default" else None)
-
-
 @dataclass
 class DraftFacts:
     """The fields every check reads, wherever the layout keeps them."""

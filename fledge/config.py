@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fledge.conventions import default_aux_layer_ids, validate_aux_layer_ids
+from fledge.conventions import ROPE_THETA_DEFAULT, default_aux_layer_ids, rope_fields, validate_aux_layer_ids
 from fledge.util import FledgeError, check_no_overlap
 
 
@@ -32,7 +32,7 @@ class DraftConfig:
     aux_layer_ids: tuple[int, int, int]
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    rope_theta: float = ROPE_THETA_DEFAULT
     rope_scaling: dict[str, Any] | None = None
     hidden_act: str = "silu"
     torch_dtype: str = "bfloat16"
@@ -60,11 +60,7 @@ class DraftConfig:
         n = tcfg.num_hidden_layers
         h = tcfg.hidden_size
         heads = tcfg.num_attention_heads
-        # transformers 5 keeps rope in `rope_parameters` (older: rope_theta + rope_scaling).
-        rp = dict(getattr(tcfg, "rope_parameters", None) or getattr(tcfg, "rope_scaling", None) or {})
-        rope_theta = rp.pop("rope_theta", None) or getattr(tcfg, "rope_theta", None) or 10000.0
-        rope_type = rp.get("rope_type", rp.get("type", "default"))
-        rope_scaling = rp if rope_type != "default" else None
+        rope_theta, rope_scaling = rope_fields(tcfg.to_dict())
         return cls(
             hidden_size=h,
             intermediate_size=intermediate_size or getattr(tcfg, "intermediate_size", 4 * h),
@@ -78,7 +74,7 @@ class DraftConfig:
             aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n),
             max_position_embeddings=tcfg.max_position_embeddings,
             rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
         )
 

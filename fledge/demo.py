@@ -21,13 +21,12 @@ from fledge.checkpoint import export_checkpoint, load_checkpoint
 from fledge.checks import exit_code, report
 from fledge.data import build_training_set, load_conversations
 from fledge.doctor import doctor
-from fledge.engine.cli import encode_chat, eos_ids, load_drafter
-from fledge.engine.drafters import NgramDrafter, SpecConfig
+from fledge.engine.drafters import NgramDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import build_engine_target
 from fledge.engine.spec import generate_spec
 from fledge.regen import EngineBackend, RegenConfig, regenerate
-from fledge.target import load_target
+from fledge.target import encode_chat, eos_ids, load_target
 from fledge.train import TrainConfig, train
 from fledge.util import FledgeError, atomic_write_json
 from fledge.vocab import build_vocab, save_vocab
@@ -45,7 +44,7 @@ def _step(rows: list, name: str, t0: float, what: str) -> float:
 def _compare(target_spec, drafter_dir, prompts, tok, model, new_tokens):
     """Greedy AR vs EAGLE-3 chain vs n-gram on the same prompts, one engine, fp32."""
     engine = build_engine_target(model, torch.float32, "cpu")
-    params, eos = SamplingParams(max_new_tokens=new_tokens), eos_ids(model, tok)
+    params, eos = SamplingParams(max_new_tokens=new_tokens), eos_ids(tok, model.generation_config)
     chain = SpecConfig(num_steps=4, topk=1, num_draft_tokens=5)
     # Drafters reset their state at each generate_spec, so one of each serves every prompt.
     drafters = {"eagle3 chain 4": load_drafter(drafter_dir, chain, model, engine, "cpu", torch.float32),

@@ -26,8 +26,9 @@ from tqdm import tqdm
 
 from fledge.catalog import BUILTINS
 from fledge.config import DraftConfig
-from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, target_ids_from_d2t, validate_aux_layer_ids
-from fledge.checks import Check, DraftFacts, draft_facts, fail, ok, report, rope_fields, warn
+from fledge.conventions import (aux_ids_to_sglang, default_aux_layer_ids, rope_fields, target_ids_from_d2t,
+                                validate_aux_layer_ids)
+from fledge.checks import Check, DraftFacts, draft_facts, fail, ok, report, warn
 from fledge.layout import aux_ids_from_serving, canonical_name, checkpoint_keys, draft_config_from_json
 from fledge.lint import launch_checks
 from fledge.util import FledgeError

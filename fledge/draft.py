@@ -23,16 +23,15 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from fledge.config import DraftConfig
-from fledge.conventions import d2t_from_target_ids, t2d_from_target_ids
+from fledge.conventions import d2t_from_target_ids, rope_fields, t2d_from_target_ids
 from fledge.util import FledgeError
 
 
 def rope_config(cfg: DraftConfig) -> transformers.LlamaConfig:
     """An HF LlamaConfig carrying only what rotary embeddings read, so the draft's RoPE
     (including llama3/yarn scaling) is HF's own code, not a re-derivation."""
-    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-    if "type" in rope and "rope_type" not in (cfg.rope_scaling or {}):
-        rope["rope_type"] = rope.pop("type")
+    theta, scaling = rope_fields({"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling})
+    rope = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
     return transformers.LlamaConfig(
         hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
         max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope)

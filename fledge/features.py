@@ -26,12 +26,9 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 from tqdm import tqdm
 
-from fledge.catalog import SHORT_DTYPES
 from fledge.conventions import default_aux_layer_ids, validate_aux_layer_ids
 from fledge.target import capture, load_target
-from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, pick_device, read_jsonl
-
-DTYPES = {name: getattr(torch, t) for name, t in SHORT_DTYPES.items()}
+from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, parse_dtype, pick_device, read_jsonl
 
 
 # --------------------------------------------------------------------------- samples
@@ -169,7 +166,7 @@ def write_features(model, aux_ids, samples: list[Sample], out, meta: dict, dtype
     """Write aux+hidden for every sample, `shard_size` samples a shard. Resumable: a shard
     that exists is complete (each is written atomically), so a rerun computes only the rest.
     `meta` identifies the data and target; a directory holding other features is refused."""
-    out = Path(out)
+    out, torch_dtype = Path(out), parse_dtype(dtype)
     meta = {**meta, "aux_layer_ids": list(aux_ids), "dtype": dtype, "shard_size": shard_size,
             "num_samples": len(samples), "hidden_size": model.get_input_embeddings().weight.shape[1]}
     if (out / "meta.json").exists():
@@ -189,8 +186,8 @@ def write_features(model, aux_ids, samples: list[Sample], out, meta: dict, dtype
             ids, _, attn = pad_batch(part)
             a, h = online_features(model, aux_ids, ids.to(device), attn.to(device))
             for r, s in enumerate(part):
-                aux.append(a[r, :len(s.input_ids)].to("cpu", DTYPES[dtype]))
-                hidden.append(h[r, :len(s.input_ids)].to("cpu", DTYPES[dtype]))
+                aux.append(a[r, :len(s.input_ids)].to("cpu", torch_dtype))
+                hidden.append(h[r, :len(s.input_ids)].to("cpu", torch_dtype))
         lengths = torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64)
         atomic_write_bytes(_shard_path(out, i), st_save({"aux": torch.cat(aux), "hidden": torch.cat(hidden),
                                                          "lengths": lengths}))
@@ -256,6 +253,6 @@ def run_features(args) -> int:
     meta = write_features(model, aux_ids, samples, args.out, features_meta(target.name, args.data, args.max_len),
                           args.dtype, args.shard_size, args.batch_size, device)
     tokens = sum(len(s.input_ids) for s in samples)
-    per_token = 4 * meta["hidden_size"] * DTYPES[args.dtype].itemsize
+    per_token = 4 * meta["hidden_size"] * parse_dtype(args.dtype).itemsize
     print(f"{len(samples)} samples, {tokens} tokens, {per_token} bytes/token ({per_token * tokens / 2**30:.2f} GiB) in {args.out}")
     return 0

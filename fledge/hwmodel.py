@@ -40,7 +40,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from fledge.util import FledgeError
+from fledge.util import FledgeError, short_dtype
 
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 4.5 / 8}
 
@@ -261,7 +261,7 @@ def default_drafter(target: ModelSpec, draft_vocab: int = 32000) -> ModelSpec:
 def load_specs(model: str, drafter: str | None, dtype: str | None, quant: str | None, draft_vocab: int | None):
     """Target and drafter specs from a target config (file, directory, built-in name) and a
     drafter directory or config.json (None: `default_drafter`). `dtype` takes torch names too."""
-    dtype = {None: "bf16", "bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
+    dtype = short_dtype(dtype or "bf16")
     cfg, where = load_config(model)
     target = spec_from_config(cfg, where, dtype, quant)
     if drafter and (Path(drafter).is_dir() or drafter.endswith(".json")):

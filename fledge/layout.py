@@ -10,7 +10,7 @@ only this module and numpy to check a checkpoint; `fledge.checkpoint` writes and
 from __future__ import annotations
 
 from fledge.config import DraftConfig
-from fledge.conventions import aux_ids_from_sglang, aux_ids_to_sglang, validate_aux_layer_ids
+from fledge.conventions import aux_ids_from_sglang, aux_ids_to_sglang, rope_fields, validate_aux_layer_ids
 from fledge.util import FledgeError
 
 
@@ -80,13 +80,6 @@ def detect_layout(cj: dict) -> str | None:
     return None
 
 
-def _rope(layer: dict) -> tuple[float, dict | None]:
-    # transformers 5 writes `rope_parameters`; engines and older files use rope_theta + rope_scaling.
-    rp = dict(layer.get("rope_scaling") or layer.get("rope_parameters") or {})
-    theta = rp.pop("rope_theta", None) or layer.get("rope_theta") or 10000.0
-    return float(theta), (rp if rp.get("rope_type", rp.get("type", "default")) != "default" else None)
-
-
 def _target_layers(cj: dict, target_layers: int | None) -> int:
     recorded = (cj.get("fledge") or {}).get("target_num_hidden_layers")
     if target_layers is not None and recorded is not None and int(recorded) != int(target_layers):
@@ -137,7 +130,7 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
         raise FledgeError(f"num_hidden_layers {layer.get('num_hidden_layers')}: an EAGLE-3 drafter has one layer")
     n = _target_layers(cj, target_layers)
     h, heads = layer["hidden_size"], layer["num_attention_heads"]
-    theta, scaling = _rope(layer)
+    theta, scaling = rope_fields(layer)
     return DraftConfig(
         hidden_size=h, intermediate_size=layer["intermediate_size"], num_attention_heads=heads,
         num_key_value_heads=layer.get("num_key_value_heads") or heads, head_dim=layer.get("head_dim") or h // heads,

@@ -28,21 +28,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-import http.client
 import json
 import math
 import os
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from fledge.util import FledgeError, append_jsonl, atomic_write_json, check_no_overlap, read_jsonl
+from fledge.openai_client import Client, ServerError, with_retries
+from fledge.util import FledgeError, append_jsonl, atomic_write_json, check_no_overlap, parse_dtype, read_jsonl
 
 
 @dataclass
@@ -108,14 +106,11 @@ class EngineBackend:
 
     def __init__(self, target, cfg: RegenConfig, batch_size: int, device: str, dtype, compile: bool = False):
         from fledge.engine.model import build_engine_target
+        from fledge.target import eos_ids
         self.tok, self.cfg, self.batch_size = target.tokenizer, cfg, batch_size
         self.model = build_engine_target(target.model, dtype, device, compile=compile)
-        self.eos = sorted({target.tokenizer.eos_token_id, *_eos_ids(target)} - {None})
+        self.eos = eos_ids(target.tokenizer, target.model.generation_config)
         self.name, self.checked = target.name, False
-
-    def _ids(self, messages):
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
 
     def _text(self, tokens: list[int]) -> Answer:
         """The answer of generated tokens: "stop" if they end at an end-of-turn token (left out)."""
@@ -139,7 +134,8 @@ class EngineBackend:
         """One answer per chat; a prompt with no room for max_new_tokens is finish "context",
         as a server's 400 is. `progress(n)` is called as answers are done."""
         from fledge.engine.generate import SamplingParams, generate_ar
-        ids = [self._ids(c) for c in chats]
+        from fledge.target import encode_chat
+        ids = [encode_chat(self.tok, c) for c in chats]
         out: list[Answer | None] = [None] * len(ids)
         room = self.cfg.max_len - self.cfg.max_new_tokens
         for i, x in enumerate(ids):
@@ -166,39 +162,25 @@ class EngineBackend:
         return out
 
 
-def _eos_ids(target) -> list[int]:
-    gc = getattr(target.model, "generation_config", None)
-    e = getattr(gc, "eos_token_id", None)
-    return [e] if isinstance(e, int) else list(e or [])
-
-
-class RequestFailed(Exception):
-    """A request that got an answer which is not one; `retry` when another attempt may help."""
-
-    def __init__(self, reason: str, retry: bool):
-        super().__init__(reason)
-        self.reason, self.retry = reason, retry
-
-
 # vLLM: "maximum context length is N tokens"; SGLang: "longer than the model's context length".
 _CONTEXT_WORDS = ("context length", "maximum context", "context_length", "too long")
 
 
-def parse_completion(body) -> Answer:
-    """The answer in a chat-completions body, or RequestFailed saying what is wrong with it."""
+def parse_completion(body, url: str) -> Answer:
+    """The answer in a chat-completions body from `url`, or a ServerError (not to be retried)
+    saying what is wrong with it."""
     if not isinstance(body, dict):
-        raise RequestFailed(f"body is a JSON {type(body).__name__}", retry=False)
+        raise ServerError(url, f"body is a JSON {type(body).__name__}")
     if "error" in body or body.get("object") == "error":
-        raise RequestFailed("error body with status 200", retry=False)
+        raise ServerError(url, "error body with status 200")
     choices = body.get("choices")
     if not isinstance(choices, list) or not choices:
-        raise RequestFailed("fewer choices than asked (0 of 1)", retry=False)
+        raise ServerError(url, "fewer choices than asked (0 of 1)")
     choice = choices[0]
     message = choice.get("message") if isinstance(choice, dict) else None
     content = message.get("content") if isinstance(message, dict) else None
     if not isinstance(content, str):
-        raise RequestFailed(f"content is {'missing' if content is None else type(content).__name__}, not text",
-                            retry=False)
+        raise ServerError(url, f"content is {'missing' if content is None else type(content).__name__}, not text")
     finish = choice.get("finish_reason")
     return Answer(content, finish if isinstance(finish, str) else "stop")
 
@@ -218,56 +200,29 @@ class ServerBackend:
         if not urls or concurrency < 1 or timeout <= 0 or retries < 0:
             raise FledgeError(f"--concurrency {concurrency} (>= 1), --timeout {timeout} (> 0), "
                               f"--retries {retries} (>= 0): out of range")
-        self.urls, self.model, self.cfg = [u.rstrip("/") for u in urls], model, cfg
-        self.concurrency, self.timeout, self.retries, self.backoff = concurrency, timeout, retries, backoff
+        self.clients = [Client(u, timeout) for u in urls]  # each tried once an attempt: `_one` retries
+        self.model, self.cfg, self.concurrency, self.retries, self.backoff = model, cfg, concurrency, retries, backoff
         self.failures: dict[str, int] = {}
         self._lock = threading.Lock()  # failures is updated from the worker threads
 
-    def _post(self, url: str, body: dict) -> dict:
-        req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        deadline = time.monotonic() + self.timeout
-        with urllib.request.urlopen(req, timeout=self.timeout) as r:
-            data = b""
-            while block := r.read(1 << 16):  # the socket timeout is per read: bound the total too
-                data += block
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"reply not complete after {self.timeout:g} s")
-        return json.loads(data)
-
-    def _attempt(self, url: str, body: dict) -> Answer:
+    @staticmethod
+    def _attempt(client: Client, body: dict) -> Answer:
         try:
-            return parse_completion(self._post(url, body))
-        except urllib.error.HTTPError as e:
-            try:
-                detail = e.read(4096).decode("utf-8", "replace").lower()
-            except OSError:
-                detail = ""
-            if e.code == 400 and any(w in detail for w in _CONTEXT_WORDS):
+            reply = client.chat(body)
+        except ServerError as e:
+            if e.status == 400 and any(w in e.detail.lower() for w in _CONTEXT_WORDS):
                 return Answer("", "context")  # the prompt does not fit; retrying cannot help
-            raise RequestFailed(f"HTTP {e.code}", retry=e.code >= 500 or e.code in (408, 429)) from None
-        except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            # a server killed mid-reply raises IncompleteRead; a refused connection URLError
-            raise RequestFailed(f"no reply ({type(e).__name__})", retry=True) from None
-        except (ValueError, RecursionError):
-            raise RequestFailed("reply is not JSON", retry=True) from None
+            raise
+        return parse_completion(reply, client.url)
 
     def _one(self, k: int, messages: list[dict], seed: int) -> Answer:
         body = {"model": self.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "seed": seed, "n": 1}
-        reason = "no attempt"
-        for attempt in range(self.retries + 1):
-            url = self.urls[(k + attempt) % len(self.urls)]  # a retry goes to the next server
-            try:
-                return self._attempt(url, body)
-            except RequestFailed as e:
-                reason = e.reason
-                self._count(reason)
-                if not e.retry:
-                    break
-            if attempt < self.retries:
-                time.sleep(self.backoff * 2 ** attempt)
-        return Answer("", "error", reason)
+        try:  # a retry goes to the next server
+            return with_retries(lambda a: self._attempt(self.clients[(k + a) % len(self.clients)], body),
+                                self.retries, self.backoff, lambda e: self._count(e.problem))
+        except ServerError as e:
+            return Answer("", "error", e.problem)
 
     def _count(self, reason: str) -> None:
         with self._lock:
@@ -484,7 +439,6 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
 
 
 def run_regen(args):
-    import torch
     cfg = RegenConfig(args.max_new_tokens, args.temperature, args.top_p, args.n, args.max_turns,
                       args.max_len, args.chunk, args.seed)
     if args.batch_size < 1:
@@ -496,7 +450,7 @@ def run_regen(args):
                                 args.timeout, args.retries)
     else:
         from fledge.target import load_target
-        dtype = getattr(torch, args.dtype)
+        dtype = parse_dtype(args.dtype)
         target = load_target(args.target, dtype=dtype, device=args.device)
         backend = EngineBackend(target, cfg, args.batch_size, args.device, dtype, args.compile)
     counts = regenerate(args.conversations, args.out, backend, cfg, args.limit)

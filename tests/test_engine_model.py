@@ -310,3 +310,18 @@ def test_stream_refills_rows_and_equals_solo_generation(monkeypatch):
     assert stats["generated_tokens"] == sum(map(len, solo)) and stats["rows"] == 4
     sampled, _ = generate_stream(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=7), eos, rows=3)
     assert all(1 <= len(s) <= 7 and all(t not in eos for t in s[:-1]) for s in sampled)
+
+
+@pytest.mark.parametrize("ids, phrase", [((0, 3, 5), r"out of range \[1, 7\]"), ((2, 3, 8), r"out of range \[1, 7\]"),
+                                         ((2, 5, 3), "strictly increasing"), ((2, 3), "exactly three")])
+def test_engine_refuses_aux_ids_the_conventions_refuse(ids, phrase):
+    model = build_engine_target(make_tiny("llama", seed=3), torch.float32, "cpu")  # 8 layers
+    x = torch.tensor([[1, 2, 3]])
+    with pytest.raises(FledgeError, match=phrase):
+        model.prefill(x, model.new_cache(1, 64), aux_ids=ids)
+    cache = model.new_cache(1, 64)
+    pos = torch.arange(3)[None]
+    with pytest.raises(FledgeError, match=phrase):
+        model(x, pos, pos, make_causal_mask(torch.zeros(1, dtype=torch.long), 3, 64), cache, ids)
+    _, aux = model.prefill(x, model.new_cache(1, 64), aux_ids=(1, 4, 7))  # the widest valid range
+    assert aux.shape == (1, 3, 3 * 64)

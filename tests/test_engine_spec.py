@@ -405,7 +405,7 @@ def test_exported_drafter_through_load_drafter(tmp_path):
     """The path `fledge generate --drafter DIR` takes: export, load with the target's
     embeddings, draft a tree; output still equals AR."""
     from fledge.checkpoint import export_checkpoint
-    from fledge.engine.cli import load_drafter
+    from fledge.engine.drafters import load_drafter
 
     hf, target, draft = tiny_setup("llama", vocab=12, seed=4)
     export_checkpoint(draft, tmp_path / "d", dtype=torch.float32)

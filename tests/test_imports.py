@@ -19,7 +19,8 @@ LAYERS = [
                                     "fledge.engine.model", "fledge.engine.resident", "fledge.engine.spec",
                                     "fledge.engine.stats", "fledge.engine.stream", "fledge.engine.tree"}),
     ("draft/target", {"fledge.draft", "fledge.layout", "fledge.target"}),
-    ("config/conventions/util", {"fledge", "fledge.catalog", "fledge.config", "fledge.conventions", "fledge.util"}),
+    ("config/conventions/util", {"fledge", "fledge.catalog", "fledge.config", "fledge.conventions", "fledge.util",
+                                 "fledge.openai_client"}),
 ]
 LAYER = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 

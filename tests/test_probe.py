@@ -39,7 +39,7 @@ def test_probe_on_smollm2_flags_a_random_drafter(tmp_path):
     from fledge.config import DraftConfig
     from fledge.engine.generate import SamplingParams, generate_ar
     from fledge.engine.model import build_engine_target
-    from fledge.engine.cli import eos_ids
+    from fledge.target import eos_ids
     from fledge.draft import Eagle3Draft
     from fledge.probe import probe_checks
     from fledge.target import load_target
@@ -56,6 +56,6 @@ def test_probe_on_smollm2_flags_a_random_drafter(tmp_path):
     engine = build_engine_target(t.model, torch.float32, "cpu")
     tokens = []
     for p in load_prompts("mtbench", 2, t.tokenizer):
-        tokens += generate_ar(engine, [p], SamplingParams(max_new_tokens=16), eos_ids(t.model, t.tokenizer))[0][0]
+        tokens += generate_ar(engine, [p], SamplingParams(max_new_tokens=16), eos_ids(t.tokenizer, t.model.generation_config))[0][0]
     share = sum(bool(draft.t2d[x]) for x in tokens) / len(tokens)
     assert f"{share:.3f} of {len(tokens)} generated" in checks["probe.coverage"].why

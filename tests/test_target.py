@@ -15,7 +15,7 @@ import transformers
 from conftest import FAMILIES, make_tiny
 from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, default_aux_layer_ids,
                                 validate_aux_layer_ids)
-from fledge.target import (BUILTINS, Builtin, capture, check_hf_dir, convert_gguf,
+from fledge.target import (BUILTINS, Builtin, capture, check_hf_dir, convert_gguf, encode_chat, eos_ids,
                            fetch_builtin_gguf, load_target, resolve_target)
 from fledge.util import FledgeError
 
@@ -108,6 +108,17 @@ def test_load_hf_dir(tmp_path):
         assert torch.allclose(target.model(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
     text = target.tokenizer.apply_chat_template([{"role": "user", "content": "w5 w7"}], tokenize=False)
     assert text == "<user>w5 w7</s>"
+
+
+def test_eos_ids_and_chat_encoding():
+    tok = tiny_tokenizer(20)
+    assert eos_ids(tok) == [1]
+    assert eos_ids(tok, transformers.GenerationConfig(eos_token_id=[7, 1])) == [1, 7]
+    assert eos_ids(tok, transformers.GenerationConfig(eos_token_id=4)) == [1, 4]
+    msgs = [{"role": "user", "content": "w5 w7"}]
+    assert encode_chat(tok, msgs) == tok("<user>w5 w7</s>")["input_ids"]
+    tok.chat_template = None
+    assert encode_chat(tok, msgs + [{"role": "assistant", "content": "w3"}]) == [5, 7, 3]
 
 
 @pytest.mark.parametrize("missing", ["config.json", "tokenizer.json", "chat_template"])

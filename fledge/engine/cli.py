@@ -5,38 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from fledge.catalog import FLOAT_DTYPES
-from fledge.engine.drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
+from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import build_engine_target
 from fledge.engine.spec import generate_spec, oracle_text
-from fledge.util import FledgeError, atomic_write_json, pick_device
-
-
-def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    name = name or ("bfloat16" if device.type == "cuda" else "float32")
-    if name not in FLOAT_DTYPES:
-        raise FledgeError(f"--dtype {name}: expected {', '.join(FLOAT_DTYPES)}")
-    return getattr(torch, name)
-
-
-def eos_ids(hf_model, tokenizer) -> list[int]:
-    """Every id that ends a turn: the generation config's (often a list) and the tokenizer's."""
-    ids = getattr(hf_model.generation_config, "eos_token_id", None)
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` in the target's chat template, ready for the assistant turn."""
-    if not tokenizer.chat_template:
-        return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
-    return list(enc["input_ids"])
+from fledge.target import encode_chat, eos_ids, load_target
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype
 
 
 def spec_config(num_steps: int, topk: int, num_draft_tokens: int | None) -> SpecConfig:
@@ -45,15 +19,6 @@ def spec_config(num_steps: int, topk: int, num_draft_tokens: int | None) -> Spec
             raise FledgeError("--num-draft-tokens is required for a tree (--topk > 1)")
         num_draft_tokens = num_steps + 1
     return SpecConfig(num_steps, topk, num_draft_tokens)
-
-
-def load_drafter(path: str, spec: SpecConfig, hf_model, engine_target, device, dtype,
-                 compile: bool = False, fast_topk: bool = True) -> Eagle3Drafter:
-    """`compile`, `fast_topk`: see Eagle3Drafter."""
-    from fledge.checkpoint import load_checkpoint
-
-    draft = load_checkpoint(path, embed_from=hf_model).eval().cast(device, dtype)
-    return Eagle3Drafter(draft, spec, engine_target, compile, fast_topk)
 
 
 def _messages(args) -> list[dict]:
@@ -70,8 +35,6 @@ def _messages(args) -> list[dict]:
 
 
 def run_generate(args) -> int:
-    from fledge.target import load_target
-
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     spec = spec_config(args.num_steps, args.topk, args.num_draft_tokens)
@@ -79,7 +42,7 @@ def run_generate(args) -> int:
     t = load_target(args.target, dtype=dtype, device=device)
     target = build_engine_target(t.model, dtype, device, compile=args.compile)
     prompt = encode_chat(t.tokenizer, _messages(args))
-    eos = eos_ids(t.model, t.tokenizer)
+    eos = eos_ids(t.tokenizer, t.model.generation_config)
     if args.drafter:
         drafter = load_drafter(args.drafter, spec, t.model, target, device, dtype, args.compile)
     elif args.oracle:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fledge.checkpoint import load_checkpoint
 from fledge.draft import Eagle3Draft
 from fledge.engine.model import one_off_attention
 from fledge.engine.tree import Tree, chain, select_tree, topk_by_max, topk_by_rank
@@ -302,3 +303,12 @@ class Eagle3Drafter:
         t = select_tree(root, torch.cat(cands, 1), torch.cat(scores, 1), torch.cat(parents, 1),
                         torch.cat(depths, 1), self.spec.num_draft_tokens, self.fast_topk)
         return t.tokens, t.parents, t.depth, t.anc
+
+
+def load_drafter(path: str, spec: SpecConfig, hf_model, engine_target, device, dtype,
+                 compile: bool = False, fast_topk: bool = True) -> Eagle3Drafter:
+    """The EAGLE-3 drafter of a checkpoint directory (either layout), its embeddings taken from
+    the target `hf_model`, cast to the engine's device and dtype. `compile`, `fast_topk`: see
+    Eagle3Drafter."""
+    draft = load_checkpoint(path, embed_from=hf_model).eval().cast(device, dtype)
+    return Eagle3Drafter(draft, spec, engine_target, compile, fast_topk)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from fledge.engine.attention import Prefix
-from fledge.util import FledgeError
+from fledge.catalog import FLOAT_DTYPES
+from fledge.util import FledgeError, parse_dtype
 
 
 @dataclass
@@ -363,18 +364,16 @@ def main(argv=None) -> int:
     p.add_argument("--selftest", action="store_true", required=True)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=FLOAT_DTYPES)
     p.add_argument("--batches", default="1,64,256", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's pointwise ops")
     a = p.parse_args(argv)
-    from fledge.target import load_target
+    from fledge.target import encode_chat, load_target
 
     target = load_target(a.target)
-    text = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Explain how a CUDA graph speeds up decoding."}], tokenize=False,
-        add_generation_prompt=True)
-    selftest(target.model, target.tokenizer(text)["input_ids"], getattr(torch, a.dtype), torch.device(a.device),
+    prompt = encode_chat(target.tokenizer, [{"role": "user", "content": "Explain how a CUDA graph speeds up decoding."}])
+    selftest(target.model, prompt, parse_dtype(a.dtype), torch.device(a.device),
              [int(b) for b in a.batches.split(",")], a.new_tokens, a.compile)
     return 0
 

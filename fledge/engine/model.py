@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from fledge.conventions import validate_aux_layer_ids
 from fledge.engine import few_rows as fr
 from fledge.engine.attention import Prefix, kernel_available, kernel_takes, prefix_attention
 from fledge.util import FledgeError
@@ -366,8 +367,8 @@ class Transformer(nn.Module):
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def _check_aux(self, aux_ids):
-        if aux_ids is not None and not all(0 <= i < self.args.n_layers for i in aux_ids):
-            raise FledgeError(f"aux ids {list(aux_ids)} out of range [0, {self.args.n_layers})")
+        if aux_ids is not None:
+            validate_aux_layer_ids(aux_ids, self.args.n_layers)
 
     def _run(self, fns: LayerFns, x, cos, sin, attention, aux_ids, logits_idx, hidden_only=False):
         """The layer stack; `attention(i, q, k, v)` is layer i's attention. Returns (logits [B, K, V]
