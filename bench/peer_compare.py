@@ -59,8 +59,8 @@ SHAPES = ((7, 1, 8), (5, 4, 16), (8, 8, 64))
 # Sizes of a full run, and of --quick (minutes on a 2-core CPU); every one has a flag.
 FULL = {"max_convs": None, "max_heldout": 479, "draft_vocab": 16384, "ttt_steps": 7, "max_len": 2048,
         "batch_size": 64, "num_prompts": 80, "max_new_tokens": 256}
-QUICK = {"max_convs": 48, "max_heldout": 8, "draft_vocab": 2048, "ttt_steps": 3, "max_len": 512,
-         "batch_size": 4, "num_prompts": 2, "max_new_tokens": 16}
+QUICK = {"max_convs": 16, "max_heldout": 4, "draft_vocab": 1024, "ttt_steps": 3, "max_len": 192,
+         "batch_size": 4, "num_prompts": 1, "max_new_tokens": 8}
 STEP_DECAY = 0.8  # loss weight of TTT step j is 0.8**j in both (fledge's default; speculators': --ttt-step-loss-decay)
 WARMUP = 0.03     # share of steps warming up, both (fledge's default; speculators': --scheduler-warmup-ratio)
 
