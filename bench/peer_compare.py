@@ -86,6 +86,7 @@ class Plan:
     total_seq_len: int = 0          # speculators packs a step's samples into this many tokens
     train_data_ratio: float = 0.0   # puts speculators' validation split exactly on the held-out rows
     samples: dict = dataclasses.field(default_factory=dict)  # tokenize's summary: train / heldout
+    available_convs: int = 0        # training conversations in --data (what --max-convs picks from)
 
     @classmethod
     def load(cls, workdir: Path) -> "Plan":
@@ -135,9 +136,10 @@ def conversations(path: Path) -> list[dict]:
         return [json.loads(line) for line in f.read().split("\n") if line.strip()]
 
 
-def pick_subset(files: list[Path], max_convs: int | None, max_heldout: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) rows: each set ordered by sha256 of "<file name>:<id>", so the subset
-    draws from every file and is the same on every machine; the first `max_*` of each."""
+def pick_subset(files: list[Path], max_convs: int | None, max_heldout: int) -> tuple[list[dict], list[dict], int]:
+    """(train, held-out, training rows available): each set ordered by sha256 of "<file
+    name>:<id>", so the subset draws from every file and is the same on every machine; the
+    first `max_*` of each."""
     rows = {"sharegpt": [], "sharegpt-heldout": []}
     for path in files:
         for rec in conversations(path):
@@ -147,7 +149,7 @@ def pick_subset(files: list[Path], max_convs: int | None, max_heldout: int) -> t
     train, held = (sorted(rows[s], key=lambda kv: kv[0]) for s in ("sharegpt", "sharegpt-heldout"))
     if not train or not held:
         raise FledgeError(f"{', '.join(map(str, files))}: needs rows with source 'sharegpt' and 'sharegpt-heldout'")
-    return [r for _, r in train[:max_convs]], [r for _, r in held[:max_heldout]]
+    return [r for _, r in train[:max_convs]], [r for _, r in held[:max_heldout]], len(train)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -183,7 +185,7 @@ def prepare(args, w: Path) -> Plan:
                 hidden_size=tcfg.hidden_size, aux_layer_ids=list(default_aux_layer_ids(tcfg.num_hidden_layers)), **pick)
     for d in ("data", "tok", "vocab", "spec_data"):
         shutil.rmtree(w / d, ignore_errors=True)
-    train, held = pick_subset([Path(p) for p in args.data], plan.max_convs, plan.max_heldout)
+    train, held, plan.available_convs = pick_subset([Path(p) for p in args.data], plan.max_convs, plan.max_heldout)
     write_jsonl(w / "data" / "subset.jsonl", train + held)
     first = Path(args.data[0])  # prompts for `measure`: the held-out first turns of one set, in its order
     write_jsonl(w / "data" / "heldout_prompts.jsonl",
@@ -211,12 +213,14 @@ def prepare(args, w: Path) -> Plan:
 
 
 # --------------------------------------------------------------------------- the trainers
-def steady_rate(steps: list[tuple[float, float]], skip: int) -> dict:
-    """Target tokens/s over per-step (tokens, seconds), the first `skip` left out (fewer if the
-    run is that short)."""
+def step_times(steps: list[tuple[float, float]], skip: int, wall: float) -> dict:
+    """From per-step (tokens, seconds): target tokens/s with the first `skip` steps left out
+    (fewer if the run is that short), and the seconds of the command that were not training
+    steps (start-up, loading, the held-out evaluation, saving)."""
     kept = steps[min(skip, max(len(steps) - 1, 0)):]
     tokens, seconds = sum(t for t, _ in kept), sum(s for _, s in kept)
-    return {"steps_timed": len(kept), "target_tok_s": tokens / seconds if seconds else float("nan")}
+    return {"steps_timed": len(kept), "target_tok_s": tokens / seconds if seconds else float("nan"),
+            "steps_s": sum(s for _, s in steps), "outside_steps_s": wall - sum(s for _, s in steps)}
 
 
 def train_fledge(args, plan: Plan, w: Path) -> dict:
@@ -234,7 +238,7 @@ def train_fledge(args, plan: Plan, w: Path) -> dict:
     steps = [(r["target_tokens"], r["seconds"]) for r in recs if r["kind"] == "train"]
     ev = [r for r in recs if r["kind"] == "eval"][-1]
     res = {"trainer": "fledge", "wall_s": wall, "steps": len(steps), "target_tokens": sum(t for t, _ in steps),
-           **steady_rate(steps, args.skip_steps), "drafter": str(out / "draft"),
+           **step_times(steps, args.skip_steps, wall), "drafter": str(out / "draft"),
            "heldout": {"acc": ev["acc"], "loss": ev["loss"], "accept_len_simulated": ev["accept_len"],
                        "replay_accept_len": ev.get("replay_accept_len")},
            "command": cmd}
@@ -280,7 +284,7 @@ def train_peer(args, plan: Plan, w: Path) -> dict:
     run(fledge_cmd("import", out / "checkpoints" / "0", draft, "--target", plan.target_dir),
         w / "logs" / "import-peer.log", fledge_env())
     res = {"trainer": "speculators", "wall_s": wall, "steps": len(steps), "target_tokens": round(sum(t for t, _ in steps)),
-           **steady_rate(steps, args.skip_steps), "drafter": str(draft),
+           **step_times(steps, args.skip_steps, wall), "drafter": str(draft),
            "heldout": {"acc": [val[f"full_acc_{j}_epoch"] for j in range(k)], "cond_acc": cond,
                        "loss": [val[f"loss_{j}_epoch"] for j in range(k)],
                        "accept_len_simulated": 1 + sum(math.prod(cond[:j + 1]) for j in range(k))},
@@ -371,20 +375,30 @@ def feature_bytes(plan: Plan) -> dict:
             "fledge_online_default": "no features stored: the target runs in each training step"}
 
 
-def h200_sizing(train: dict, plan: Plan, seconds: float = 240.0) -> dict | None:
-    """A training set sized for `seconds` of each trainer's steps on one H200: fledge's step rate
-    there (bench/results/profile_train_h200.json) scaled by the speculators/fledge rate ratio
-    measured here. An estimate: the ratio on a GPU need not be the ratio on a CPU."""
-    prof = RESULTS / "profile_train_h200.json"
-    if not prof.is_file() or not {"fledge", "speculators"} <= train.keys():
+def sizing(train: dict, plan: Plan, machine: str, seconds: float) -> dict | None:
+    """--max-convs for a full run whose slower trainer spends `seconds` in training steps on one
+    H200. Measured on a GPU, each trainer's own rate is used; measured on the CPU, fledge's
+    step rate on an H200 (bench/results/profile_train_h200.json, a random-weight step of the
+    full run's shape) is scaled by the speculators/fledge ratio measured here, an estimate:
+    speculators' per-sample HF target forwards cost a GPU relatively more than a CPU."""
+    if not {"fledge", "speculators"} <= train.keys():
         return None
-    fledge_h200 = json.loads(prof.read_text())["variants"][-1]["target_tok_s"]
-    ratio = train["speculators"]["target_tok_s"] / train["fledge"]["target_tok_s"]
-    slower = fledge_h200 * min(1.0, ratio)
+    rates = {who: r["target_tok_s"] for who, r in train.items()}
+    out = {"seconds": seconds, "measured_here": dict(rates)}
+    if machine == "cpu":
+        prof = RESULTS / "profile_train_h200.json"
+        if not prof.is_file():
+            return None
+        h200 = json.loads(prof.read_text())["variants"][-1]["target_tok_s"]
+        ratio = rates["speculators"] / rates["fledge"]
+        rates = {"fledge": h200, "speculators": h200 * ratio}
+        out |= {"basis": f"{prof.name} scaled by the speculators/fledge ratio measured here ({ratio:.3f})"}
+    else:
+        out["basis"] = f"rates measured on {machine}"
     per_conv = plan.samples["train"]["tokens"] / plan.samples["train"]["samples"]
-    return {"seconds": seconds, "fledge_h200_target_tok_s": fledge_h200, "speculators_over_fledge_here": ratio,
-            "speculators_h200_target_tok_s_estimate": fledge_h200 * ratio,
-            "max_convs": int(seconds * slower / per_conv), "tokens_per_conversation_here": per_conv}
+    convs = int(seconds * min(rates.values()) / per_conv)
+    return {**out, "h200_target_tok_s": rates, "tokens_per_conversation": per_conv,
+            "max_convs": min(convs, plan.available_convs), "available_convs": plan.available_convs}
 
 
 def report(args, plan: Plan, w: Path) -> dict:
@@ -397,7 +411,7 @@ def report(args, plan: Plan, w: Path) -> dict:
     machine = meas["machine"] if meas else machine_name("cuda" if torch.cuda.is_available() else "cpu")
     out = {"machine": machine, "quick": plan.quick, "plan": dataclasses.asdict(plan), "training": train,
            "measure": meas, "vllm": vl, "feature_bytes": feature_bytes(plan), "differences": DIFFERENCES,
-           "h200_sizing": h200_sizing(train, plan) if machine == "cpu" else None,
+           "sizing": sizing(train, plan, machine, args.train_seconds),
            "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step"}
     print(f"\n{plan.samples['train']['samples']} training samples, {plan.samples['heldout']['samples']} held out; "
           f"draft vocab {plan.draft_vocab}, TTT {plan.ttt_steps}, lr {plan.lr}; machine {machine}")
@@ -423,10 +437,11 @@ def report(args, plan: Plan, w: Path) -> dict:
     fb = out["feature_bytes"]
     print(f"\nstored features a token (bf16): fledge {fb['bytes_per_token']['fledge']} B, "
           f"speculators {fb['bytes_per_token']['speculators']} B; fledge trains online by default")
-    if out["h200_sizing"]:
-        s = out["h200_sizing"]
-        print(f"H200 estimate: speculators at {s['speculators_over_fledge_here']:.2f}x fledge's rate -> --max-convs "
-              f"{s['max_convs']} for {s['seconds']:.0f} s of the slower trainer's steps")
+    if out["sizing"]:
+        s = out["sizing"]
+        print(f"one H200 ({s['basis']}): fledge {s['h200_target_tok_s']['fledge']:,.0f}, speculators "
+              f"{s['h200_target_tok_s']['speculators']:,.0f} target tok/s -> --max-convs {s['max_convs']} for "
+              f"{s['seconds']:.0f} s of the slower trainer's steps")
     path = result_path("peer_compare", machine, "quick" if plan.quick else "")
     atomic_write_json(path, out)
     print(f"wrote {path}")
@@ -455,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the python that imports speculators 0.9.0 (default: this one)")
     t.add_argument("--peer-workers", type=int, default=0, help="speculators' data loader workers (each loads the target)")
     t.add_argument("--skip-steps", type=int, default=2, help="first steps left out of each trainer's tok/s")
+    t.add_argument("--train-seconds", type=float, default=240.0,
+                   help="report: size --max-convs for this many seconds of the slower trainer's steps on an H200")
     t.add_argument("--device", help="fledge's device (default cuda if available); speculators takes the accelerator")
     m = p.add_argument_group("measure, vllm")
     m.add_argument("--num-prompts", type=int, help=f"prompts a set (default full {FULL['num_prompts']}, quick "

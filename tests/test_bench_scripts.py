@@ -218,14 +218,13 @@ def test_peer_compare_subset_and_vocab_files(tmp_path):
         files.append(tmp_path / f"regen_s{s}.jsonl.gz")
         with gzip.open(files[-1], "wt") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
-    train, held = peer_compare.pick_subset(files, 10, 4)
+    train, held, available = peer_compare.pick_subset(files, 10, 4)
     again = peer_compare.pick_subset(files[::-1], 10, 4)
-    assert (train, held) == again
+    assert (train, held, available) == again
     assert len(train) == 10 and len(held) == 4 and len({r["id"] for r in train + held}) == 14
     assert {r["source"] for r in train} == {"sharegpt"} and {r["source"] for r in held} == {"sharegpt-heldout"}
     assert len({r["id"].split(":")[0] for r in train}) > 1  # drawn from more than one set
-    everything, _ = peer_compare.pick_subset(files, None, 1)
-    assert len(everything) == 45  # 15 training rows a set
+    assert available == 45 and len(peer_compare.pick_subset(files, None, 1)[0]) == 45  # 15 training rows a set
 
     ids = torch.tensor(sorted(random.sample(range(500), 37)))
     save_vocab(tmp_path / "v.safetensors", ids, 500, {})
