@@ -317,7 +317,8 @@ def measure(args, plan: Plan, w: Path) -> dict:
                 stats, tok_s = run_shape(r, r.drafter(SpecConfig(*shape)), prompts, m, f"{name} {who} {shape}")
                 s = stats.summary()
                 rows.append({"drafter": who, "shape": list(shape), "accept_length": s["accept_length"], "tok_s": tok_s,
-                             "speedup": tok_s / ar["tok_s"], "depth_acceptance": s["depth_acceptance"]})
+                             "speedup": tok_s / ar["tok_s"], "depth_acceptance": s["depth_acceptance"],
+                             "verify_steps": s["verify_steps"], "generated_tokens": s["generated_tokens"]})
                 print(f"{name:<8} {who:<12} {str(shape):<12} accept {s['accept_length']:.3f}  {tok_s:8.1f} tok/s "
                       f"({tok_s / ar['tok_s']:.2f}x plain)", flush=True)
         out["sets"][name] = {"prompts": len(prompts), "ar": ar, "rows": rows}
