@@ -170,6 +170,22 @@ def write_vocab_npy(vocab: Path, out: Path, size: int) -> tuple[Path, Path]:
     return d2t, t2d
 
 
+def write_samples(src: Path, dst: Path, max_len: int, vocab: int, multiple: int = 1) -> dict:
+    """The samples of `src` that fledge's loader keeps, the first multiple of `multiple` of them,
+    to `dst`: both trainers then read every sample of one file, and with `multiple` = fledge's
+    batch, fledge's epoch drops none (it drops a last partial batch; speculators packs them all)."""
+    from fledge.features import load_samples
+
+    kept = load_samples(src, max_len, vocab)
+    used = kept[:len(kept) // multiple * multiple]
+    if not used:
+        raise FledgeError(f"{src}: {len(kept)} samples, fewer than one batch of {multiple}")
+    write_jsonl(dst, [{"id": x.id, "input_ids": x.input_ids.tolist(), "loss_mask": x.loss_mask.int().tolist()}
+                      for x in used])
+    return {"samples": len(used), "tokens": sum(len(x.input_ids) for x in used),
+            "trained_tokens": int(sum(x.loss_mask.sum() for x in used)), "left_out": len(kept) - len(used)}
+
+
 def prepare(args, w: Path) -> Plan:
     from transformers import AutoConfig
 
@@ -192,18 +208,21 @@ def prepare(args, w: Path) -> Plan:
                 [r for r in conversations(first) if r.get("source") == "sharegpt-heldout"])
     run(fledge_cmd("tokenize", w / "data" / "subset.jsonl", "-o", w / "tok", "--tokenizer", target_dir,
                    "--max-len", plan.max_len, "--workers", args.workers), w / "logs" / "tokenize.log", fledge_env())
-    plan.samples = {k: v for k, v in json.loads((w / "tok" / "summary.json").read_text()).items()
-                    if k in ("train", "heldout")}
-    run(fledge_cmd("vocab", "build", w / "tok" / "train.tok.jsonl", "--size", plan.draft_vocab, "--target", target_dir,
-                   "--heldout", w / "tok" / "heldout.tok.jsonl", "-o", w / "vocab" / "vocab.safetensors"),
-        w / "logs" / "vocab.log", fledge_env())
+    plan.samples = {name: write_samples(w / "tok" / f"{name}.tok.jsonl", w / "tok" / f"{name}.used.jsonl", plan.max_len,
+                                        tcfg.vocab_size, plan.batch_size if name == "train" else 1)
+                    for name in ("train", "heldout")}
+    train_file, held_file = w / "tok" / "train.used.jsonl", w / "tok" / "heldout.used.jsonl"
+    run(fledge_cmd("vocab", "build", train_file, "--size", plan.draft_vocab, "--target", target_dir,
+                   "--heldout", held_file, "-o", w / "vocab" / "vocab.safetensors"), w / "logs" / "vocab.log", fledge_env())
     write_vocab_npy(w / "vocab" / "vocab.safetensors", w / "vocab", plan.draft_vocab)
-    run([args.peer_python, str(PEER / "dataset.py"), str(w / "tok" / "train.tok.jsonl"),
-         str(w / "tok" / "heldout.tok.jsonl"), str(w / "spec_data")], w / "logs" / "dataset.log")
+    run([args.peer_python, str(PEER / "dataset.py"), str(train_file), str(held_file), str(w / "spec_data")],
+        w / "logs" / "dataset.log")
     counts = json.loads((w / "logs" / "dataset.log").read_text().strip().splitlines()[-1])
+    if (counts["train"], counts["heldout"]) != (plan.samples["train"]["samples"], plan.samples["heldout"]["samples"]):
+        raise FledgeError(f"{w / 'spec_data'}: {counts} rows, not the samples written ({plan.samples})")
     plan.train_data_ratio = counts["train_data_ratio"]
     # As many tokens a step as fledge's batch holds on average, and never fewer than one sample.
-    mean = plan.samples["train"]["mean_len"]
+    mean = plan.samples["train"]["tokens"] / plan.samples["train"]["samples"]
     plan.total_seq_len = max(plan.max_len, 64 * math.ceil(plan.batch_size * mean / 64))
     atomic_write_json(w / "plan.json", dataclasses.asdict(plan))
     print(f"plan: {plan.samples['train']['samples']} training samples ({plan.samples['train']['tokens']:,} tokens), "
@@ -227,7 +246,7 @@ def train_fledge(args, plan: Plan, w: Path) -> dict:
     out = w / "fledge"
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: `fledge train` would resume a checkpoint
     never = 10 ** 9  # eval and save only at the end (every run evaluates and saves its last step)
-    cmd = fledge_cmd("train", "--data", w / "tok" / "train.tok.jsonl", "--eval-data", w / "tok" / "heldout.tok.jsonl",
+    cmd = fledge_cmd("train", "--data", w / "tok" / "train.used.jsonl", "--eval-data", w / "tok" / "heldout.used.jsonl",
                      "--vocab", w / "vocab" / "vocab.safetensors", "--target", plan.target_dir, "--out", out,
                      "--epochs", 1, "--batch-size", plan.batch_size, "--ttt-steps", plan.ttt_steps,
                      "--step-decay", STEP_DECAY, "--warmup", WARMUP, "--max-len", plan.max_len, "--lr", plan.lr,
@@ -402,6 +421,22 @@ def sizing(train: dict, plan: Plan, machine: str, seconds: float) -> dict | None
             "max_convs": min(convs, plan.available_convs), "available_convs": plan.available_convs}
 
 
+def portable(obj, peer_python: str):
+    """`obj` with this machine's paths spelled as on any other: this checkout's relative,
+    `$FLEDGE_CACHE/...`, `python` and `PEER_PYTHON` for the two interpreters."""
+    from fledge.util import cache_dir
+
+    if isinstance(obj, dict):
+        return {k: portable(v, peer_python) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [portable(v, peer_python) for v in obj]
+    if isinstance(obj, str):
+        if obj in (sys.executable, peer_python):
+            return "python" if obj == sys.executable else "PEER_PYTHON"
+        return obj.replace(f"{REPO}{os.sep}", "").replace(str(cache_dir()), "$FLEDGE_CACHE")
+    return obj
+
+
 def report(args, plan: Plan, w: Path) -> dict:
     def load(name):
         p = w / name
@@ -444,7 +479,8 @@ def report(args, plan: Plan, w: Path) -> dict:
               f"{s['h200_target_tok_s']['speculators']:,.0f} target tok/s -> --max-convs {s['max_convs']} for "
               f"{s['seconds']:.0f} s of the slower trainer's steps")
     path = result_path("peer_compare", machine, "quick" if plan.quick else "")
-    atomic_write_json(path, out)
+    out["plan"]["data"] = [Path(p).name for p in plan.data]  # where the files lie is this machine's business
+    atomic_write_json(path, portable(out, args.peer_python))
     print(f"wrote {path}")
     return out
 

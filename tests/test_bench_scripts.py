@@ -231,3 +231,19 @@ def test_peer_compare_subset_and_vocab_files(tmp_path):
     d2t, t2d = peer_compare.write_vocab_npy(tmp_path / "v.safetensors", tmp_path, 37)
     assert torch.equal(target_ids_from_d2t(torch.from_numpy(np.load(d2t)), 500), load_vocab_ids(tmp_path / "v.safetensors")[0])
     assert np.load(t2d).dtype == bool and np.flatnonzero(np.load(t2d)).tolist() == ids.tolist()
+
+
+def test_peer_compare_samples_are_fledges_kept_ones_in_whole_batches(tmp_path):
+    """Both trainers read one file of samples: those fledge's loader keeps (a sample with no
+    trained token after position 1 is left out), cut to whole batches of fledge's epoch."""
+    import peer_compare
+    from fledge.features import load_samples
+
+    rows = [{"id": f"s{i}", "input_ids": list(range(i + 3)), "loss_mask": [0, 1] + [int(i % 3 != 0)] * (i + 1)}
+            for i in range(11)]  # s0, s3, s6, s9 train nothing after position 1
+    (tmp_path / "t.tok.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = peer_compare.write_samples(tmp_path / "t.tok.jsonl", tmp_path / "used.jsonl", 64, 100, multiple=3)
+    used = load_samples(tmp_path / "used.jsonl", 64, 100)
+    assert [s.id for s in used] == ["s1", "s2", "s4", "s5", "s7", "s8"]  # 7 kept, 6 = two batches of 3
+    assert got == {"samples": 6, "tokens": sum(len(s.input_ids) for s in used),
+                   "trained_tokens": sum(int(s.loss_mask.sum()) for s in used), "left_out": 1}

@@ -1,7 +1,10 @@
 """fledge's tokenized samples -> the dataset speculators' trainer reads, so both train on the
 same ids and loss masks.
 
-    python bench/peer/dataset.py TRAIN.tok.jsonl HELDOUT.tok.jsonl OUT_DIR
+    python bench/peer/dataset.py TRAIN.jsonl HELDOUT.jsonl OUT_DIR
+
+The inputs are what `fledge tokenize` writes ({"input_ids", "loss_mask"} a line), every row
+taken: bench/peer_compare.py gives it the samples fledge's own loader keeps.
 
 OUT_DIR is what `speculators prepare-data` writes (`datasets` save_to_disk, torch format,
 columns input_ids, loss_mask, seq_len): the training rows first, then the held-out rows, each in
@@ -17,15 +20,12 @@ import sys
 
 
 def samples(path: str):
-    """(input_ids, loss_mask) of each sample fledge's trainer keeps: it leaves out a sample with
-    no trained token after position 1 (the first prediction a draft is trained on is x_2)."""
+    """(input_ids, loss_mask) of every sample in a tokenized JSONL, in file order."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 rec = json.loads(line)
-                mask = [int(m) for m in rec["loss_mask"]]
-                if any(mask[2:]):
-                    yield rec["input_ids"], mask
+                yield rec["input_ids"], [int(m) for m in rec["loss_mask"]]
 
 
 def main(argv: list[str]) -> int:
