@@ -9,8 +9,10 @@ writing files under --workdir, so a step can be rerun on its own:
   prepare       a deterministic subset of the conversations in --data (rows whose source is
                 `sharegpt` train, `sharegpt-heldout` rows are held out; each set ordered by a hash
                 of file name and id, the first --max-convs / --max-heldout taken), then `fledge
-                tokenize`, `fledge vocab build`, the d2t/t2d .npy files speculators reads, and the
-                same samples as speculators' dataset (bench/peer/dataset.py, in --peer-python).
+                tokenize`; the samples fledge's loader keeps, the training ones cut to whole batches
+                of fledge's, become the one file both trainers read (as speculators' dataset:
+                bench/peer/dataset.py, in --peer-python); `fledge vocab build` on them, and its
+                d2t/t2d as the .npy files speculators reads.
                 The target is resolved to its HF directory (a GGUF is converted once into
                 $FLEDGE_CACHE/models): speculators loads it as its verifier. Writes plan.json.
   train-fledge  `fledge train`, one epoch, evaluated on the held-out samples at the end.
@@ -26,7 +28,7 @@ writing files under --workdir, so a step can be rerun on its own:
   report        the tables, and bench/results/peer_compare_<machine>.json (`_quick` with --quick).
 
 Each trainer's wall time is its whole command (start-up, target load, the epoch, the held-out
-evaluation, the export); its target tok/s is target tokens over the seconds of its training
+evaluation, saving; not `fledge import`); its target tok/s is target tokens over the seconds of its training
 steps after the first --skip-steps (compilation and warm-up), from its own per-step log.
 Accept length is SGLang's: (accepted drafts + 1 bonus) per verify step.
 """
@@ -396,8 +398,9 @@ def feature_bytes(plan: Plan) -> dict:
 
 
 def sizing(train: dict, plan: Plan, machine: str, seconds: float) -> dict | None:
-    """--max-convs for a full run whose slower trainer spends `seconds` in training steps on one
-    H200. Measured on a GPU, each trainer's own rate is used; measured on the CPU, fledge's
+    """The target tokens, and --max-convs (from this run's tokens a sample; not for --quick,
+    whose samples are cut short), that the slower trainer's steps get through in `seconds` on
+    one H200. Measured on a GPU, each trainer's own rate is used; measured on the CPU, fledge's
     step rate on an H200 (bench/results/profile_train_h200.json, a random-weight step of the
     full run's shape) is scaled by the speculators/fledge ratio measured here, an estimate:
     speculators' per-sample HF target forwards cost a GPU relatively more than a CPU."""
@@ -415,10 +418,12 @@ def sizing(train: dict, plan: Plan, machine: str, seconds: float) -> dict | None
         out |= {"basis": f"{prof.name} scaled by the speculators/fledge ratio measured here ({ratio:.3f})"}
     else:
         out["basis"] = f"rates measured on {machine}"
+    tokens = seconds * min(rates.values())
+    out |= {"h200_target_tok_s": rates, "target_tokens": tokens, "available_convs": plan.available_convs}
+    if plan.quick:  # its samples are cut short: their length says nothing of a full run's
+        return {**out, "max_convs": None}
     per_conv = plan.samples["train"]["tokens"] / plan.samples["train"]["samples"]
-    convs = int(seconds * min(rates.values()) / per_conv)
-    return {**out, "h200_target_tok_s": rates, "tokens_per_conversation": per_conv,
-            "max_convs": min(convs, plan.available_convs), "available_convs": plan.available_convs}
+    return {**out, "tokens_per_conversation": per_conv, "max_convs": min(int(tokens / per_conv), plan.available_convs)}
 
 
 def portable(obj, peer_python: str):
@@ -475,9 +480,10 @@ def report(args, plan: Plan, w: Path) -> dict:
           f"speculators {fb['bytes_per_token']['speculators']} B; fledge trains online by default")
     if out["sizing"]:
         s = out["sizing"]
+        convs = f" = --max-convs {s['max_convs']}" if s["max_convs"] else ""
         print(f"one H200 ({s['basis']}): fledge {s['h200_target_tok_s']['fledge']:,.0f}, speculators "
-              f"{s['h200_target_tok_s']['speculators']:,.0f} target tok/s -> --max-convs {s['max_convs']} for "
-              f"{s['seconds']:.0f} s of the slower trainer's steps")
+              f"{s['h200_target_tok_s']['speculators']:,.0f} target tok/s: {s['seconds']:.0f} s of the slower "
+              f"trainer's steps hold {s['target_tokens']:,.0f} target tokens{convs}")
     path = result_path("peer_compare", machine, "quick" if plan.quick else "")
     out["plan"]["data"] = [Path(p).name for p in plan.data]  # where the files lie is this machine's business
     atomic_write_json(path, portable(out, args.peer_python))
