@@ -80,7 +80,7 @@ class HFBackend(HiddenStatesBackend):
         from speculators.models.utils import resolve_target_layer_ids
 
         ids = resolve_target_layer_ids(args.target_layer_ids, args.verifier_name_or_path)
-        return HFTransfer(data_path, args.verifier_name_or_path, ids, getattr(args, "hf_target_dtype", None))
+        return HFTransfer(data_path, args.verifier_name_or_path, ids, args.hf_target_dtype)
 
     @staticmethod
     def build_kv_transfer_config(args):
