@@ -673,7 +673,7 @@ def train(cfg: TrainConfig, target, clock=time.monotonic, begun: float | None = 
             if done % cfg.log_every == 0 or done == run.total_steps:
                 dt = time.perf_counter() - t0
                 new.append(record("train", done, summarize(window), cfg.step_decay, lr=run.sched.get_last_lr()[0],
-                                  target_tok_s=tokens / dt))
+                                  target_tok_s=tokens / dt, target_tokens=tokens, seconds=dt))
                 bar.set_postfix(loss=f"{new[-1]['objective']:.3f}", acc0=f"{new[-1]['acc'][0]:.2f}",
                                 tok_s=f"{tokens / dt:.0f}")
                 t0, tokens, window = time.perf_counter(), 0, torch.zeros_like(window)

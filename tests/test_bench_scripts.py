@@ -195,3 +195,55 @@ def test_result_files_are_named_by_benchmark_and_machine(monkeypatch):
     files = list(RESULTS.iterdir())
     assert files and all(p.suffix in (".json", ".png") and p.stem.split("_")[-1] in
                          {"cpu", "h200", "h200x2", "fp32", "hf", "oracle"} for p in files), files
+
+
+def test_peer_compare_subset_and_vocab_files(tmp_path):
+    """The comparison's subset is fixed by file names and ids, not by the order the files are
+    given; held-out rows never train; and speculators' d2t/t2d .npy files map the draft vocab to
+    the same target ids as fledge's vocab file."""
+    import gzip
+
+    import numpy as np
+    import torch
+
+    import peer_compare
+    from fledge.conventions import target_ids_from_d2t
+    from fledge.vocab import load_vocab_ids, save_vocab
+
+    files = []
+    for s in range(3):
+        rows = [{"id": f"c{i}", "source": "sharegpt-heldout" if i % 4 == 0 else "sharegpt",
+                 "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{s}.{i}"}]}
+                for i in range(20)]
+        files.append(tmp_path / f"regen_s{s}.jsonl.gz")
+        with gzip.open(files[-1], "wt") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+    train, held, available = peer_compare.pick_subset(files, 10, 4)
+    again = peer_compare.pick_subset(files[::-1], 10, 4)
+    assert (train, held, available) == again
+    assert len(train) == 10 and len(held) == 4 and len({r["id"] for r in train + held}) == 14
+    assert {r["source"] for r in train} == {"sharegpt"} and {r["source"] for r in held} == {"sharegpt-heldout"}
+    assert len({r["id"].split(":")[0] for r in train}) > 1  # drawn from more than one set
+    assert available == 45 and len(peer_compare.pick_subset(files, None, 1)[0]) == 45  # 15 training rows a set
+
+    ids = torch.tensor(sorted(random.sample(range(500), 37)))
+    save_vocab(tmp_path / "v.safetensors", ids, 500, {})
+    d2t, t2d = peer_compare.write_vocab_npy(tmp_path / "v.safetensors", tmp_path, 37)
+    assert torch.equal(target_ids_from_d2t(torch.from_numpy(np.load(d2t)), 500), load_vocab_ids(tmp_path / "v.safetensors")[0])
+    assert np.load(t2d).dtype == bool and np.flatnonzero(np.load(t2d)).tolist() == ids.tolist()
+
+
+def test_peer_compare_samples_are_fledges_kept_ones_in_whole_batches(tmp_path):
+    """Both trainers read one file of samples: those fledge's loader keeps (a sample with no
+    trained token after position 1 is left out), cut to whole batches of fledge's epoch."""
+    import peer_compare
+    from fledge.features import load_samples
+
+    rows = [{"id": f"s{i}", "input_ids": list(range(i + 3)), "loss_mask": [0, 1] + [int(i % 3 != 0)] * (i + 1)}
+            for i in range(11)]  # s0, s3, s6, s9 train nothing after position 1
+    (tmp_path / "t.tok.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = peer_compare.write_samples(tmp_path / "t.tok.jsonl", tmp_path / "used.jsonl", 64, 100, multiple=3)
+    used = load_samples(tmp_path / "used.jsonl", 64, 100)
+    assert [s.id for s in used] == ["s1", "s2", "s4", "s5", "s7", "s8"]  # 7 kept, 6 = two batches of 3
+    assert got == {"samples": 6, "tokens": sum(len(s.input_ids) for s in used),
+                   "trained_tokens": sum(int(s.loss_mask.sum()) for s in used), "left_out": 1}
