@@ -193,18 +193,23 @@ def bench_server(cfg: ServerBench) -> list[dict]:
 # --------------------------------------------------------------------------- fledge's engine
 class RankProbe:
     """Wraps an EAGLE-3 drafter to record, for every verify round, the sibling rank of each
-    node on the accepted path: `reached[d]` counts rounds whose path reached an expanded node
-    at depth d-1, `hits[d][r]` those where its rank-r child was accepted. Give it a full tree
-    (num_draft_tokens = max_nodes): then a node's children are all kept, in the drafter's rank
-    order. Eager on purpose (`device_only` False): recording needs the host between propose
-    and observe."""
+    node on the accepted path, in two tables by where the path stands: on the spine (every
+    node so far the drafter's top guess, the path a chain drafts) or off it. `reached[t][d]`
+    counts rounds whose path reached an expanded node at depth d-1 with spine status t (1 on
+    the spine, 0 off it), `hits[t][d][r]` those where its rank-r child was accepted. Agreement
+    is correlated along the greedy path, so one table over both would under-predict chains.
+    Give it a full tree (num_draft_tokens = max_nodes): then a node's children are all kept,
+    in the drafter's rank order. Eager on purpose (`device_only` False): recording needs the
+    host between propose and observe."""
 
     device_only = False
 
     def __init__(self, drafter):
         self.inner, self.spec, self.aux_ids = drafter, drafter.spec, drafter.aux_ids
         K, S = self.spec.topk, self.spec.num_steps
-        self.reached, self.hits, self.tree = [0] * S, [[0] * K for _ in range(S)], None
+        self.reached = [[0] * S for _ in range(2)]
+        self.hits = [[[0] * K for _ in range(S)] for _ in range(2)]
+        self.tree = None
 
     def start(self, batch, max_len):
         self.tree = None
@@ -221,20 +226,31 @@ class RankProbe:
 
     def _record(self, path: list[int], n: int) -> None:
         toks, parents = self.tree.tokens[0].tolist(), self.tree.parents[0].tolist()
-        node = 0
-        for d in range(len(self.reached)):
+        node, spine = 0, 1
+        for d in range(len(self.reached[0])):
             kids = [j for j in range(1, len(toks)) if parents[j] == node]  # siblings in rank order
             if not kids:
                 return
-            self.reached[d] += 1
+            self.reached[spine][d] += 1
             match = [j for j in kids if d + 1 < n and toks[j] == path[d + 1]]
             if not match:
                 return
-            self.hits[d][kids.index(match[0])] += 1
-            node = match[0]
+            rank = kids.index(match[0])
+            self.hits[spine][d][rank] += 1
+            node, spine = match[0], spine and rank == 0
 
-    def profile(self) -> list[list[float]]:
-        return [[h / r if r else 0.0 for h in row] for row, r in zip(self.hits, self.reached)]
+    def profile(self) -> dict[str, list[list[float]]]:
+        """{"spine": rows for spine parents, "ranks": rows for the others}. A row nothing
+        reached (depth 1 off the spine, always; deep rows in short probes) takes both tables'
+        counts pooled, so it says what the probe saw rather than "never accepted"."""
+        pooled = [[a + b for a, b in zip(h0, h1)] for h0, h1 in zip(*self.hits)]
+        pooled_n = [a + b for a, b in zip(*self.reached)]
+
+        def rows(t):
+            return [[h / r for h in row] if r else [h / m if m else 0.0 for h in prow]
+                    for row, r, prow, m in zip(self.hits[t], self.reached[t], pooled, pooled_n)]
+
+        return {"spine": rows(1), "ranks": rows(0)}
 
 
 @dataclass
@@ -342,35 +358,41 @@ def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str):
     return stats, decode_tok_s
 
 
-def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20) -> dict[int, float]:
+def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warmup: int = 3) -> dict[int, float]:
     """Target forward time for n tokens verified per round (a chain of n, the engine's verify
-    path, as a CUDA graph where the engine uses one), at `context` tokens already cached."""
+    path, as a CUDA graph where the engine uses one), at `context` tokens already cached. Every
+    size is built and warmed before any is timed, then the sizes take turns, `iters` times
+    over: a clock or cache state that drifts during the measurement lands on all of them
+    alike, and the median per size drops a stray slow call."""
     import torch
 
     from fledge.engine import spec
     from fledge.engine.tree import chain
 
-    out, dev = {}, rig.device
-    for n in tqdm(sizes, desc="verify timing", leave=False):
+    dev, calls = rig.device, {}
+    for n in sizes:
         cache = rig.target.new_cache(1, -(-(context + n) // 64) * 64)
         cache_len = torch.tensor([context], device=dev)
-        tokens = torch.zeros(1, n - 1, dtype=torch.long, device=dev)
-        tree = chain(torch.zeros(1, dtype=torch.long, device=dev), tokens)
+        tree = chain(torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, n - 1, dtype=torch.long, device=dev))
 
         def fn(tok, cl, tree=tree, cache=cache):
             return spec.verify_forward(rig.target, cache, tree, cl, rig.draft.cfg.aux_layer_ids)
 
-        graph = dev.type == "cuda" and getattr(rig.target, "cuda_graph_ok", False) and hasattr(spec, "static_call")
+        graph = dev.type == "cuda" and rig.target.cuda_graph_ok
         call = spec.static_call(fn, [tree.tokens, cache_len], graph) if graph else fn
-        times = []
-        for i in range(iters + 3):
+        calls[n] = (call, tree.tokens, cache_len)
+    for call, tokens, cache_len in tqdm(calls.values(), desc="verify warm-up", leave=False):
+        for _ in range(warmup):
+            call(tokens, cache_len)
+    times = {n: [] for n in calls}
+    for _ in tqdm(range(iters), desc="verify timing", leave=False):
+        for n, (call, tokens, cache_len) in calls.items():
             _sync(dev)
             t0 = time.perf_counter()
-            call(tree.tokens, cache_len)
+            call(tokens, cache_len)
             _sync(dev)
-            times.append(1e3 * (time.perf_counter() - t0))
-        out[n] = statistics.median(times[3:])
-    return out
+            times[n].append(1e3 * (time.perf_counter() - t0))
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def _sync(device) -> None:
@@ -403,15 +425,16 @@ def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int, contex
 
 
 def probe_profile(rig: EngineRig, prompts, num_steps: int, topk: int, max_new_tokens: int) -> dict:
-    """Acceptance by depth and sibling rank from a full tree (every candidate verified)."""
+    """Acceptance by depth and sibling rank from a full tree (every candidate verified), on the
+    spine and off it (RankProbe)."""
     from fledge.engine.drafters import SpecConfig
 
     full = SpecConfig(num_steps, topk, 1 + topk + (num_steps - 1) * topk ** 2 if topk > 1 else num_steps + 1)
     probe = RankProbe(rig.drafter(full))
     run_shape(rig, probe, prompts, max_new_tokens, "acceptance probe")
     # Every round the probe saw counts, the untimed warm-up included: its acceptance is as real.
-    return {"ranks": probe.profile(), "reached": probe.reached, "rounds": probe.reached[0],
-            "probe_shape": [full.num_steps, full.topk, full.num_draft_tokens]}
+    return {**probe.profile(), "reached_spine": probe.reached[1], "reached": probe.reached[0],
+            "rounds": probe.reached[1][0], "probe_shape": [full.num_steps, full.topk, full.num_draft_tokens]}
 
 
 def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
@@ -464,7 +487,9 @@ def _engine_bench(args) -> dict:
     out = {"ar": ar, "results": results}
     if args.probe:
         out["profile"] = probe_profile(rig, prompts, args.probe_steps, args.probe_topk, args.max_new_tokens)
-        print("acceptance by depth/rank: " + "  ".join("/".join(f"{x:.2f}" for x in row) for row in out["profile"]["ranks"]))
+        for name, key in (("on the spine", "spine"), ("off it", "ranks")):
+            print(f"acceptance by depth/rank, {name}: " + "  ".join("/".join(f"{x:.2f}" for x in row)
+                                                                    for row in out["profile"][key]))
     if args.png:
         plot_engine(results, ar["tok_s"], args.png)
     return out

@@ -8,11 +8,15 @@ against plain decoding at 1 / t_ar. Accept length is SGLang's (accepted drafts +
 verify step, fledge.conventions.accept_length), so speculation pays iff
 E[accept length] > t_iter / t_ar — the break-even accept length this module reports.
 
-The acceptance profile `ranks[d][r]` is the probability that, once the accepted path has
-reached a node at depth d-1, its rank-r child (rank 0 = the drafter's top guess) is the one the
-target accepts. A chain only uses rank 0: `ranks[d][0]` is the per-depth conditional
-acceptance p_d. Approximations, stated once:
-  * acceptance at (depth, rank) does not depend on which path led there;
+The acceptance profile is the probability that, once the accepted path has reached a node at
+depth d-1, its rank-r child (rank 0 = the drafter's top guess) is the one the target accepts, in
+two tables by the node reached: `spine[d][r]` where every node on its path is a top guess (the
+root included: the spine, which a chain drafts), `ranks[d][r]` elsewhere. Agreement is
+correlated along the greedy path, so the spine accepts more than the tree's other nodes at the
+same depth, and one table over both under-predicts chains. A chain only uses the spine's
+rank 0: `spine[d][0]` is the per-depth conditional acceptance p_d. Approximations, stated once:
+  * acceptance at (depth, rank) depends on the path that led there only through whether that
+    path is the spine;
   * trees are built by the engine's EAGLE-2 rule (grow the topk best beams per depth, keep the
     num_draft_tokens-1 best candidates by cumulative score) with the profile's mean rank
     probabilities standing in for the drafter's scores — a calibrated drafter. The real tree
@@ -21,7 +25,8 @@ acceptance p_d. Approximations, stated once:
 Under those assumptions `expected_accept_length` is exact (tests check it against Monte Carlo).
 
 Where only an accept length is known (`--accept-length`, measured at `--accept-shape`), the
-profile is one p per depth for the top guess and p((1-p)/2)^r for the rank-r sibling — a prior
+profile is one table for the spine and the rest: one p per depth for the top guess and
+p((1-p)/2)^r for the rank-r sibling — a prior
 that lets trees be ranked at all, shaped after the shipped SmolLM2 drafter's probe on an H200
 (depth 1: 0.301, 0.107, 0.041, 0.027 by rank; the prior gives 0.301, 0.105, 0.037, 0.013).
 `fledge bench --probe` measures the real one. Acceptance is taken not to depend on the batch
@@ -92,17 +97,22 @@ def _interp(table: dict[int, float], x: float) -> float:
 
 @dataclass
 class Profile:
-    """ranks[d-1][r]: P(rank-r child at depth d is accepted | the path reached depth d-1).
-    Depths past the last row repeat it; ranks past a row's end are never accepted."""
+    """ranks[d-1][r]: P(rank-r child at depth d is accepted | the path reached a node at depth
+    d-1 off the spine); spine[d-1][r] the same for a node on it (module doc). Without `spine`
+    one table serves both. Depths past a table's last row repeat it; ranks past a row's end are
+    never accepted."""
 
     ranks: list[list[float]]
+    spine: list[list[float]] | None = None
 
     def __post_init__(self):
-        if not self.ranks or any(not row for row in self.ranks):
-            raise FledgeError("acceptance profile is empty")
-        for d, row in enumerate(self.ranks, 1):
-            if any(not 0 <= p <= 1 for p in row) or sum(row) > 1 + 1e-6:
-                raise FledgeError(f"acceptance profile depth {d}: {row} — each value in [0, 1], sum <= 1")
+        self.spine = self.ranks if self.spine is None else self.spine
+        for name, table in (("spine", self.spine), ("off-spine", self.ranks)):
+            if not table or any(not row for row in table):
+                raise FledgeError(f"acceptance profile ({name}) is empty")
+            for d, row in enumerate(table, 1):
+                if any(not 0 <= p <= 1 for p in row) or sum(row) > 1 + 1e-6:
+                    raise FledgeError(f"acceptance profile ({name}) depth {d}: {row} — each value in [0, 1], sum <= 1")
 
     @classmethod
     def chain(cls, p: list[float]) -> "Profile":
@@ -111,7 +121,7 @@ class Profile:
     @classmethod
     def geometric(cls, accept_length: float, num_steps: int) -> "Profile":
         """The constant p with 1 + p + p^2 + ... + p^num_steps = accept_length, chains only."""
-        return cls.chain([cls.fit(accept_length, Shape(num_steps, 1, num_steps + 1)).ranks[0][0]])
+        return cls.chain([cls.fit(accept_length, Shape(num_steps, 1, num_steps + 1)).spine[0][0]])
 
     @classmethod
     def sibling_prior(cls, p: float, width: int = 8) -> "Profile":
@@ -131,13 +141,19 @@ class Profile:
             lo, hi = (mid, hi) if expected_accept_length(cls.sibling_prior(mid), shape) < accept_length else (lo, mid)
         return cls.sibling_prior((lo + hi) / 2)
 
-    def at(self, depth: int, rank: int) -> float:
-        row = self.ranks[min(depth, len(self.ranks)) - 1]
+    def at(self, depth: int, rank: int, spine: bool) -> float:
+        """P(the rank-r child at `depth` is accepted | its parent was reached), the parent on
+        the spine or not."""
+        table = self.spine if spine else self.ranks
+        row = table[min(depth, len(table)) - 1]
         return row[rank] if rank < len(row) else 0.0
 
     @property
     def width(self) -> int:
-        return max(len(r) for r in self.ranks)
+        return max(len(r) for r in self.ranks + self.spine)
+
+    def tables(self) -> dict[str, list[list[float]]]:
+        return {"spine": self.spine, "ranks": self.ranks}
 
 
 @dataclass(frozen=True)
@@ -188,25 +204,27 @@ class Node:
     rank: int
     parent: int  # index into the node list, -1 = the root
     prob: float  # P(this node is accepted) = product of rank probabilities along its path
+    spine: bool  # every node on its path, itself included, is rank 0
 
 
 def build_tree(profile: Profile, shape: Shape) -> list[Node]:
     """The kept nodes of the engine's EAGLE-2 tree, parents before children (see module doc)."""
     K = shape.topk
-    cands = [Node(1, r, -1, profile.at(1, r)) for r in range(K)]
+    cands = [Node(1, r, -1, profile.at(1, r, True), r == 0) for r in range(K)]
     beams = list(range(K))
     for depth in range(2, shape.num_steps + 1):
         children = []
         for b in beams:
+            up = cands[b]
             for r in range(K):
                 children.append(len(cands))
-                cands.append(Node(depth, r, b, cands[b].prob * profile.at(depth, r)))
+                cands.append(Node(depth, r, b, up.prob * profile.at(depth, r, up.spine), up.spine and r == 0))
         beams = sorted(children, key=lambda i: -cands[i].prob)[:K]  # stable: earlier wins ties
     # Ties go to the shallower, earlier candidate, so a parent is never dropped before its child.
     keep = sorted(sorted(range(len(cands)), key=lambda i: (-cands[i].prob, cands[i].depth, i))[:shape.num_draft_tokens - 1])
     index = {c: i for i, c in enumerate(keep)}
     return [Node(cands[c].depth, cands[c].rank, index[cands[c].parent] if cands[c].parent >= 0 else -1,
-                 cands[c].prob) for c in keep]
+                 cands[c].prob, cands[c].spine) for c in keep]
 
 
 def expected_accept_length(profile: Profile, shape: Shape) -> float:
@@ -216,22 +234,23 @@ def expected_accept_length(profile: Profile, shape: Shape) -> float:
 
 def simulate_accept_length(profile: Profile, shape: Shape, rounds: int, seed: int = 0) -> float:
     """Monte Carlo of the same model: at each reached node the target picks at most one child
-    rank (probabilities ranks[d]); the walk stops when that child is not in the tree."""
+    rank (probabilities from the spine's table while the walk is on it, the other after); the
+    walk stops when that child is not in the tree."""
     tree, rng = build_tree(profile, shape), random.Random(seed)
     children: dict[tuple[int, int], int] = {(n.parent, n.rank): i for i, n in enumerate(tree)}
     total = 0
     for _ in range(rounds):
-        node, depth, gained = -1, 1, 1
+        node, depth, gained, spine = -1, 1, 1, True
         while True:
             u, acc, pick = rng.random(), 0.0, None
             for r in range(profile.width):
-                acc += profile.at(depth, r)
+                acc += profile.at(depth, r, spine)
                 if u < acc:
                     pick = r
                     break
             if pick is None or (node, pick) not in children:
                 break
-            node, depth, gained = children[(node, pick)], depth + 1, gained + 1
+            node, depth, gained, spine = children[(node, pick)], depth + 1, gained + 1, spine and pick == 0
         total += gained
     return total / rounds
 
@@ -441,12 +460,13 @@ def write_outputs(text: str, data: dict, preds, timings: Timings, args, measured
 
 # --------------------------------------------------------------------------- inputs from the CLI
 def profile_from_json(path) -> Profile:
-    """A profile from `fledge bench --json` output: engine probe ({"profile": {"ranks": ...}}),
-    vLLM log ({"profile": [[p], ...]}) or a bare {"ranks": ...}."""
+    """A profile from `fledge bench --json` or `fledge tune --json` output: engine probe
+    ({"profile": {"spine": ..., "ranks": ...}}), vLLM log ({"profile": [[p], ...]}), a bare
+    {"ranks": ...} (and "spine"). A table alone serves the spine and the rest."""
     try:
         obj = json.loads(open(path).read())
-        prof = obj.get("ranks") or obj.get("profile")
-        return Profile(prof["ranks"] if isinstance(prof, dict) else prof)
+        prof = obj if obj.get("ranks") else obj["profile"]
+        return Profile(prof["ranks"], prof.get("spine")) if isinstance(prof, dict) else Profile(prof)
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
         raise FledgeError(f"{path}: no acceptance profile ('ranks' or 'profile') in it ({e})") from None
 
@@ -463,7 +483,7 @@ def acceptance(args) -> tuple[Profile, Shape | None, str]:
         return parse_profile(args.accept_profile), None, "acceptance: the --accept-profile given"
     shape = parse_shape(args.accept_shape) if args.accept_shape else Shape(args.accept_steps, 1, args.accept_steps + 1)
     prof = Profile.fit(args.accept_length, shape)
-    p = prof.ranks[0][0]
+    p = prof.spine[0][0]
     return prof, shape, (f"acceptance: accept length {args.accept_length:.2f} taken as measured at {shape.label} "
                          f"(--accept-shape); fitted top-guess acceptance {p:.3f} per depth, rank-r siblings p((1-p)/2)^r "
                          "(a prior: `fledge bench --probe` measures them)")
@@ -552,7 +572,7 @@ def _what_if(args) -> int:
     preds = rank_all(profile, timings, grid(args.max_steps))
     text, data = report(preds, timings, args.drafter or "<drafter dir>", args.margin, _ref(profile, timings, ref_shape),
                         (*notes, note))
-    data["profile"] = profile.ranks
+    data["profile"] = profile.tables()
     write_outputs(text, data, preds, timings, args)
     return 0
 
@@ -574,7 +594,7 @@ def _hardware_model(args) -> int:
                         (src, note), conc)
     from fledge import hwmodel
 
-    data.update(profile=profile.ranks, hardware=asdict(hw),
+    data.update(profile=profile.tables(), hardware=asdict(hw),
                 breakdown=hwmodel.step_times(target, drafter, hw, args.batch, args.context).breakdown)
     write_outputs(text, data, preds, timings, args)
     return 0
@@ -618,11 +638,12 @@ def measured_tune(args) -> int:
     if args.profile_json:
         profile = profile_from_json(args.profile_json)
     else:
-        profile = Profile(bench.probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)["ranks"])
+        probed = bench.probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)
+        profile = Profile(probed["ranks"], probed["spine"])
     preds = rank_all(profile, timings, shapes)
     note = f"timings: measured on fledge's engine ({bench.engine_path(rig)}), batch 1"
     text, data = report(preds, timings, args.drafter, args.margin, notes=(note,))
-    data.update(profile=profile.ranks, ar_measured_tok_s=ar["tok_s"])
+    data.update(profile=profile.tables(), ar_measured_tok_s=ar["tok_s"])
     measured = None
     if args.validate:
         picks = [parse_shape(x) for x in args.shapes.split(";")] if args.shapes else validation_shapes(preds)
@@ -649,33 +670,50 @@ def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
     return picks
 
 
+def _error_percent(predicted: float, measured: float) -> float:
+    return 100 * (predicted - measured) / measured
+
+
 def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> tuple[list[dict], dict]:
-    """Run each predicted shape on the engine: measured against predicted tok/s and accept length."""
+    """Run each predicted shape on the engine: measured against predicted tok/s, and its two
+    factors apart — accept length (the profile) and round time (the timings)."""
     from fledge import bench
 
     rows, measured = [], {}
     for p in preds:
         stats, tok_s = bench.run_shape(rig, rig.drafter(p.shape), prompts, max_new_tokens, f"validate {p.shape.label}")
         measured[p.shape] = tok_s
-        rows.append({**asdict(p.shape), "accept_predicted": p.accept_length, "accept_measured": stats.accept_length(),
+        accept, round_ms = stats.accept_length(), stats.summary()["round_ms_per_step"]
+        rows.append({**asdict(p.shape), "accept_predicted": p.accept_length, "accept_measured": accept,
+                     "accept_error_percent": _error_percent(p.accept_length, accept),
+                     "round_ms_predicted": p.iter_ms, "round_ms_measured": round_ms,
+                     "round_error_percent": _error_percent(p.iter_ms, round_ms),
                      "tok_s_predicted": p.tok_s, "tok_s_measured": tok_s, "speedup_measured": tok_s / ar_tok_s,
-                     "error_percent": 100 * (p.tok_s - tok_s) / tok_s})
+                     "error_percent": _error_percent(p.tok_s, tok_s)})
     return rows, measured
 
 
 def validation_table(rows: list[dict]) -> str:
-    lines = [f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept pred':>11} {'meas':>6} {'tok/s pred':>10} {'meas':>8} {'error':>7}"]
+    lines = [f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept pred':>11} {'meas':>6} {'error':>7} "
+             f"{'round ms pred':>13} {'meas':>6} {'error':>7} {'tok/s pred':>10} {'meas':>8} {'error':>7}"]
     for r in rows:
         lines.append(f"{r['num_steps']:>5} {r['topk']:>4} {r['num_draft_tokens']:>6} {r['accept_predicted']:>11.2f} "
-                     f"{r['accept_measured']:>6.2f} {r['tok_s_predicted']:>10.1f} {r['tok_s_measured']:>8.1f} "
-                     f"{r['error_percent']:>+6.1f}%")
-    errs = [abs(r["error_percent"]) for r in rows]
+                     f"{r['accept_measured']:>6.2f} {r['accept_error_percent']:>+6.1f}% {r['round_ms_predicted']:>13.3f} "
+                     f"{r['round_ms_measured']:>6.3f} {r['round_error_percent']:>+6.1f}% {r['tok_s_predicted']:>10.1f} "
+                     f"{r['tok_s_measured']:>8.1f} {r['error_percent']:>+6.1f}%")
+
+    def spread(key):
+        errs = [abs(r[key]) for r in rows]
+        return f"{statistics.mean(errs):.1f}%  max {max(errs):.1f}%"
+
     best_pred = max(rows, key=lambda r: r["tok_s_predicted"])
     best_meas = max(rows, key=lambda r: r["tok_s_measured"])
     same = best_pred is best_meas
-    lines.append(f"mean |error| {statistics.mean(errs):.1f}%  max {max(errs):.1f}%  over {len(rows)} shapes; best shape "
+    lines.append(f"tok/s mean |error| {spread('error_percent')} over {len(rows)} shapes; best shape "
                  + ("the same" if same else "differs") + f" (predicted s{best_pred['num_steps']} k{best_pred['topk']} "
                  f"n{best_pred['num_draft_tokens']}, measured s{best_meas['num_steps']} k{best_meas['topk']} n{best_meas['num_draft_tokens']})")
+    lines.append(f"accept length mean |error| {spread('accept_error_percent')}; round time mean |error| "
+                 f"{spread('round_error_percent')}")
     return "\n".join(lines)
 
 

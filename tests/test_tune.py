@@ -12,7 +12,8 @@ import pytest
 
 from fledge.cli import main
 from fledge.tune import (Profile, Shape, Timings, build_tree, chain_accept_length, expected_accept_length, grid,
-                         parse_ms_table, predict, rank_all, report, simulate_accept_length, stops_paying, sweep, verdict)
+                         parse_ms_table, predict, profile_from_json, rank_all, report, simulate_accept_length,
+                         stops_paying, sweep, verdict)
 from fledge.util import FledgeError
 
 
@@ -41,13 +42,18 @@ def test_chain_formula_matches_bernoulli_simulation():
         assert expected_accept_length(Profile.chain(p), Shape(len(p), 1, len(p) + 1)) == pytest.approx(want)
 
 
-def random_profile(rng, depth: int, width: int) -> Profile:
+def random_table(rng, depth: int, width: int) -> list[list[float]]:
     rows = []
     for _ in range(depth):
         w = [rng.random() ** 2 for _ in range(width)]
         total = rng.uniform(0.5, 0.97) / sum(w)
         rows.append(sorted((x * total for x in w), reverse=True))
-    return Profile(rows)
+    return rows
+
+
+def random_profile(rng, depth: int, width: int) -> Profile:
+    """Two unrelated tables, so a walk that reads the wrong one for a node shows."""
+    return Profile(random_table(rng, depth, width), random_table(rng, depth, width))
 
 
 def rank_paths(profile: Profile, shape: Shape) -> set[tuple[int, ...]]:
@@ -68,8 +74,9 @@ def test_tree_expectation_matches_independent_monte_carlo():
             ranks, n = (), 1
             for d in range(1, shape.num_steps + 1):  # the target's choice at each depth, then look it up
                 u, acc, pick = rng.random(), 0.0, None
+                table = prof.spine if all(x == 0 for x in ranks) else prof.ranks
                 for r in range(shape.topk):
-                    acc += prof.at(d, r)
+                    acc += table[d - 1][r]
                     if u < acc:
                         pick = r
                         break
@@ -81,6 +88,29 @@ def test_tree_expectation_matches_independent_monte_carlo():
         exact = expected_accept_length(prof, shape)
         assert abs(mean - exact) < _mc_tolerance(lengths), (shape, mean, exact)
         assert abs(simulate_accept_length(prof, shape, 20000, seed=1) - exact) < _mc_tolerance(lengths)
+
+
+def test_a_chain_reads_the_spine_and_one_table_serves_both(tmp_path):
+    rng = random.Random()
+    prof = random_profile(rng, 6, 4)
+    for s in range(1, 7):
+        want = chain_accept_length([row[0] for row in prof.spine[:s]])
+        assert expected_accept_length(prof, Shape(s, 1, s + 1)) == pytest.approx(want)
+    # Each node's probability: the spine's table while its parent is on the spine, the other after.
+    tree, paths = build_tree(prof, Shape(3, 2, 11)), []
+    for n in tree:
+        paths.append((paths[n.parent] if n.parent >= 0 else ()) + (n.rank,))
+        path = paths[-1]
+        want = math.prod((prof.spine if not any(path[:i]) else prof.ranks)[i][r] for i, r in enumerate(path))
+        assert n.prob == pytest.approx(want) and n.spine == (not any(path))
+    # A one-table JSON (an older probe, a vLLM log) serves the spine and the rest alike.
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"profile": {"ranks": prof.ranks}}))
+    loaded = profile_from_json(old)
+    assert loaded.spine == loaded.ranks == prof.ranks
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"profile": prof.tables()}))
+    assert profile_from_json(new) == prof
 
 
 def test_tree_shape_follows_the_engine_rule():
