@@ -281,9 +281,12 @@ def peer_flags(plan: Plan, w: Path, workers: int, accelerator: bool) -> list[str
              "--optimizer", "adamw", "--lr", plan.lr, "--weight-decay", TrainConfig.weight_decay,
              "--scheduler-type", "cosine", "--scheduler-warmup-ratio", WARMUP,
              "--epochs", 1, "--total-seq-len", plan.total_seq_len, "--train-data-ratio", plan.train_data_ratio,
-             "--num-workers", workers, "--seed", plan.seed, "--log-freq", 1, "--no-resume-from-checkpoint"]
-    if not accelerator:  # flex attention, the fused loss kernels and bf16 autocast need one
-        flags += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32"]
+             "--num-workers", workers, "--seed", plan.seed, "--log-freq", 1, "--no-resume-from-checkpoint",
+             # its fused (Triton) loss fails under torch.compile with torch 2.11 (dynamo: "ListVariable
+             # ... already tracked for mutation"); the eager loss computes the same KL divergence
+             "--loss-implementation", "eager"]
+    if not accelerator:  # flex attention and bf16 autocast need one
+        flags += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32"]
     return [str(f) for f in flags]
 
 
