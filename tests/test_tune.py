@@ -304,6 +304,12 @@ def test_measured_tune_validates_on_the_shipped_engine_path(tmp_path):
     rows = data["validation"]
     assert [(r["num_steps"], r["topk"], r["num_draft_tokens"]) for r in rows] == [(1, 1, 2), (3, 2, 6)]
     assert all(r["tok_s_measured"] > 0 and r["accept_measured"] >= 1 for r in rows)
+    for r in rows:  # tok/s error splits into its two factors: accept length over round time
+        ratio = (1 + r["accept_error_percent"] / 100) / (1 + r["round_error_percent"] / 100)
+        assert r["round_ms_measured"] > 0
+        assert r["tok_s_predicted"] / r["tok_s_measured"] == pytest.approx(
+            ratio * (r["accept_measured"] * 1e3 / r["round_ms_measured"]) / r["tok_s_measured"], rel=1e-9)
+    assert {"spine", "ranks"} <= set(data["profile"])
     assert "fused greedy rounds" in data["notes"][0]
 
 
