@@ -21,16 +21,20 @@ rank 0: `spine[d][0]` is the per-depth conditional acceptance p_d. Approximation
     num_draft_tokens-1 best candidates by cumulative score) with the profile's mean rank
     probabilities standing in for the drafter's scores — a calibrated drafter. The real tree
     is re-chosen every round from that round's scores, so it adapts where this fixed shape
-    cannot; expect the model to be slightly pessimistic for wide trees.
-Under those assumptions `expected_accept_length` is exact (tests check it against Monte Carlo).
+    cannot; expect the model to be slightly pessimistic for wide trees;
+  * the probe's rounds stand for every shape's. A round starts where the last one ended, so a
+    shape that accepts less than the probe's full tree starts relatively more of its rounds in
+    the stretches where the drafter agrees at length: predictions for shapes far from the
+    probe's read slightly low.
+Under the first two assumptions `expected_accept_length` is exact (tests check it against
+Monte Carlo).
 
 Where only an accept length is known (`--accept-length`, measured at `--accept-shape`), the
 profile is one table for the spine and the rest: one p per depth for the top guess and
-p((1-p)/2)^r for the rank-r sibling — a prior
-that lets trees be ranked at all, shaped after the shipped SmolLM2 drafter's probe on an H200
-(depth 1: 0.301, 0.107, 0.041, 0.027 by rank; the prior gives 0.301, 0.105, 0.037, 0.013).
-`fledge bench --probe` measures the real one. Acceptance is taken not to depend on the batch
-size.
+p((1-p)/2)^r for the rank-r sibling — a prior that lets trees be ranked at all, shaped after
+the shipped SmolLM2 drafter's probe on an H200 (depth 1: 0.301, 0.107, 0.041, 0.027 by rank;
+the prior gives 0.301, 0.105, 0.037, 0.013). `fledge bench --probe` measures the real one.
+Acceptance is taken not to depend on the batch size.
 
 Timings come from the user (--what-if), from fledge.hwmodel (--model: the configs and the
 hardware, optionally calibrated from a live server), or from the engine (--target). A shape
@@ -628,9 +632,10 @@ def measured_tune(args) -> int:
     topks = sorted({1, *[k for k in (2, 4, 8) if k <= args.probe_topk]})
     context = max(len(p) for p in prompts) + args.max_new_tokens // 2
     shapes = grid(args.max_steps, tuple(topks))
-    sizes = [1]
-    while sizes[-1] < max(s.num_draft_tokens for s in shapes):  # 1, 2, 4, ... up to the largest tree
-        sizes.append(2 * sizes[-1])
+    # Every width a shape verifies, timed rather than interpolated: the engine's matmul path
+    # changes with the row count (reductions up to model.GEMV_ROWS, then the few-rows kernel),
+    # so verify time is not smooth in n.
+    sizes = sorted({s.num_draft_tokens for s in shapes})
     iters = 20 if rig.device.type == "cuda" else 3  # CPU forwards are slow and steady
     verify_ms = bench.measure_verify_ms(rig, sizes, context, iters)
     draft_ms, overhead = bench.measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens), context, iters)

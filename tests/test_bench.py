@@ -154,20 +154,47 @@ class _Stub:
         pass
 
 
-def test_rank_probe_counts_sibling_ranks():
+def test_rank_probe_counts_sibling_ranks_on_the_spine_and_off_it():
     from fledge.engine.tree import make_tree
 
-    # root → tokens 10, 11, 12 (ranks 0, 1, 2); node 2 (token 11) → 20, 21, 22
-    tree = make_tree(torch.tensor([5]), torch.tensor([[10, 11, 12, 20, 21, 22]]), torch.tensor([[0, 0, 0, 2, 2, 2]]))
+    # root → tokens 10, 11, 12 (ranks 0, 1, 2); node 1 (token 10) → 30, 31; node 2 (token 11) → 20, 21, 22
+    tree = make_tree(torch.tensor([5]), torch.tensor([[10, 11, 12, 30, 31, 20, 21, 22]]),
+                     torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]]))
     probe = RankProbe(_Stub())
-    for path, n in [([5, 11, 21], 3), ([5, 12, 12], 2), ([5, 5, 5], 1), ([5, 11, 20], 3)]:
+    for path, n in [([5, 10, 30], 3), ([5, 10, 31], 3), ([5, 10, 7], 2), ([5, 11, 21], 3), ([5, 11, 20], 3),
+                    ([5, 12, 12], 2), ([5, 5, 5], 1)]:
         probe.tree = tree
         probe.observe(torch.tensor([path]), None, torch.tensor([n]), None, None)
-    assert probe.reached == [4, 2, 0]  # node 3 (token 12) was never expanded
-    assert probe.hits == [[0, 2, 1], [1, 1, 0], [0, 0, 0]]
-    assert probe.profile()[0] == pytest.approx([0, 0.5, 0.25])
+    spine, off = 1, 0
+    assert probe.reached[spine] == [7, 3, 0] and probe.reached[off] == [0, 2, 0]  # leaves are never expanded
+    assert probe.hits[spine] == [[3, 2, 1], [1, 1, 0], [0, 0, 0]]
+    assert probe.hits[off] == [[0, 0, 0], [1, 1, 0], [0, 0, 0]]
+    prof = probe.profile()
+    assert prof["spine"][0] == pytest.approx([3 / 7, 2 / 7, 1 / 7]) and prof["spine"][1] == pytest.approx([1 / 3, 1 / 3, 0])
+    assert prof["ranks"][1] == pytest.approx([0.5, 0.5, 0])
+    # Rows nothing reached take both tables pooled: depth 1 off the spine is the spine's row.
+    assert prof["ranks"][0] == prof["spine"][0] and prof["ranks"][2] == prof["spine"][2] == [0, 0, 0]
 
 
+def test_verify_timing_warms_every_size_then_interleaves(monkeypatch):
+    """A size whose one call stalls keeps its median; every size is warm before any is timed."""
+    from fledge.engine import spec
+
+    calls = []
+
+    def fake_verify(target, cache, tree, cache_len, aux_ids):
+        n = tree.tokens.shape[1]
+        calls.append(n)
+        stall = n == 4 and calls.count(4) == 6  # the third timed call of size 4
+        time.sleep(0.3 if stall else 0.004 * n)
+
+    monkeypatch.setattr(spec, "verify_forward", fake_verify)
+    target = type("T", (), {"new_cache": lambda self, b, n: None, "cuda_graph_ok": False})()
+    draft = type("D", (), {"cfg": type("C", (), {"aux_layer_ids": None})()})()
+    rig = EngineRig(None, None, target, draft, [], torch.device("cpu"))
+    ms = measure_verify_ms(rig, [1, 4, 8], context=10, iters=5, warmup=2)
+    assert calls == [1, 1, 4, 4, 8, 8] + [1, 4, 8] * 5
+    assert ms[1] < ms[4] < ms[8] and ms[4] < 100  # the 300 ms call is not the median
 @pytest.mark.slow  # ~20 s alone, minutes on a loaded 2-core machine
 def test_engine_measurements_run_on_cpu():
     from fledge.config import DraftConfig
@@ -186,7 +213,9 @@ def test_engine_measurements_run_on_cpu():
     assert ar["ar_ms"] > 0 and all(v > 0 for v in verify.values()) and set(draft_ms) == {1, 2} and overhead >= 0
     prof = probe_profile(rig, prompts[:1], 3, 2, 12)
     assert len(prof["ranks"]) == 3 and prof["rounds"] >= 11  # >= one round per token after the first
-    preds = rank_all(Profile(prof["ranks"]), Timings(ar["ar_ms"], verify, draft_ms, overhead), grid(6, (1, 2, 4)))
+    assert len(prof["spine"]) == 3 and prof["reached_spine"][0] == prof["rounds"] and prof["reached"][0] == 0
+    preds = rank_all(Profile(prof["ranks"], prof["spine"]), Timings(ar["ar_ms"], verify, draft_ms, overhead),
+                     grid(6, (1, 2, 4)))
     by_shape = {p.shape: p for p in preds}
     rows, measured = validate(rig, prompts[:1], [by_shape[s] for s in validation_shapes(preds)], 8, 1e3 / ar["ar_ms"])
     assert len(rows) >= 6 and {r["topk"] for r in rows} >= {1, 2} and all(v > 0 for v in measured.values())

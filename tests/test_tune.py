@@ -304,4 +304,46 @@ def test_measured_tune_validates_on_the_shipped_engine_path(tmp_path):
     rows = data["validation"]
     assert [(r["num_steps"], r["topk"], r["num_draft_tokens"]) for r in rows] == [(1, 1, 2), (3, 2, 6)]
     assert all(r["tok_s_measured"] > 0 and r["accept_measured"] >= 1 for r in rows)
+    for r in rows:  # tok/s error splits into its two factors: accept length over round time
+        ratio = (1 + r["accept_error_percent"] / 100) / (1 + r["round_error_percent"] / 100)
+        assert r["round_ms_measured"] > 0
+        assert r["tok_s_predicted"] / r["tok_s_measured"] == pytest.approx(
+            ratio * (r["accept_measured"] * 1e3 / r["round_ms_measured"]) / r["tok_s_measured"], rel=1e-9)
+    assert {"spine", "ranks"} <= set(data["profile"])
     assert "fused greedy rounds" in data["notes"][0]
+
+
+
+def test_spine_table_predicts_a_chain_where_one_table_falls_short():
+    """A full-tree probe through the engine, then a chain of 4 through it on the same prompts
+    (CPU, fp32; a tiny target and a drafter built to imitate it, whose agreement runs in
+    streaks as a trained drafter's does). The spine table predicts the chain's measured accept
+    length within its sampling error; one table over every node the probe reached — what the
+    probe recorded before the spine had its own — under-predicts it by several of those."""
+    import statistics
+
+    import torch
+    from test_engine_spec import tiny_setup
+
+    from fledge.bench import EngineRig, RankProbe, run_shape
+
+    hf, target, draft = tiny_setup("llama", vocab=32, initializer_range=0.15)
+    rig = EngineRig(hf, None, target, draft, [], torch.device("cpu"))
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 32, (9,), generator=g).tolist() for _ in range(40)]
+    steps, topk, new_tokens = 4, 4, 60
+    probe = RankProbe(rig.drafter(Shape(steps, topk, 1 + topk + (steps - 1) * topk ** 2)))
+    run_shape(rig, probe, prompts, new_tokens, "probe")
+    tables = probe.profile()
+    on, off = 1, 0
+    mixed = [[(a + b) / (n1 + n0) for a, b in zip(h1, h0)]
+             for h1, h0, n1, n0 in zip(probe.hits[on], probe.hits[off], probe.reached[on], probe.reached[off])]
+    chain = Shape(steps, 1, steps + 1)
+    stats, _ = run_shape(rig, rig.drafter(chain), prompts, new_tokens, "chain")
+    measured = stats.accept_length()
+    se = statistics.stdev(stats.accepted) / len(stats.accepted) ** 0.5
+    two = expected_accept_length(Profile(tables["ranks"], tables["spine"]), chain)
+    one = expected_accept_length(Profile(mixed), chain)
+    assert probe.reached[on][0] > 1000 and stats.steps > 1000
+    assert one < two
+    assert abs(two - measured) < 2 * se and abs(one - measured) > 3 * se, (measured, se, two, one)
