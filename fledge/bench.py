@@ -360,17 +360,18 @@ def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str):
 
 def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warmup: int = 3) -> dict[int, float]:
     """Target forward time for n tokens verified per round (a chain of n, the engine's verify
-    path, as a CUDA graph where the engine uses one), at `context` tokens already cached. Every
-    size is built and warmed before any is timed, then the sizes take turns, `iters` times
-    over: a clock or cache state that drifts during the measurement lands on all of them
-    alike, and the median per size drops a stray slow call."""
+    path, as a CUDA graph where the engine uses one), at `context` tokens already cached: the
+    median of `iters` calls after `warmup`, so one stray slow call moves nothing. Each size is
+    built, warmed and timed before the next is built: the engine's graphs are replayed only
+    until the next capture (a later capture may reallocate buffers an earlier graph reads; on
+    an H200, replaying them in turn ended in an illegal memory access)."""
     import torch
 
     from fledge.engine import spec
     from fledge.engine.tree import chain
 
-    dev, calls = rig.device, {}
-    for n in sizes:
+    dev, out = rig.device, {}
+    for n in tqdm(sizes, desc="verify timing", leave=False):
         cache = rig.target.new_cache(1, -(-(context + n) // 64) * 64)
         cache_len = torch.tensor([context], device=dev)
         tree = chain(torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, n - 1, dtype=torch.long, device=dev))
@@ -380,19 +381,17 @@ def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warm
 
         graph = dev.type == "cuda" and rig.target.cuda_graph_ok
         call = spec.static_call(fn, [tree.tokens, cache_len], graph) if graph else fn
-        calls[n] = (call, tree.tokens, cache_len)
-    for call, tokens, cache_len in tqdm(calls.values(), desc="verify warm-up", leave=False):
         for _ in range(warmup):
-            call(tokens, cache_len)
-    times = {n: [] for n in calls}
-    for _ in tqdm(range(iters), desc="verify timing", leave=False):
-        for n, (call, tokens, cache_len) in calls.items():
+            call(tree.tokens, cache_len)
+        times = []
+        for _ in range(iters):
             _sync(dev)
             t0 = time.perf_counter()
-            call(tokens, cache_len)
+            call(tree.tokens, cache_len)
             _sync(dev)
-            times[n].append(1e3 * (time.perf_counter() - t0))
-    return {n: statistics.median(t) for n, t in times.items()}
+            times.append(1e3 * (time.perf_counter() - t0))
+        out[n] = statistics.median(times)
+    return out
 
 
 def _sync(device) -> None:
