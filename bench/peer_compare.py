@@ -429,20 +429,30 @@ def sizing(train: dict, plan: Plan, machine: str, seconds: float) -> dict | None
     return {**out, "tokens_per_conversation": per_conv, "max_convs": min(int(tokens / per_conv), plan.available_convs)}
 
 
-def portable(obj, peer_python: str):
-    """`obj` with this machine's paths spelled as on any other: this checkout's relative,
-    `$FLEDGE_CACHE/...`, `python` and `PEER_PYTHON` for the two interpreters."""
+def portable(obj, peer_python: str, workdir: str):
+    """`obj` with the measuring machine's paths spelled as on any other: this checkout's
+    relative, `$FLEDGE_CACHE/...`, `WORKDIR/...` (the --workdir the steps ran in), a GGUF by its
+    file name, `python` and `PEER_PYTHON` for the two interpreters."""
     from fledge.util import cache_dir
 
     if isinstance(obj, dict):
-        return {k: portable(v, peer_python) for k, v in obj.items()}
+        return {k: portable(v, peer_python, workdir) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [portable(v, peer_python) for v in obj]
+        return [portable(v, peer_python, workdir) for v in obj]
     if isinstance(obj, str):
-        if obj in (sys.executable, peer_python):
-            return "python" if obj == sys.executable else "PEER_PYTHON"
-        return obj.replace(f"{REPO}{os.sep}", "").replace(str(cache_dir()), "$FLEDGE_CACHE")
+        if obj == peer_python and obj != sys.executable:
+            return "PEER_PYTHON"
+        if obj == sys.executable or Path(obj).name.startswith("python") and os.sep in obj:
+            return "python"
+        if obj.endswith(".gguf"):
+            return Path(obj).name
+        return obj.replace(workdir, "WORKDIR").replace(f"{REPO}{os.sep}", "").replace(str(cache_dir()), "$FLEDGE_CACHE")
     return obj
+
+
+def git_commit() -> str | None:
+    r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or None
 
 
 def report(args, plan: Plan, w: Path) -> dict:
@@ -453,7 +463,7 @@ def report(args, plan: Plan, w: Path) -> dict:
     train = {r["trainer"]: r for r in (load("train-fledge.json"), load("train-peer.json")) if r}
     meas, vl = load("measure.json"), load("vllm.json")
     machine = meas["machine"] if meas else machine_name("cuda" if torch.cuda.is_available() else "cpu")
-    out = {"machine": machine, "quick": plan.quick, "plan": dataclasses.asdict(plan), "training": train,
+    out = {"machine": machine, "commit": args.commit or git_commit(), "quick": plan.quick, "plan": dataclasses.asdict(plan), "training": train,
            "measure": meas, "vllm": vl, "feature_bytes": feature_bytes(plan), "differences": DIFFERENCES,
            "sizing": sizing(train, plan, machine, args.train_seconds),
            "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step"}
@@ -489,7 +499,8 @@ def report(args, plan: Plan, w: Path) -> dict:
               f"trainer's steps hold {s['target_tokens']:,.0f} target tokens{convs}")
     path = result_path("peer_compare", machine, "quick" if plan.quick else "")
     out["plan"]["data"] = [Path(p).name for p in plan.data]  # where the files lie is this machine's business
-    atomic_write_json(path, portable(out, args.peer_python))
+    ran_in = str(Path(train["fledge"]["drafter"]).parents[1]) if "fledge" in train else str(w)  # where training ran
+    atomic_write_json(path, portable(out, args.peer_python, ran_in))
     print(f"wrote {path}")
     return out
 
@@ -526,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       f"{QUICK['max_new_tokens']})")
     m.add_argument("--dtype", help="engine dtype (default bfloat16 on cuda, float32 on cpu)")
     m.add_argument("--vllm", action="store_true", help="`all` also runs the vllm step")
+    p.add_argument("--commit", help="report: the commit the figures were measured at (default: this checkout's)")
     return p
 
 
