@@ -247,3 +247,13 @@ def test_peer_compare_samples_are_fledges_kept_ones_in_whole_batches(tmp_path):
     assert [s.id for s in used] == ["s1", "s2", "s4", "s5", "s7", "s8"]  # 7 kept, 6 = two batches of 3
     assert got == {"samples": 6, "tokens": sum(len(s.input_ids) for s in used),
                    "trained_tokens": sum(int(s.loss_mask.sum()) for s in used), "left_out": 1}
+
+
+def test_peer_compare_report_spells_paths_portably():
+    """The results file names where things were, not the measuring machine's paths."""
+    import peer_compare
+
+    got = peer_compare.portable({"a": ["/srv/run/tok/t.jsonl"], "g": "/tmp/x/M.Q4_1.gguf", "p": "/opt/v/bin/python3",
+                                 "me": sys.executable, "peer": "/opt/w/bin/python", "n": 3}, "/opt/w/bin/python", "/srv/run")
+    assert got == {"a": ["WORKDIR/tok/t.jsonl"], "g": "M.Q4_1.gguf", "p": "python", "me": "python",
+                   "peer": "PEER_PYTHON", "n": 3}
