@@ -45,7 +45,7 @@ import torch
 
 from fledge.checkpoint import export_checkpoint, load_checkpoint
 from fledge.config import ADAPT_TRAIN_OPTIONS, DraftConfig
-from fledge.conventions import target_ids_from_d2t, validate_aux_layer_ids
+from fledge.conventions import validate_aux_layer_ids
 from fledge.draft import Eagle3Draft
 from fledge.util import FledgeError, atomic_write_json
 from fledge.vocab import count_masked_tokens, diff_vocab, top_target_ids

@@ -229,7 +229,7 @@ def test_peer_compare_subset_and_vocab_files(tmp_path):
     ids = torch.tensor(sorted(random.sample(range(500), 37)))
     save_vocab(tmp_path / "v.safetensors", ids, 500, {})
     d2t, t2d = peer_compare.write_vocab_npy(tmp_path / "v.safetensors", tmp_path, 37)
-    assert torch.equal(target_ids_from_d2t(torch.from_numpy(np.load(d2t)), 500), load_vocab_ids(tmp_path / "v.safetensors")[0])
+    assert torch.equal(torch.from_numpy(target_ids_from_d2t(np.load(d2t), 500)), load_vocab_ids(tmp_path / "v.safetensors")[0])
     assert np.load(t2d).dtype == bool and np.flatnonzero(np.load(t2d)).tolist() == ids.tolist()
 
 
