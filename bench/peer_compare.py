@@ -15,14 +15,16 @@ writing files under --workdir, so a step can be rerun on its own:
                 d2t/t2d as the .npy files speculators reads.
                 The target is resolved to its HF directory (a GGUF is converted once into
                 $FLEDGE_CACHE/models): speculators loads it as its verifier. Writes plan.json.
-  train-fledge  `fledge train`, one epoch, evaluated on the held-out samples at the end.
+  train-fledge  `fledge train`, one epoch, evaluated on the held-out samples at the end; once per
+                --heads recipe (`fledge train --head`; the default `fresh` is the drafter `fledge`).
   train-peer    speculators' trainer (bench/peer/train.py in --peer-python), one epoch
                 (`--epochs 1`: its --max-steps runs on across epoch boundaries), the layer fledge's
                 drafter has (--no-norm-before-residual --no-norm-before-fc --no-norm-output
                 --full-attention-indices 0), features from the target run in-process by HF
                 (bench/peer/hf_backend.py); its checkpoint is read back with `fledge import`.
-  measure       both drafters in fledge's engine, batch 1, greedy: plain decoding and the shapes
-                (7,1,8) (5,4,16) (8,8,64) on MT-Bench first turns and on the held-out prompts.
+  measure       the trained drafters in fledge's engine, batch 1, greedy: plain decoding and the
+                --shapes (default (7,1,8) (5,4,16) (8,8,64)) on all MT-Bench first turns and all
+                held-out prompts.
   vllm          bench/bench_vllm_accept.py on each drafter (vLLM's CPU build beside fledge's engine,
                 a chain of 3).
   report        the tables, and bench/results/peer_compare_<machine>.json (`_quick` with --quick).
@@ -51,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from fledge.config import TrainConfig
+from fledge.config import HEADS, TrainConfig
 from fledge.util import FledgeError, atomic_write_json
 from machine import RESULTS, machine_name, result_path
 
@@ -60,9 +62,9 @@ PEER = Path(__file__).resolve().parent / "peer"
 SHAPES = ((7, 1, 8), (5, 4, 16), (8, 8, 64))
 # Sizes of a full run, and of --quick (minutes on a 2-core CPU); every one has a flag.
 FULL = {"max_convs": None, "max_heldout": 479, "draft_vocab": 16384, "ttt_steps": 7, "max_len": 2048,
-        "batch_size": 64, "num_prompts": 80, "max_new_tokens": 256}
+        "batch_size": 64, "num_prompts": None, "max_new_tokens": 256, "heldout_new_tokens": 128}
 QUICK = {"max_convs": 16, "max_heldout": 4, "draft_vocab": 1024, "ttt_steps": 3, "max_len": 192,
-         "batch_size": 4, "num_prompts": 1, "max_new_tokens": 8}
+         "batch_size": 4, "num_prompts": 1, "max_new_tokens": 8, "heldout_new_tokens": 8}
 STEP_DECAY = 0.8  # loss weight of TTT step j is 0.8**j in both (fledge's default; speculators': --ttt-step-loss-decay)
 WARMUP = 0.03     # share of steps warming up, both (fledge's default; speculators': --scheduler-warmup-ratio)
 
@@ -244,8 +246,20 @@ def step_times(steps: list[tuple[float, float]], skip: int, wall: float) -> dict
             "steps_s": sum(s for _, s in steps), "outside_steps_s": wall - sum(s for _, s in steps)}
 
 
-def train_fledge(args, plan: Plan, w: Path) -> dict:
-    out = w / "fledge"
+def fledge_name(head: str) -> str:
+    """The drafter's name in the results: `fledge` for fledge's default recipe, else the head it
+    was trained with."""
+    return "fledge" if head == "fresh" else f"fledge-{head}-head"
+
+
+def train_fledge(args, plan: Plan, w: Path) -> list[dict]:
+    """`fledge train` once per --heads, one epoch each, in order."""
+    return [train_fledge_head(args, plan, w, head) for head in args.heads]
+
+
+def train_fledge_head(args, plan: Plan, w: Path, head: str) -> dict:
+    name = fledge_name(head)
+    out = w / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: `fledge train` would resume a checkpoint
     never = 10 ** 9  # eval and save only at the end (every run evaluates and saves its last step)
     cmd = fledge_cmd("train", "--data", w / "tok" / "train.used.jsonl", "--eval-data", w / "tok" / "heldout.used.jsonl",
@@ -253,18 +267,25 @@ def train_fledge(args, plan: Plan, w: Path) -> dict:
                      "--epochs", 1, "--batch-size", plan.batch_size, "--ttt-steps", plan.ttt_steps,
                      "--step-decay", STEP_DECAY, "--warmup", WARMUP, "--max-len", plan.max_len, "--lr", plan.lr,
                      "--seed", plan.seed, "--log-every", 1, "--eval-every", never, "--save-every", never,
-                     *(["--device", args.device] if args.device else []))
-    wall = run(cmd, w / "logs" / "train-fledge.log", fledge_env())
+                     "--head", head, *(["--device", args.device] if args.device else []))
+    wall = run(cmd, w / "logs" / f"train-{name}.log", fledge_env())
     recs = read_jsonl(out / "metrics.jsonl")
     steps = [(r["target_tokens"], r["seconds"]) for r in recs if r["kind"] == "train"]
     ev = [r for r in recs if r["kind"] == "eval"][-1]
-    res = {"trainer": "fledge", "wall_s": wall, "steps": len(steps), "target_tokens": sum(t for t, _ in steps),
-           **step_times(steps, args.skip_steps, wall), "drafter": str(out / "draft"),
+    res = {"trainer": "fledge", "name": name, "head": head, "wall_s": wall, "steps": len(steps),
+           "target_tokens": sum(t for t, _ in steps), **step_times(steps, args.skip_steps, wall),
+           "drafter": str(out / "draft"),
            "heldout": {"acc": ev["acc"], "loss": ev["loss"], "accept_len_simulated": ev["accept_len"],
                        "replay_accept_len": ev.get("replay_accept_len")},
            "command": cmd}
-    atomic_write_json(w / "train-fledge.json", res)
+    atomic_write_json(w / f"train-{name}.json", res)
     return res
+
+
+def trained(w: Path) -> dict[str, dict]:
+    """Every drafter trained in `w`, by name: fledge's recipes first, then speculators'."""
+    runs = [json.loads(p.read_text()) for p in sorted(w.glob("train-*.json"))]
+    return {r["name"]: r for r in sorted(runs, key=lambda r: (r["trainer"] != "fledge", r["name"] != "fledge", r["name"]))}
 
 
 def peer_flags(plan: Plan, w: Path, workers: int, accelerator: bool) -> list[str]:
@@ -307,56 +328,69 @@ def train_peer(args, plan: Plan, w: Path) -> dict:
     draft = out / "draft"
     run(fledge_cmd("import", out / "checkpoints" / "0", draft, "--target", plan.target_dir),
         w / "logs" / "import-peer.log", fledge_env())
-    res = {"trainer": "speculators", "wall_s": wall, "steps": len(steps), "target_tokens": round(sum(t for t, _ in steps)),
+    res = {"trainer": "speculators", "name": "speculators", "wall_s": wall, "steps": len(steps), "target_tokens": round(sum(t for t, _ in steps)),
            **step_times(steps, args.skip_steps, wall), "drafter": str(draft),
            "heldout": {"acc": [val[f"full_acc_{j}_epoch"] for j in range(k)], "cond_acc": cond,
                        "loss": [val[f"loss_{j}_epoch"] for j in range(k)],
                        "accept_len_simulated": 1 + sum(math.prod(cond[:j + 1]) for j in range(k))},
            "command": cmd}
-    atomic_write_json(w / "train-peer.json", res)
+    atomic_write_json(w / "train-speculators.json", res)
     return res
 
 
 # --------------------------------------------------------------------------- measuring
 def measure(args, plan: Plan, w: Path) -> dict:
+    """Every drafter in --drafters (default: all trained here) at every --shapes, shape by shape,
+    on both prompt sets, against the engine's plain decoding in the same process. measure.json
+    is rewritten after each row, so a run cut short keeps the rows it finished."""
     from fledge.bench import engine_path, load_prompts, load_rig, run_ar, run_shape
     from fledge.checkpoint import load_checkpoint
     from fledge.util import pick_dtype
     from fledge.engine.drafters import SpecConfig
 
-    drafters = {"fledge": w / "fledge" / "draft", "speculators": w / "peer" / "draft"}
-    rig = load_rig(plan.target_dir, str(drafters["fledge"]), args.device, args.dtype)
+    runs = trained(w)
+    names = args.drafters or list(runs)
+    if unknown := [n for n in names if n not in runs]:
+        raise FledgeError(f"--drafters {' '.join(unknown)}: not trained in {w} (trained: {', '.join(runs) or 'none'})")
+    rig = load_rig(plan.target_dir, runs[names[0]]["drafter"], args.device, args.dtype)
     dtype = pick_dtype(args.dtype, rig.device)
-    peer = load_checkpoint(drafters["speculators"], embed_from=rig.hf).eval().cast(rig.device, dtype)
-    rigs = {"fledge": rig, "speculators": dataclasses.replace(rig, draft=peer)}
-    n, m = args.num_prompts, args.max_new_tokens
+    rigs = {n: dataclasses.replace(rig, draft=load_checkpoint(runs[n]["drafter"], embed_from=rig.hf).eval()
+                                   .cast(rig.device, dtype)) for n in names}
+    sets = {"mtbench": ("mtbench", args.num_prompts, args.max_new_tokens),
+            "heldout": (str(w / "data" / "heldout_prompts.jsonl"), args.num_prompts, args.heldout_new_tokens)}
     out = {"machine": machine_name(rig.device), "device": str(rig.device), "dtype": str(dtype).removeprefix("torch."),
-           "engine": engine_path(rig), "num_prompts": n, "max_new_tokens": m, "sets": {}}
-    for name, source in (("mtbench", "mtbench"), ("heldout", str(w / "data" / "heldout_prompts.jsonl"))):
-        prompts = load_prompts(source, n, rig.tokenizer)
-        ar = run_ar(rig, prompts, m)
-        rows = []
-        for shape in SHAPES:
-            for who, r in rigs.items():
-                stats, tok_s = run_shape(r, r.drafter(SpecConfig(*shape)), prompts, m, f"{name} {who} {shape}")
-                s = stats.summary()
-                rows.append({"drafter": who, "shape": list(shape), "accept_length": s["accept_length"], "tok_s": tok_s,
-                             "speedup": tok_s / ar["tok_s"], "depth_acceptance": s["depth_acceptance"],
-                             "verify_steps": s["verify_steps"], "generated_tokens": s["generated_tokens"]})
-                print(f"{name:<8} {who:<12} {str(shape):<12} accept {s['accept_length']:.3f}  {tok_s:8.1f} tok/s "
-                      f"({tok_s / ar['tok_s']:.2f}x plain)", flush=True)
-        out["sets"][name] = {"prompts": len(prompts), "ar": ar, "rows": rows}
-    atomic_write_json(w / "measure.json", out)
+           "engine": engine_path(rig), "drafters": names, "sets": {}}
+    prompts = {}
+    for name, (source, n, m) in sets.items():
+        prompts[name] = load_prompts(source, n or 10 ** 9, rig.tokenizer)
+        out["sets"][name] = {"prompts": len(prompts[name]), "max_new_tokens": m,
+                             "ar": run_ar(rig, prompts[name], m), "rows": []}
+        print(f"{name:<8} plain decoding  {out['sets'][name]['ar']['tok_s']:8.1f} tok/s", flush=True)
+    for shape in args.shapes:
+        for who in names:
+            for name, s in out["sets"].items():
+                r = rigs[who]
+                stats, tok_s = run_shape(r, r.drafter(SpecConfig(*shape)), prompts[name], s["max_new_tokens"],
+                                         f"{name} {who} {shape}")
+                sm = stats.summary()
+                s["rows"].append({"drafter": who, "shape": list(shape), "accept_length": sm["accept_length"],
+                                  "tok_s": tok_s, "speedup": tok_s / s["ar"]["tok_s"],
+                                  "depth_acceptance": sm["depth_acceptance"], "verify_steps": sm["verify_steps"],
+                                  "generated_tokens": sm["generated_tokens"]})
+                print(f"{name:<8} {who:<20} {str(shape):<12} accept {sm['accept_length']:.3f}  {tok_s:8.1f} tok/s "
+                      f"({tok_s / s['ar']['tok_s']:.2f}x plain)", flush=True)
+                atomic_write_json(w / "measure.json", out)
     return out
 
 
 def vllm(args, plan: Plan, w: Path) -> dict:
     """bench/bench_vllm_accept.py on each drafter: vLLM's CPU build against fledge's engine."""
     out = {}
-    for who, d in (("fledge", w / "fledge" / "draft"), ("speculators", w / "peer" / "draft")):
+    for who, r in trained(w).items():
+        d = r["drafter"]
         res = w / f"vllm-{who}.json"
         run([sys.executable, str(REPO / "bench" / "bench_vllm_accept.py"), "--drafter", str(d), "--target",
-             plan.target_dir, "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_new_tokens),
+             plan.target_dir, "--num-prompts", str(args.num_prompts or 80), "--max-tokens", str(args.max_new_tokens),
              "--k", "3", "--out", str(res)], w / "logs" / f"vllm-{who}.log", fledge_env())
         r = json.loads(res.read_text())
         out[who] = {"vllm_accept_length": r["vllm"]["accept_length"], "engine_accept_length": r["fledge"]["accept_length"],
@@ -375,8 +409,8 @@ DIFFERENCES = [
     "into --total-seq-len tokens with per-document attention, padding the rest",
     "LR schedule: both linear warm-up over 3% of the steps, then cosine to 0; speculators' warm-up starts at 0, "
     "fledge's at 1/warm-up steps",
-    "LM head: fledge trains a fresh head (no --head-init); speculators copies the target's head rows for the "
-    "draft vocab and freezes them",
+    "LM head: fledge's default trains a fresh head (`fledge` rows; `--head target` / `--head frozen` rows start "
+    "from the target's head rows for the draft vocab); speculators copies those rows and freezes them",
     "loss: fledge soft cross-entropy against the target's draft-vocab distribution, speculators KL "
     "divergence (the same gradient: they differ by the target's entropy)",
     "features: fledge runs the target in its own compact engine, batched; speculators here runs it with HF "
@@ -460,7 +494,7 @@ def report(args, plan: Plan, w: Path) -> dict:
         p = w / name
         return json.loads(p.read_text()) if p.is_file() else None
 
-    train = {r["trainer"]: r for r in (load("train-fledge.json"), load("train-peer.json")) if r}
+    train = trained(w)
     meas, vl = load("measure.json"), load("vllm.json")
     machine = meas["machine"] if meas else machine_name("cuda" if torch.cuda.is_available() else "cpu")
     out = {"machine": machine, "commit": args.commit or git_commit(), "quick": plan.quick, "plan": dataclasses.asdict(plan), "training": train,
@@ -469,21 +503,19 @@ def report(args, plan: Plan, w: Path) -> dict:
            "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step"}
     print(f"\n{plan.samples['train']['samples']} training samples, {plan.samples['heldout']['samples']} held out; "
           f"draft vocab {plan.draft_vocab}, TTT {plan.ttt_steps}, lr {plan.lr}; machine {machine}")
-    print(f"{'trainer':<12}{'steps':>7}{'target tok':>12}{'wall s':>9}{'tok/s':>10}{'acc0':>7}{'sim. accept':>12}")
+    print(f"{'drafter':<20}{'steps':>7}{'target tok':>12}{'wall s':>9}{'tok/s':>10}{'acc0':>7}{'sim. accept':>12}")
     for r in train.values():
-        print(f"{r['trainer']:<12}{r['steps']:>7}{r['target_tokens']:>12,}{r['wall_s']:>9.1f}{r['target_tok_s']:>10.0f}"
+        print(f"{r['name']:<20}{r['steps']:>7}{r['target_tokens']:>12,}{r['wall_s']:>9.1f}{r['target_tok_s']:>10.0f}"
               f"{r['heldout']['acc'][0]:>7.3f}{r['heldout']['accept_len_simulated']:>12.3f}")
     if meas:
-        print(f"\nengine, {meas['device']} {meas['dtype']}, {meas['num_prompts']} prompts x {meas['max_new_tokens']} tokens "
-              f"(accept length SGLang's)")
-        print(f"{'prompts':<9}{'shape':<12}{'fledge accept':>14}{'tok/s':>8}{'x':>6}{'speculators accept':>20}{'tok/s':>8}{'x':>6}")
+        print(f"\nengine, {meas['device']} {meas['dtype']} (accept length SGLang's)")
+        print(f"{'prompts':<26}{'shape':<12}{'drafter':<20}{'accept':>8}{'tok/s':>9}{'x plain':>8}")
         for name, s in meas["sets"].items():
-            print(f"{name:<9}{'plain':<12}{'':>14}{s['ar']['tok_s']:>8.1f}")
-            for shape in SHAPES:
-                a, b = (next(r for r in s["rows"] if r["drafter"] == who and tuple(r["shape"]) == shape)
-                        for who in ("fledge", "speculators"))
-                print(f"{'':<9}{str(shape):<12}{a['accept_length']:>14.3f}{a['tok_s']:>8.1f}{a['speedup']:>6.2f}"
-                      f"{b['accept_length']:>20.3f}{b['tok_s']:>8.1f}{b['speedup']:>6.2f}")
+            print(f"{name + ' ' + str(s['prompts']) + ' x ' + str(s['max_new_tokens']):<26}{'plain':<12}{'':<20}"
+                  f"{'':>8}{s['ar']['tok_s']:>9.1f}")
+            for r in s["rows"]:
+                print(f"{'':<26}{str(tuple(r['shape'])):<12}{r['drafter']:<20}{r['accept_length']:>8.3f}"
+                      f"{r['tok_s']:>9.1f}{r['speedup']:>8.2f}")
     if vl:
         for who, r in vl.items():
             print(f"vLLM chain {r['k']}, {who}: accept {r['vllm_accept_length']:.3f} (engine {r['engine_accept_length']:.3f}), "
@@ -506,6 +538,14 @@ def report(args, plan: Plan, w: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- CLI
+def shape_arg(text: str) -> tuple[int, int, int]:
+    try:
+        s, k, n = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected STEPS,TOPK,TOKENS, e.g. 5,4,16") from None
+    return s, k, n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step", choices=["prepare", "train-fledge", "train-peer", "measure", "vllm", "report", "all"])
@@ -523,6 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenize processes")
     t = p.add_argument_group("training")
+    t.add_argument("--heads", nargs="+", choices=HEADS, default=["fresh"],
+                   help="train-fledge: one fledge drafter per head recipe (fledge train --head)")
     t.add_argument("--peer-python", default=sys.executable,
                    help="the python that imports speculators 0.9.0 (default: this one)")
     t.add_argument("--peer-workers", type=int, default=0, help="speculators' data loader workers (each loads the target)")
@@ -531,10 +573,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report: size --max-convs for this many seconds of the slower trainer's steps on an H200")
     t.add_argument("--device", help="fledge's device (default cuda if available); speculators takes the accelerator")
     m = p.add_argument_group("measure, vllm")
-    m.add_argument("--num-prompts", type=int, help=f"prompts a set (default full {FULL['num_prompts']}, quick "
-                                                   f"{QUICK['num_prompts']})")
-    m.add_argument("--max-new-tokens", type=int, help=f"(default full {FULL['max_new_tokens']}, quick "
-                                                      f"{QUICK['max_new_tokens']})")
+    m.add_argument("--num-prompts", type=int, help=f"prompts a set (default full: all, quick {QUICK['num_prompts']})")
+    m.add_argument("--max-new-tokens", type=int, help=f"a MT-Bench answer's tokens (default full "
+                                                      f"{FULL['max_new_tokens']}, quick {QUICK['max_new_tokens']})")
+    m.add_argument("--heldout-new-tokens", type=int, help=f"a held-out answer's tokens (default full "
+                                                          f"{FULL['heldout_new_tokens']}, quick {QUICK['heldout_new_tokens']})")
+    m.add_argument("--drafters", nargs="+", help="measure, vllm: which trained drafters (default: all)")
+    m.add_argument("--shapes", nargs="+", type=shape_arg, default=list(SHAPES),
+                   help="measure: (steps,topk,tokens) as S,K,N, in order (default 7,1,8 5,4,16 8,8,64)")
     m.add_argument("--dtype", help="engine dtype (default bfloat16 on cuda, float32 on cpu)")
     m.add_argument("--vllm", action="store_true", help="`all` also runs the vllm step")
     p.add_argument("--commit", help="report: the commit the figures were measured at (default: this checkout's)")
@@ -546,6 +592,7 @@ def main(argv=None) -> int:
     sizes = QUICK if args.quick else FULL
     args.num_prompts = args.num_prompts or sizes["num_prompts"]
     args.max_new_tokens = args.max_new_tokens or sizes["max_new_tokens"]
+    args.heldout_new_tokens = args.heldout_new_tokens or sizes["heldout_new_tokens"]
     w = Path(args.workdir).resolve()
     w.mkdir(parents=True, exist_ok=True)
     try:

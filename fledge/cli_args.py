@@ -14,7 +14,7 @@ import importlib
 import os
 
 from fledge.catalog import BUILTINS, DATASETS, FLOAT_DTYPES, FORMATS, HELDOUT_SUFFIX, LAYOUTS, SHORT_DTYPES
-from fledge.config import ADAPT_TRAIN_OPTIONS, PARALLEL, TRAIN_OPTIONS, TrainConfig
+from fledge.config import ADAPT_TRAIN_OPTIONS, HEADS, PARALLEL, TRAIN_OPTIONS, TrainConfig
 
 
 def run_step(name: str, args) -> int | None:
@@ -173,8 +173,8 @@ def add_train(sub) -> None:
         p.add_argument(f"--{name}", type=typ, help=train_help(name, what))
     p.add_argument("--parallel", choices=PARALLEL, help=train_help("parallel", "under torchrun"))
     p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
-    p.add_argument("--head-init", dest="head_init", action="store_true", default=None,
-                   help="a fresh draft's lm_head and norm start as the target's (slower early on SmolLM2: see draft.py)")
+    p.add_argument("--head", choices=HEADS, help=train_help("head", "a fresh draft's lm_head: random (fresh), the "
+                                                              "target's rows (target), or those rows frozen (frozen)"))
     p.add_argument("--device")
     p.set_defaults(func=handler("fledge.train:run_train"))
 

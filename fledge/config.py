@@ -83,6 +83,10 @@ class DraftConfig:
 
 
 PARALLEL = ("ddp", "fsdp")  # how `fledge train` spreads over torchrun's ranks (FSDP2: fully_shard)
+# How a fresh draft's lm_head starts: "fresh" random and trained; "target" the target's output
+# rows of the draft vocab (and its final norm, Eagle3Draft.init_head_from), then trained;
+# "frozen" those rows, never trained (speculators' EAGLE-3 recipe; the norm still trains).
+HEADS = ("fresh", "target", "frozen")
 
 # TrainConfig fields that `fledge train` sets with a plain `--name VALUE`: (option, type, what
 # it sets). The help adds the field's default.
@@ -120,7 +124,7 @@ class TrainConfig:
     target: str = "smollm2-135m"
     vocab: str | None = None          # d2t/t2d file (`fledge vocab`); None: draft vocab = target vocab
     init: str | None = None           # warm start from an exported drafter directory
-    head_init: bool = False           # a fresh draft's lm_head/norm start as the target's (Eagle3Draft.init_head_from)
+    head: str = "fresh"               # a fresh draft's lm_head: one of HEADS
     features: str | None = None       # offline feature directory; None: run the target online
     eval_data: str | None = None      # held-out set; None: `eval_samples` split off the training set
     eval_samples: int = 64
@@ -155,6 +159,8 @@ class TrainConfig:
                   (self.max_len >= 3, "max_len must be >= 3"), (self.lr > 0, "lr must be > 0"),
                   (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
+                  (self.head in HEADS, f"head {self.head!r}: one of {', '.join(HEADS)}"),
+                  (not (self.init and self.head == "target"), "--init brings its own head; drop --head target"),
                   (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
                   (self.time_budget is None or self.time_budget > 0, "time_budget must be > 0 seconds"),
                   (not (self.time_budget and self.max_steps), "--time-budget plans the step count; drop --max-steps"),

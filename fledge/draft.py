@@ -106,11 +106,11 @@ class Eagle3Draft(nn.Module):
         where the target's is a plain weighted RMSNorm, or 1 + weight (Gemma), checked
         numerically; other norms keep the ones of a fresh draft.
 
-        Not the default (`fledge train --head-init`): on SmolLM2 (CPU, 400 ShareGPT answers,
-        batch 4, lr 5e-4) a random head reached at step 30 the held-out step-0 accuracy (0.128)
-        that the copied head reached at step 60 (0.125). A random draft state through a copied
-        head gives confident wrong logits (soft CE 12.9 vs 7.6 over the first 10 steps), and
-        the draft spends its first steps unlearning them."""
+        `fledge train --head target` (trained on) or `--head frozen` (never trained); the
+        default is a random head. A random draft state through a copied head gives confident
+        wrong logits at first (on SmolLM2, CPU, 400 answers: soft CE 12.9 against 7.6 over the
+        first 10 steps), which the draft must unlearn.
+        """
         head = target_model.get_output_embeddings().weight
         self.lm_head.weight.copy_(head[self.target_ids().to(head.device)].float())
         norm = getattr(target_model.get_decoder(), "norm", None)

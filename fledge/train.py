@@ -225,7 +225,7 @@ def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
     dcfg = DraftConfig.from_target(tcfg, draft_vocab_size=ids.numel(), aux_layer_ids=cfg.aux_layers,
                                    intermediate_size=cfg.draft_intermediate_size)
     draft = Eagle3Draft.from_target(dcfg, model, ids)
-    if cfg.head_init:
+    if cfg.head != "fresh":
         draft.init_head_from(model)
     return draft
 
@@ -255,6 +255,7 @@ def setup(cfg: TrainConfig, target) -> Run:
     aux_ids = aux_layer_ids_for(model, draft.cfg.aux_layer_ids)
     if store and tuple(store.meta["aux_layer_ids"]) != aux_ids:
         raise FledgeError(f"--features {cfg.features}: aux layers {store.meta['aux_layer_ids']}, drafter reads {list(aux_ids)}")
+    draft.lm_head.weight.requires_grad_(cfg.head != "frozen")  # set on resume too: the optimizer's groups follow it
     ttt = TTT(draft, cfg.ttt_steps, cfg.step_decay).to(device)
     wrapped = parallelize(ttt, cfg.parallel, world, device)
     per_epoch = len(train) // (cfg.batch_size * world * cfg.grad_accum)

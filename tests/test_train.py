@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from conftest import make_tiny
 from fledge.cli import main as cli_main
+from fledge.checkpoint import load_checkpoint
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, TargetHead, feature_model, features_meta, load_samples, online_features,
@@ -240,6 +241,22 @@ def test_loss_falls_and_draft_learns(tmp_path):
     warm = train(config(tmp_path, "warm", init=str(tmp_path / "run" / "draft"), max_steps=1, lr=1e-9,
                         eval_samples=8), target)
     assert warm["eval"]["objective"] == pytest.approx(ev["objective"], abs=0.05)
+
+
+@pytest.mark.parametrize("head", ["target", "frozen"])
+def test_head_from_the_target_trains_or_stays(tmp_path, head):
+    """--head target starts lm_head at the target's rows and trains it; --head frozen keeps
+    exactly those rows (bf16 in the saved drafter) while the rest of the draft learns."""
+    write_data(tmp_path / "data.jsonl", n=32)
+    target = tiny_target()
+    train(config(tmp_path, head=head, max_steps=4), target)
+    d = load_checkpoint(tmp_path / "run" / "draft", embed_from=target.model)
+    rows = target.model.lm_head.weight[d.target_ids()].detach().to(torch.bfloat16).float()
+    moved = (d.lm_head.weight - rows).abs().max().item()
+    assert (moved == 0) == (head == "frozen"), moved
+    train(config(tmp_path, "still", head=head, max_steps=1, lr=1e-12), target)  # same start, no learning
+    start = load_checkpoint(tmp_path / "still" / "draft", embed_from=target.model)
+    assert (d.fc.weight - start.fc.weight).abs().max() > 1e-3
 
 
 def test_wider_draft_mlp_trains_exports_and_drafts(tmp_path):
