@@ -2,23 +2,24 @@
 
     python bench/bench_engine.py --target smollm2-135m [--drafter DIR [--tree S,K,N ...]] [--compile] [--quick]
 
-Configs: HF generate (eager; static cache, auto-compiled, GPU only; --skip-hf leaves them out),
-engine AR, oracle chain (the engine's ceiling), n-gram, EAGLE-3 chain 7 and one row per --tree
-(with --drafter). --compile compiles the engine's layer functions for every engine row, the AR
-baseline included, and the drafter; it adds AR rows uncompiled, and compiled but attending
-through SDPA over attention spans instead of the prefix kernel (variants, not baselines: what
-each part buys; docs/performance.md says which other variants lost). Ratios are against engine AR from the
-same run — HF rows against engine AR on the same prompts (--hf-prompts runs HF on fewer); `match_ar` counts prompts
-whose output equals engine AR's token for token (exact in fp32; in bf16 a verify over many
-tokens rounds differently from a 1-token step, so near-ties may flip). Prints a table and
-writes bench/results/engine_<machine>.json (engine_<machine>_fp32.json in fp32).
+Rows: engine AR, EAGLE-3 chain 7 and one per --tree (with --drafter), the oracle chain 7 (the
+engine's ceiling), n-gram, then the references: AR and oracle with an eager prefill per request,
+HF generate eager and with a compiled static cache (GPU; --skip-hf leaves them out), and with
+--compile AR uncompiled, through SDPA over spans and through cuBLAS (what each part buys).
+Ratios are against engine AR of the same run, HF rows on the prompts HF ran (--hf-prompts);
+`match_ar` counts outputs equal to engine AR's token for token (exact in fp32; in bf16 a verify
+over many tokens rounds differently from a 1-token step, so near-ties may flip).
+Writes one variant (--variant, default the dtype) of bench/results/engine_<machine>.json,
+keeping the others; the variant is rewritten after each row, so a run cut short keeps its rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -29,34 +30,32 @@ from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.engine.resident import Resident
-from fledge.engine.spec import generate_spec, oracle_text
+from fledge.engine.spec import oracle_text
 from fledge.engine.stats import SpecStats
 from fledge.target import eos_ids, load_target
 from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype
 from machine import machine_name, result_path
 
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+SPEC_KEYS = ("accept_length", "accept_rate", "round_ms_per_step", "draft_ms_per_step", "verify_ms_per_step",
+             "other_ms_per_step", "depth_acceptance", "histogram")
 
 
 def hf_runner(hf, eos, device, static_len: int | None = None):
-    """HF generate; with `static_len`, one StaticCache of that many slots reused (reset) for
-    every prompt, so the auto-compiled decode step (CUDA) never sees a new shape."""
+    """HF generate; with `static_len`, one StaticCache reused (reset) for every prompt, so the
+    auto-compiled decode step (CUDA) never sees a new shape."""
     cache = StaticCache(config=hf.config, max_cache_len=static_len) if static_len else None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def run(prompt, params, _ar):
         ids = torch.tensor([prompt], device=device)
-        kw = {}
+        kw = {} if cache is None else {"past_key_values": cache}
         if cache is not None:
             cache.reset()
-            kw["past_key_values"] = cache
-        sync(device)
+        sync()
         t0 = time.perf_counter()
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
                           do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
-        sync(device)
+        sync()
         return out[0, len(prompt):].tolist(), time.perf_counter() - t0, None, None
     return run
 
@@ -68,25 +67,6 @@ def ar_runner(target, eos, graphs: bool, resident=None):
     return run
 
 
-def oracle_runner(target, eos, graphs: bool, spec, resident=None):
-    """The oracle drafts the greedy text the verify step itself computes (spec.oracle_text:
-    untimed passes, each fed the last one's output, from AR's), then one timed pass proposes
-    it. An oracle fed AR's text drafts wrong for the rest of a request after a near-tie that a
-    verify and a one-row step round apart in bf16 (accept length 1.3 on an H200 in bf16); one
-    refining pass still left 6.74 on 80 MT-Bench prompts there. In fp32 the text is AR's."""
-    device = next(target.parameters()).device
-
-    def run(prompt, params, ar):
-        own, passes = oracle_text(target, spec, prompt, ar, params, eos, use_cuda_graph=graphs, resident=resident)
-        out, st = generate_spec(target, OracleDrafter(spec, [prompt + own], device), prompt, params, eos,
-                                use_cuda_graph=graphs, resident=resident)
-        if out != own:
-            print(f"oracle: no fixed point after {passes} passes; this request accepts less than every draft",
-                  file=sys.stderr)
-        return out, st.wall_ms / 1e3, st, st.prefill_ms
-    return run
-
-
 def spec_runner(target, eos, graphs: bool, make_drafter, resident=None):
     def run(prompt, params, ar):  # the timing path fledge tune validates with
         out, st = spec_request(target, make_drafter(prompt, ar), prompt, params, eos, graphs, resident)
@@ -94,141 +74,156 @@ def spec_runner(target, eos, graphs: bool, make_drafter, resident=None):
     return run
 
 
+def oracle_runner(target, eos, graphs: bool, spec, resident=None):
+    """The oracle drafts the greedy text the verify step itself computes (spec.oracle_text:
+    untimed passes, each fed the last one's output, from AR's). Fed AR's text it drafts wrong
+    for the rest of a request after a near-tie that a verify and a one-row step round apart in
+    bf16; in fp32 the text is AR's."""
+    device = next(target.parameters()).device
+
+    def run(prompt, params, ar):
+        own, passes = oracle_text(target, spec, prompt, ar, params, eos, use_cuda_graph=graphs, resident=resident)
+        out, st = spec_request(target, OracleDrafter(spec, [prompt + own], device), prompt, params, eos, graphs, resident)
+        if out != own:
+            print(f"oracle: no fixed point after {passes} passes; this request accepts less than every draft",
+                  file=sys.stderr)
+        return out, st.wall_ms / 1e3, st, st.prefill_ms
+    return run
+
+
 def parse_tree(text: str) -> SpecConfig:
     try:
         steps, topk, n = (int(x) for x in text.split(","))
+        return SpecConfig(steps, topk, n)
     except ValueError:
         raise FledgeError(f"--tree {text!r}: expected STEPS,TOPK,NUM_DRAFT_TOKENS") from None
-    return SpecConfig(steps, topk, n)
 
 
-def bench(args) -> dict:
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
-    t = load_target(args.target, dtype=dtype, device=device)
-    def compiled(**kw):  # the engine's compiled layer functions, with this run's choices
+def results_writer(path: Path, variant: str):
+    """A function that rewrites `variant` of the results file at `path` and keeps its other
+    variants (one run's report each). The file is read here, so a bad one stops the run first."""
+    try:
+        variants = json.loads(path.read_text())["variants"] if path.exists() else {}
+        if not isinstance(variants, dict):
+            raise TypeError("'variants' is not an object")
+    except (ValueError, KeyError, TypeError) as e:
+        raise FledgeError(f"{path}: not a bench_engine results file ({type(e).__name__}: {e})") from None
+    return lambda report: atomic_write_json(path, {"variants": {**variants, variant: report}})
+
+
+def engine_configs(args, t, target, device, dtype, prompts, graphs) -> tuple[dict, set, Resident | None]:
+    """The rows to run, in run order: the baseline and the drafters first, then the references
+    and the AR variants, so that a run cut short loses the least."""
+    def compiled(**kw):
         return LayerFns.compiled(**{"gemv_rows": args.gemv_rows, "few_rows": args.few_rows, **kw})
 
-    target = build_engine_target(t.model, dtype, device, fns=compiled() if args.compile else LayerFns())
-    eos = eos_ids(t.tokenizer, t.model.generation_config)
-    prompts = load_prompts(args.prompts, args.num_prompts, t.tokenizer)
-    params = SamplingParams(0.0, 1.0, args.max_new_tokens, 0)
-    chain7 = SpecConfig(7, 1, 8)
-    graphs = not args.no_cuda_graph
-
-    # Run order = the order below: the baseline and the drafters first, then the references and
-    # the AR variants, so that a run cut short (a time limit, a kill) loses the least.
-    configs, hf_names = {}, set()
-    if args.drafter:
-        fast = args.fast_topk
-        eagle_chain = load_drafter(args.drafter, chain7, t.model, target, device, dtype, args.compile, fast)
+    def drafter(spec):
+        return load_drafter(args.drafter, spec, t.model, target, device, dtype, args.compile, args.fast_topk)
+    eos, chain7 = eos_ids(t.tokenizer, t.model.generation_config), SpecConfig(7, 1, 8)
+    eagle_chain = drafter(chain7) if args.drafter else None
     # One cache per engine target for every request, the prefill captured per bucket before any
-    # clock (engine.resident); --eager-prefill: a fresh cache and an eager prefill per request.
-    aux_sets = [None] + ([eagle_chain.aux_ids] if args.drafter else [])
-    # Room past the answer for the widest verify: a round's tree is written before acceptance.
-    room = max([64] + [parse_tree(t).num_draft_tokens for t in args.tree or []])
-    resident_len = -(-(max(map(len, prompts)) + args.max_new_tokens + room) // 64) * 64
+    # clock (engine.resident), with room past the answer for the widest verify (a round's tree
+    # is written before acceptance); --eager-prefill: a fresh cache and prefill per request.
+    room = max([64] + [parse_tree(x).num_draft_tokens for x in args.tree or []])
+    longest = max(map(len, prompts)) + args.max_new_tokens
+    aux_sets = [None] + ([eagle_chain.aux_ids] if eagle_chain else [])
 
     def resident(model):
-        return None if args.eager_prefill else Resident(model, resident_len, aux_sets, use_graph=graphs)
+        return None if args.eager_prefill else Resident(model, -(-(longest + room) // 64) * 64, aux_sets, use_graph=graphs)
     res = resident(target)
-    configs["engine AR"] = ar_runner(target, eos, graphs, res)
-    if args.drafter:
-        configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda p, ar: eagle_chain, res)
+    configs = {"engine AR": ar_runner(target, eos, graphs, res)}
+    if eagle_chain:
+        configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda *_: eagle_chain, res)
         for text in args.tree or ["5,4,16"]:
-            tree = load_drafter(args.drafter, parse_tree(text), t.model, target, device, dtype, args.compile, fast)
-            configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda p, ar, d=tree: d, res)
+            tree = drafter(parse_tree(text))
+            configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda *_, d=tree: d, res)
     configs["oracle chain 7"] = oracle_runner(target, eos, graphs, chain7, res)
     ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
     configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(
-        target, eos, graphs, lambda p, ar: NgramDrafter(ngram, args.ngram), res)
-    if res is not None:  # the same engine with a fresh cache and an eager prefill per request
+        target, eos, graphs, lambda *_: NgramDrafter(ngram, args.ngram), res)
+    if res is not None:
         configs["engine AR (eager prefill)"] = ar_runner(target, eos, graphs)
         configs["oracle chain 7 (eager prefill)"] = oracle_runner(target, eos, graphs, chain7)
-    if not args.skip_hf:  # HF eager costs ~7.5 s a prompt on the H200: skip it to bench all 80
+    if not args.skip_hf:
         configs["hf eager"] = hf_runner(t.model, eos, device)
         if device.type == "cuda":
-            static_len = -(-(max(map(len, prompts)) + args.max_new_tokens) // 64) * 64
-            configs["hf static (compiled)"] = hf_runner(t.model, eos, device, static_len)
-        hf_names = {n for n in configs if n.startswith("hf ")}
-    if args.compile:  # the same engine without torch.compile, to show what compiling buys
-        plain = build_engine_target(t.model, dtype, device)
-        configs["engine AR (not compiled)"] = ar_runner(plain, eos, graphs, resident(plain))
-        # and compiled, but with decode attention through SDPA over spans (no prefix kernel)
-        spans = build_engine_target(t.model, dtype, device, fns=compiled(prefix_kernel=False))
-        configs["engine AR (SDPA over spans)"] = ar_runner(spans, eos, graphs, resident(spans))
-        if args.gemv_rows:  # and with every matmul through cuBLAS
-            cublas = build_engine_target(t.model, dtype, device, fns=compiled(gemv_rows=0, few_rows=0))
-            configs["engine AR (cuBLAS matmuls)"] = ar_runner(cublas, eos, graphs, resident(cublas))
-
+            configs["hf static (compiled)"] = hf_runner(t.model, eos, device, -(-longest // 64) * 64)
+    if args.compile:
+        variants = {"not compiled": LayerFns(), "SDPA over spans": compiled(prefix_kernel=False)}
+        if args.gemv_rows:
+            variants["cuBLAS matmuls"] = compiled(gemv_rows=0, few_rows=0)
+        for name, fns in variants.items():
+            model = build_engine_target(t.model, dtype, device, fns=fns)
+            configs[f"engine AR ({name})"] = ar_runner(model, eos, graphs, resident(model))
     if args.only:  # a re-measure of some rows against the baseline, in less device time
         want = [n.strip() for n in args.only.split(";") if n.strip()]
         unknown = [n for n in want if n not in configs]
         if unknown:
             raise FledgeError(f"--only {unknown}: not a row of this run; rows: {'; '.join(configs)}")
         configs = {n: run for n, run in configs.items() if n == "engine AR" or n in want}
-        hf_names &= set(configs)
+    return configs, {n for n in configs if n.startswith("hf ")}, res
+
+
+def bench(args, device, write) -> dict:
+    dtype = pick_dtype(args.dtype, device)
+    t = load_target(args.target, dtype=dtype, device=device)
+    fns = LayerFns.compiled(gemv_rows=args.gemv_rows, few_rows=args.few_rows) if args.compile else LayerFns()
+    target = build_engine_target(t.model, dtype, device, fns=fns)
+    prompts = load_prompts(args.prompts, args.num_prompts, t.tokenizer)
+    graphs = not args.no_cuda_graph
+    configs, hf_names, res = engine_configs(args, t, target, device, dtype, prompts, graphs)
     n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
-    header = {"device": machine_name(device), "target": args.target, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
-              "compiled_layers": args.compile, "gemv_rows": args.gemv_rows, "fast_topk": args.fast_topk,
-              "few_rows": args.few_rows, "resident_prefill": res is not None, "hf_prompts": n_hf if hf_names else 0,
-              "prompts": len(prompts), "only": args.only,
+    header = {"device": machine_name(device), "target": args.target, "dtype": str(dtype).removeprefix("torch."),
+              "cuda_graphs": graphs, "compiled_layers": args.compile, "gemv_rows": args.gemv_rows,
+              "fast_topk": args.fast_topk, "few_rows": args.few_rows, "resident_prefill": res is not None,
+              "hf_prompts": n_hf if hf_names else 0, "prompts": len(prompts), "only": args.only,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step"}
-    # Engine AR goes first: its outputs feed the oracle and are what every other output must match.
-    ar_out = [ar_runner(target, eos, graphs, res)(p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
+    params = SamplingParams(0.0, 1.0, args.max_new_tokens, 0)
+    # Engine AR's outputs feed the oracle and are what every other output must match.
+    ar_out = [configs["engine AR"](p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
     results, per_prompt = {}, {}
     for name, run in configs.items():
-        warm = SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0)  # compile, capture, allocator: untimed
-        run(prompts[0], warm, ar_out[0][:16])
+        run(prompts[0], SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0), ar_out[0][:16])  # untimed warm-up
         todo = list(zip(prompts, ar_out))[:n_hf if name in hf_names else None]
         timed, matches, stats, prefill = [], 0, [], []
         for rep in range(args.repeats):
             for i, (p, ar) in enumerate(tqdm(todo, desc=f"{name} [{rep + 1}/{args.repeats}]", leave=False)):
                 out, s, st, pre = run(p, params, ar)
                 timed.append((i, len(out), s))
-                if pre is not None:
-                    prefill.append(pre)
+                prefill += [] if pre is None else [pre]
+                stats += [] if st is None else [st]
                 matches += rep == 0 and out == ar
-                if st is not None:
-                    stats.append(st)
         per_prompt[name] = timed
         tokens, seconds = sum(x[1] for x in timed), sum(x[2] for x in timed)
         row = {"prompts": len(todo), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "match_ar": matches}
         if prefill:  # the request's time before its first decode step or round (prefill, drafter's first look)
             row["prefill_ms_per_prompt"] = sum(prefill) / len(prefill)
         if stats:
-            s = SpecStats.merge(stats).summary()
-            row.update({k: s[k] for k in ("accept_length", "accept_rate", "round_ms_per_step", "draft_ms_per_step",
-                                          "verify_ms_per_step", "other_ms_per_step", "depth_acceptance", "histogram")})
+            row |= {k: v for k, v in SpecStats.merge(stats).summary().items() if k in SPEC_KEYS}
         results[name] = row
         with_ratios(results, per_prompt, n_hf, hf_names)
-        if args.out:  # so far, in case the run is cut off (a time limit, a kill): kept until the final write
-            atomic_write_json(args.out, {**header, "partial": True, "results": results})
+        write({**header, "partial": True, "results": results})
     return {**header, "results": results}
 
 
 def with_ratios(results: dict, per_prompt: dict, n_hf: int, hf_names: set) -> None:
-    """Each row's tok/s against engine AR (the first row), HF rows against engine AR on the
-    prompts HF ran."""
-    base = results["engine AR"]["tok_s"]
-    ar_sub = [x for x in per_prompt["engine AR"] if x[0] < n_hf]  # engine AR on the prompts HF ran
+    """Each row's tok/s against engine AR's, HF rows against engine AR's on the prompts HF ran."""
+    ar_sub = [x for x in per_prompt["engine AR"] if x[0] < n_hf]
     base_hf = sum(x[1] for x in ar_sub) / sum(x[2] for x in ar_sub)
     for name, row in results.items():
-        row["vs_engine_ar"] = row["tok_s"] / (base_hf if name in hf_names else base)
+        row["vs_engine_ar"] = row["tok_s"] / (base_hf if name in hf_names else results["engine AR"]["tok_s"])
         if name in hf_names:
             row["engine_ar_same_prompts_tok_s"] = base_hf
 
 
 def print_table(report: dict) -> None:
-    head = ["config", "prompts", "tok/s", "vs AR", "match AR", "accept len", "round ms", "prefill ms"]
-    rows = [head]
+    rows = [["config", "prompts", "tok/s", "vs AR", "match AR", "accept len", "round ms", "prefill ms"]]
     for name, r in report["results"].items():
-        spec = [f"{r['accept_length']:.2f}", f"{r['round_ms_per_step']:.3f}"] if "accept_length" in r else ["-"] * 2
-        rows.append([name, str(r["prompts"]), f"{r['tok_s']:.1f}", f"{r['vs_engine_ar']:.2f}x",
-                     f"{r['match_ar']}/{r['prompts']}", *spec,
-                     f"{r['prefill_ms_per_prompt']:.1f}" if "prefill_ms_per_prompt" in r else "-"])
-    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+        rows.append([name, str(r["prompts"]), f"{r['tok_s']:.1f}", f"{r['vs_engine_ar']:.2f}x", f"{r['match_ar']}/{r['prompts']}",
+                     *(f"{r[k]:{f}}" if k in r else "-" for k, f in (("accept_length", ".2f"), ("round_ms_per_step", ".3f"),
+                                                                  ("prefill_ms_per_prompt", ".1f")))])
+    widths = [max(map(len, col)) for col in zip(*rows)]
     print(f"{report['device']}  {report['target']}  {report['dtype']}  {report['prompts']} prompts x "
           f"{report['max_new_tokens']} new tokens, batch 1, greedy (HF rows: vs engine AR on the same prompts)")
     for row in rows:
@@ -238,7 +233,7 @@ def print_table(report: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--drafter", help="EAGLE-3 checkpoint directory (adds the eagle3 chain and tree configs)")
+    p.add_argument("--drafter", help="EAGLE-3 checkpoint directory (adds the eagle3 chain and tree rows)")
     p.add_argument("--tree", action="append", help="EAGLE-3 tree as STEPS,TOPK,NUM_DRAFT_TOKENS (repeatable; default 5,4,16)")
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram prompt lookup matches")
     p.add_argument("--ngram-steps", type=int, default=4, help="tokens the n-gram drafter proposes per round")
@@ -255,29 +250,29 @@ def main(argv=None) -> int:
                    help="a fresh cache and an eager prefill per request (no engine.resident; no eager-prefill rows)")
     p.add_argument("--torch-topk", dest="fast_topk", action="store_false",
                    help="the drafter's tree bookkeeping through torch.topk (Eagle3Drafter fast_topk off)")
-    p.add_argument("--few-rows", type=int, default=16,
-                   help="with --compile: forwards of more than --gemv-rows and at most this many rows through "
-                        "engine.few_rows' Triton kernels (verify steps)")
+    p.add_argument("--few-rows", type=int, default=16, help="with --compile: forwards of more than --gemv-rows and "
+                   "at most this many rows through engine.few_rows' Triton kernels (verify steps)")
     p.add_argument("--gemv-rows", type=int, default=GEMV_ROWS,
                    help="with --compile: matmuls of at most this many rows as fused reductions (engine.model.linear)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the engine's layer functions and the drafter's halves; adds an uncompiled AR row")
+                   help="torch.compile the engine's layer functions and the drafter; adds the AR variant rows")
     p.add_argument("--device")
     p.add_argument("--dtype")
-    p.add_argument("--out", help="JSON path (default bench/results/engine_<machine>[_fp32].json)")
+    p.add_argument("--variant", help="key of this run in the results file (default: the dtype, e.g. bfloat16)")
+    p.add_argument("--out", type=Path, help="results file (default bench/results/engine_<machine>.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_prompts, args.repeats = min(args.num_prompts, 10), 1
     try:
-        report = bench(args)
+        device = pick_device(args.device)
+        out = args.out or result_path("engine", machine_name(device))
+        write = results_writer(out, args.variant or str(pick_dtype(args.dtype, device)).removeprefix("torch."))
+        report = bench(args, device, write)
     except FledgeError as e:
         print(f"bench_engine: error: {e}", file=sys.stderr)
         return 2
     print_table(report)
-    # fp32 on a GPU is the exactness bench, kept beside the bf16 speed bench.
-    fp32_gpu = report["dtype"] == "float32" and report["device"] != "cpu"
-    out = args.out or result_path("engine", report["device"], "fp32" if fp32_gpu else "")
-    atomic_write_json(out, report)
+    write(report)
     print(f"wrote {out}")
     return 0
 

@@ -66,7 +66,8 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path, monkeypatch):
     AR's (resident rows and the eager-prefill rows alike), the oracle accepts every draft (17
     tokens = the prefill's + two full rounds of 8), and every engine row reports its
     per-request time before the first step. The JSON written after each row (what a run cut
-    short by a time limit leaves) already says what ran where, with ratios."""
+    short by a time limit leaves) already says what ran where, with ratios, under the run's
+    variant (the dtype by default)."""
     import bench_engine
     out = tmp_path / "engine.json"
     writes = []
@@ -77,7 +78,8 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path, monkeypatch):
     assert bench_engine.main(["--drafter", str(drafter), "--tree", "3,2,6", "--num-prompts", "2",
                               "--max-new-tokens", "17", "--device", "cpu", "--dtype", "float32",
                               "--skip-hf", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["results"]
+    final = json.loads(out.read_text())["variants"]["float32"]
+    rows = final["results"]
     assert set(rows) == {"engine AR", "eagle3 chain 7", "eagle3 tree 3,2,6", "oracle chain 7", "ngram 3 chain 4",
                          "engine AR (eager prefill)", "oracle chain 7 (eager prefill)"}
     for name, row in rows.items():
@@ -88,7 +90,7 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path, monkeypatch):
     assert rows["oracle chain 7"]["accept_length"] == 8.0
     assert rows["oracle chain 7"]["histogram"] == [0] * 7 + [4]
     assert 1.0 <= rows["eagle3 chain 7"]["accept_length"] <= 8.0
-    first, final = writes[0], json.loads(out.read_text())
+    first = writes[0]["variants"]["float32"]
     assert first["partial"] and "partial" not in final and len(writes) == len(rows) + 1
     assert {k: v for k, v in first.items() if k not in ("partial", "results")} == \
         {k: v for k, v in final.items() if k != "results"}
@@ -97,16 +99,20 @@ def test_engine_bench_rows_equal_ar_in_fp32(tmp_path, monkeypatch):
 
 
 def test_engine_bench_only_rows_and_a_tree_wider_than_the_default_room(tmp_path, capsys):
-    """--only keeps the named rows beside the engine AR baseline; a name that is no row is one
-    clear error naming the rows. A 200-token tree fits the resident cache (a 256-token tree
+    """--only keeps the named rows beside the engine AR baseline, written as its --variant
+    beside the file's other variants; a name that is no row, or a results file of another
+    layout, is one clear error. A 200-token tree fits the resident cache (a 256-token tree
     once stopped at 'cache of 512 slots < ... + 256')."""
     import bench_engine
     drafter = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m"
     common = ["--drafter", str(drafter), "--tree", "3,60,200", "--num-prompts", "1", "--max-new-tokens", "6",
               "--device", "cpu", "--dtype", "float32", "--skip-hf"]
     out = tmp_path / "only.json"
-    assert bench_engine.main(common + ["--only", "eagle3 tree 3,60,200", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
+    out.write_text(json.dumps({"variants": {"kept": {"results": {}}}}))
+    assert bench_engine.main(common + ["--only", "eagle3 tree 3,60,200", "--variant", "only", "--out", str(out)]) == 0
+    variants = json.loads(out.read_text())["variants"]
+    report = variants["only"]
+    assert list(variants) == ["kept", "only"] and variants["kept"] == {"results": {}}
     assert set(report["results"]) == {"engine AR", "eagle3 tree 3,60,200"}
     assert report["only"] == "eagle3 tree 3,60,200" and report["results"]["eagle3 tree 3,60,200"]["match_ar"] == 1
     capsys.readouterr()
@@ -115,6 +121,10 @@ def test_engine_bench_only_rows_and_a_tree_wider_than_the_default_room(tmp_path,
     assert len(err) == 1 and err[0].startswith("bench_engine: error: --only ['oracle chain 8']: not a row")
     assert "oracle chain 7" in err[0]
     assert not (tmp_path / "x.json").exists()
+    (tmp_path / "old.json").write_text(json.dumps({"results": {}}))
+    assert bench_engine.main(common + ["--out", str(tmp_path / "old.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench_engine: error:") and "old.json" in err and "\n" not in err
 
 
 def test_profile_round_checks_and_prefill_profile_on_a_tiny_target():
@@ -190,11 +200,12 @@ def test_result_files_are_named_by_benchmark_and_machine(monkeypatch):
     from machine import RESULTS, machine_name, result_path
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert machine_name("cpu") == "cpu" and machine_name("cuda:0") == "h200" and machine_name("cuda", 2) == "h200x2"
-    assert result_path("engine", "h200", "fp32") == RESULTS / "engine_h200_fp32.json"
+    assert result_path("engine", "h200") == RESULTS / "engine_h200.json"
+    assert result_path("peer_compare", "h200", "quick") == RESULTS / "peer_compare_h200_quick.json"
     # Every kept result matches the pattern the scripts write.
     files = list(RESULTS.iterdir())
     assert files and all(p.suffix in (".json", ".png") and p.stem.split("_")[-1] in
-                         {"cpu", "h200", "h200x2", "fp32", "hf", "oracle"} for p in files), files
+                         {"cpu", "h200", "h200x2"} for p in files), files
 
 
 def test_peer_compare_subset_and_vocab_files(tmp_path):
