@@ -2,16 +2,13 @@
 unrolled TTT forward and backward, the optimizer) on a SmolLM2-135M-shaped target with random
 weights and random tokens, so no download is needed (kernel times depend on shapes, not values).
 
-    python bench/profile_train.py --random [--compare] [--batch 64 --seq 512 --ttt-steps 7] [--out JSON]
+    python bench/profile_train.py [--compare] [--batch 64 --seq 512 --ttt-steps 7] [--out JSON]
 
 Prints and writes: the step's wall time split into features / TTT forward+backward / optimizer
-(synchronised, medians), target tokens per second, and the GPU kernels of two steps (after three
-more warm-up steps, `profile_decode.kernels_us`) grouped as
-attention, matmul, softmax and the rest, with the top kernels by time. The training-time test
-attends over every earlier step's keys through a dense mask (`train.ttt_mask`), which this shows
-the price of. `--compare` first runs a reference step (the head's draft columns gathered from the
-full logits, the soft CE eager: the step before those two optimisations), on the same model and
-inputs, so the two are measured in one call.
+(synchronised, medians), target tokens per second, and the GPU kernels of two steps grouped as
+attention, matmul, softmax and the rest, with the top kernels by time. `--compare` first runs a
+reference step (the head's draft columns gathered from the full logits, the soft CE eager), on
+the same model and inputs, so the two are measured in one call.
 """
 
 from __future__ import annotations
@@ -24,6 +21,8 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+import transformers
+from torch.profiler import ProfilerActivity, profile as torch_profile
 
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
@@ -31,6 +30,11 @@ from fledge.features import TargetHead, aux_layer_ids_for, feature_model, online
 from fledge.train import TTT
 from fledge.util import atomic_write_json
 from machine import machine_name, result_path
+
+# SmolLM2-135M-Instruct's architecture (its config.json): what the timings depend on.
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu")
 
 # Kernel name fragments, tried in this order (memory-efficient attention kernels are named
 # fmha_cutlass*, so attention is tried before matmul).
@@ -42,6 +46,26 @@ CATEGORIES = (("attention", ("fmha", "attention", "flash", "attn")),
 def category(kernel: str) -> str:
     name = kernel.lower()
     return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def smollm2_random(dtype, device) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2_135M)).to(dtype).eval()
+
+
+def kernels_ms(step, iters: int) -> dict[str, float]:
+    """GPU milliseconds per step of each kernel name, from torch.profiler (a kernel event's
+    range is its GPU interval)."""
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    acc = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc[e.name] += e.time_range.elapsed_us() / 1e3 / iters
+    return dict(acc)
 
 
 def gathered_view(head: TargetHead, hidden):
@@ -108,8 +132,9 @@ def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps
            "step_ms": total, "features_ms": feats, "ttt_fwd_bwd_ms": fwd_bwd, "optimizer_ms": optim,
            "target_tok_s": batch * seq / total * 1e3}
     if cuda:
-        from profile_decode import kernels_us
-        per = {name: us / 1e3 for name, (_, us) in kernels_us(step, iters=2).items()}  # ms a step
+        for _ in range(3):
+            step()
+        per = kernels_ms(step, iters=2)
         cats = defaultdict(float)
         for name, ms in per.items():
             cats[category(name)] += ms
@@ -133,7 +158,6 @@ def print_report(r: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--random", action="store_true", help="SmolLM2-135M's shapes, random weights (bench/random_target.py)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=512, help="tokens a sequence (the shipped drafter's data: 524 on average)")
     p.add_argument("--ttt-steps", type=int, default=7)
@@ -143,9 +167,6 @@ def main(argv=None) -> int:
     p.add_argument("--compare", action="store_true", help="also the reference step first, same model and inputs")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if not args.random:
-        p.error("only --random is implemented: the split depends on shapes, not weights")
-    from random_target import smollm2_random
     dev = torch.device(args.device)
     model = smollm2_random(torch.bfloat16 if dev.type == "cuda" else torch.float32, dev)
     variants = [profile(model, args.batch, args.seq, args.ttt_steps, args.draft_vocab, args.steps, before=True)] \

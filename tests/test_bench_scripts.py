@@ -127,34 +127,6 @@ def test_engine_bench_only_rows_and_a_tree_wider_than_the_default_room(tmp_path,
     assert err.startswith("bench_engine: error:") and "old.json" in err and "\n" not in err
 
 
-def test_profile_round_checks_and_prefill_profile_on_a_tiny_target():
-    """profile_round's GPU helpers, run here on a tiny target: few_rows_check finds the
-    few-rows path (interpreted) equal to the plain one in fp32, prefill_profile reports a wall
-    time (eager and resident) and the host ops that took it, and round_gap times replays."""
-    import torch
-
-    import profile_round
-    from conftest import make_tiny
-    from fledge.engine import build_engine_target
-    from fledge.engine.model import LayerFns
-    hf = make_tiny("llama", seed=2)
-    target = build_engine_target(hf, torch.float32, "cpu", fns=LayerFns(few_rows=16))
-    prompt = torch.randint(0, 301, (11,)).tolist()
-    check = profile_round.few_rows_check(hf, target, torch.float32, torch.device("cpu"), prompt, widths=(4, 8))
-    assert set(check) == {4, 8}
-    assert all(c["max_abs_diff"] < 1e-4 and c["argmax_agree"] == 1.0 for c in check.values())
-    prof = profile_round.prefill_profile(target, prompt, (2, 4, 5), iters=2)
-    assert prof["wall_ms"] > 0 and prof["launches"] == 0  # no GPU here: no kernels
-    assert prof["resident_wall_ms"] > 0 and prof["resident_aux_wall_ms"] > 0
-    assert any(name.startswith("aten::") and ms > 0 for name, _, ms in prof["top_host_ops"])
-    from fledge.config import DraftConfig
-    from fledge.draft import Eagle3Draft
-    from fledge.engine.drafters import Eagle3Drafter, SpecConfig
-    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()
-    gap = profile_round.round_gap(target, Eagle3Drafter(draft, SpecConfig(3, 2, 6), target), prompt, rounds=4)
-    assert gap["back_to_back_ms"] > 0 and gap["synced_ms"] > 0
-
-
 def test_profile_train_splits_a_step_on_a_tiny_target():
     """profile_train on the CPU: the three phases are timed and add up to about the step, the
     rate follows from the batch, and kernel names fall into the categories the report uses."""
@@ -175,23 +147,6 @@ def test_profile_train_splits_a_step_on_a_tiny_target():
              "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul", "cunn_SoftMaxForward<4, float>": "softmax",
              "vectorized_elementwise_kernel": "other", "pytorch_flash::flash_fwd_kernel": "attention"}
     assert {n: profile_train.category(n) for n in names} == names
-
-
-def test_replay_check_walks_the_engines_rounds_on_smollm2(tmp_path):
-    """bench/replay_check.py on the CPU with the shipped drafter: the engine writes its greedy
-    answers, a chain runs on them, and training's replay of the same text may differ from the
-    engine's count only by each prompt's last round (max_new_tokens cuts the text there)."""
-    import replay_check
-    drafter = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m"
-    out = tmp_path / "replay.json"
-    assert replay_check.main(["--drafter", str(drafter), "--num-prompts", "2", "--max-new-tokens", "24",
-                              "--steps", "3", "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert r["same_text"] == 2 and r["num_prompts"] == 2
-    assert abs(r["engine_rounds"] - r["replay_rounds"]) <= 2
-    assert abs(r["engine_accepted"] - r["replay_accepted"]) <= 2 * 3
-    assert r["engine_rounds"] >= sum(-(-(row["answer_tokens"] - 1) // 4) for row in r["rows"])  # <= 3 drafts + a bonus
-    assert 1.0 <= r["replay_accept_len"] <= 4.0 and 1.0 <= r["simulated_accept_len"] <= 4.0
 
 
 def test_result_files_are_named_by_benchmark_and_machine(monkeypatch):

@@ -157,7 +157,7 @@ class NgramDrafter:
 
 # The drafter's cache rows, rounded up: one compiled shape for most requests. Its masked SDPA
 # reads every row, so the quantum is also what a draft step's attention costs (cuDNN: 36 us a
-# step at 2,054 rows on the H200, profile_round "kernels").
+# step at 2,054 rows on the H200, bench/profile_round.py's "kernels" at commit d466fab).
 DRAFT_CACHE_QUANTUM = 1024
 
 
@@ -174,7 +174,7 @@ class Eagle3Drafter:
     bookkeeping included. A draft step is ~1/30 of a target step in bytes but, eager, ~80 small
     kernels: on the H200 at batch 1 a chain of 7 drafted in 1.93 ms against a 1.32 ms target
     step; compiled, a (5,4,16) tree drafts in 1.01 ms against 1.58 eager
-    (bf16, bench/profile_round.py). The context rows are rounded up to
+    (bf16, bench/profile_round.py at commit d466fab). The context rows are rounded up to
     DRAFT_CACHE_QUANTUM so that requests of different lengths share one compiled shape; the
     observe after the prefill (T = the prompt's length) stays eager for the same reason.
     """
@@ -197,7 +197,7 @@ class Eagle3Drafter:
         # the H200, reproduced on the CPU with torch 2.11 and Inductor's Triton scheduling), so
         # those are compiled unsplit: a few rows of a vocab, one program each. On the H200 a
         # compiled (5, 4, 16) round took 1.90 ms this way against 2.28 with torch.topk
-        # (bf16, bench/profile_round.py with and without --torch-topk).
+        # (bf16, bench/profile_round.py at commit d466fab with and without --torch-topk).
         self.draft, self.spec, self.compiled, self.fast_topk, self.kv = draft, spec, compile, fast_topk, None
         self.aux_ids = tuple(cfg.aux_layer_ids)
         self.to_target = draft.target_ids()
@@ -216,7 +216,7 @@ class Eagle3Drafter:
         shape = (2, batch, cfg.num_key_value_heads, self.max_len + scratch, cfg.head_dim)  # K and V side by side
         if self.kv is not None and tuple(self.kv.shape) == shape:
             # The same buffers again, zeroed: nothing is allocated per request. (New buffers cost
-            # no recompile either: bench/profile_round.py's "fresh" rows.)
+            # no recompile either: bench/profile_round.py's "fresh" rows at commit d466fab.)
             self.kv.zero_()
             self.last.zero_()
             return

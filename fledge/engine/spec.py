@@ -273,7 +273,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
         verify, propose, observe = _round_functions(target, cache, drafter, device, use_cuda_graph)
     # Device drafters need nothing from the host between rounds: the host reads round i while
     # round i+1 runs. On the H200 a round otherwise waited 0.015-0.33 ms for the host, by the
-    # host's load (bench/profile_round.py's "round_gap").
+    # host's load (bench/profile_round.py's "round_gap" at commit d466fab).
     ahead = Ahead(run_round, spec.path_len + 2, device) if fused and drafter.device_only else None
     gen = torch.Generator(device=device).manual_seed(params.seed)
     clock, stats = Clock(device), SpecStats(spec.num_steps, spec.num_draft_tokens, prompt_tokens=len(prompt))
