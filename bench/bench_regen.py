@@ -2,17 +2,14 @@
 
     python bench/bench_regen.py --target smollm2-135m --prompts FIRSTS.jsonl [--batch-sizes 64,256]
 
-For each batch size, the same prompts (the first B of the file, sorted by length as `fledge
-regen` batches them) are answered greedily by both, up to --max-new-tokens each. HF gets the
-batch left-padded (as its generate requires) and runs eagerly with its dynamic cache: the way a
-data pipeline calls it. A row's tokens count up to and including its first end-of-turn token;
-tok/s is those tokens over the wall time of the whole call (prefill included) for both;
-`decode_tok_s` is the engine's decode steps times the batch (finished rows included) over decode
-time, the rate a continuously refilled batch would approach. `--stream N` measures that: N
-prompts through B rows, each row refilled when it ends (engine/stream.py, what `fledge regen`
-runs); its tok/s is every answer token over the wall time, prefills and graph captures included.
-`same_rows` counts rows whose answers are token-identical: batched bf16 on two code paths
-need not agree exactly, so it is shown, not required. Prints a table; writes JSON.
+For each batch size, the first B prompts, sorted by length as `fledge regen` batches them, are
+answered greedily by both, up to --max-new-tokens each; HF left-padded, eager, dynamic cache
+(the way a data pipeline calls it). A row's tokens count up to its first end-of-turn token;
+tok/s is those over the wall time of the whole call, prefill included. `decode_tok_s`: the
+engine's decode steps times the batch over decode time, the rate a refilled batch approaches;
+`--stream N` measures that (N prompts through B rows, each refilled when it ends, as `fledge
+regen` runs). `same_rows` counts token-identical answers: batched bf16 on two code paths need
+not agree exactly, so it is shown, not required. Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -72,16 +69,15 @@ def bench(args) -> dict:
     eos = eos_ids(t.tokenizer, t.model.generation_config)
     pad = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else eos[0]
     sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    engine_only = [int(b) for b in args.engine_only.split(",")] if args.engine_only else []
+    every = sorted(set(sizes + [int(b) for b in (args.engine_only or "").split(",") if b]))
     # As `fledge regen` does: a prompt with no room for the answer in --max-len is left out.
-    need = max(sizes + engine_only + [args.stream])
+    need = max(every + [args.stream])
     prompts = [p for p in load_prompts(args.prompts, 2 * need, t.tokenizer)
-               if len(p) + args.max_new_tokens <= args.max_len]
-    prompts = prompts[:need]
+               if len(p) + args.max_new_tokens <= args.max_len][:need]
     if len(prompts) < need:
         raise FledgeError(f"{args.prompts}: {len(prompts)} prompts, fewer than the {need} asked for")
     # Untimed warm-up of both paths (CUDA graph capture, allocator, kernel selection, compiles).
-    for b in sorted(set(sizes + engine_only)):
+    for b in every:
         engine_batch(engine, sorted(prompts[:b], key=len), 8, eos, device)
         if args.compare_one_group:
             engine_batch(engine, sorted(prompts[:b], key=len), 8, eos, device, row_group=b)
@@ -90,7 +86,7 @@ def bench(args) -> dict:
     if sizes:
         hf_batch(t.model, prompts[:2], 8, eos, pad, device)
     results = []
-    for b in sorted(set(sizes + engine_only)):
+    for b in every:
         batch = sorted(prompts[:b], key=len)
         rows, seconds, st = engine_batch(engine, batch, args.max_new_tokens, eos, device)
         row = {"batch": b, "prompt_tokens": sum(map(len, batch)), "engine": engine_row(rows, seconds, st)}
@@ -115,12 +111,10 @@ def bench(args) -> dict:
                 row["stream_vs_hf"] = row["engine_stream"]["tok_s"] / row["hf"]["tok_s"]
             row["same_rows"] = sum(x == y for x, y in zip(rows, hf_rows))
         results.append(row)
-    name = machine_name(device)
-    return {"device": name, "target": args.target, "dtype": str(dtype).removeprefix("torch."),
+    return {"device": machine_name(device), "target": args.target, "dtype": str(dtype).removeprefix("torch."),
             "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "greedy": True,
-            "hf": "generate, eager, dynamic cache, left padding", "engine": f"generate_ar, right padding, length-sorted row groups of {ROW_GROUP}, CUDA graph per span tuple",
-            "compiled_layers": args.compile,
-            "results": results}
+            "hf": "generate, eager, dynamic cache, left padding", "compiled_layers": args.compile, "results": results,
+            "engine": f"generate_ar, right padding, length-sorted row groups of {ROW_GROUP}, CUDA graph per span tuple"}
 
 
 def print_table(report: dict) -> None:

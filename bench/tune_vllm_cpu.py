@@ -48,16 +48,8 @@ NOISE = 0.15
 def misranked(rows: list[dict], noise: float) -> list[tuple[int, int]]:
     """Pairs of k (faster measured first) that vLLM separates by more than `noise` but the
     prediction orders the other way: the ranking errors that are not measurement noise."""
-    bad = []
-    for a in rows:
-        for b in rows:
-            if a["tok_s_measured"] > (1 + noise) * b["tok_s_measured"] and a["tok_s_predicted"] <= b["tok_s_predicted"]:
-                bad.append((a["k"], b["k"]))
-    return bad
-
-
-def spec_args(k: int) -> tuple:
-    return ("--speculative-config", json.dumps({"method": "eagle3", "model": str(DRAFTER), "num_speculative_tokens": k}))
+    return [(a["k"], b["k"]) for a in rows for b in rows
+            if a["tok_s_measured"] > (1 + noise) * b["tok_s_measured"] and a["tok_s_predicted"] <= b["tok_s_predicted"]]
 
 
 def run(ks: list[int], calibrate_ks: list[int], levels: str, max_new_tokens: int, requests: int, out_dir: Path) -> dict:
@@ -82,8 +74,9 @@ def run(ks: list[int], calibrate_ks: list[int], levels: str, max_new_tokens: int
     # calibrating chain feed one profile (--merge); the other chains are only measured.
     for k in [0, *calibrate_ks, *[k for k in ks if k not in calibrate_ks]]:
         t0 = time.monotonic()
+        spec = {"method": "eagle3", "model": str(DRAFTER), "num_speculative_tokens": k}
         server = serve.start(target, "smollm2-135m", log=out_dir / f"vllm_k{k}.log", timeout=900,
-                             extra=spec_args(k) if k else ())
+                             extra=("--speculative-config", json.dumps(spec)) if k else ())
         starts[k] = round(time.monotonic() - t0, 1)
         try:
             if k == 0 or k in calibrate_ks:
@@ -101,11 +94,11 @@ def run(ks: list[int], calibrate_ks: list[int], levels: str, max_new_tokens: int
     rows = []
     for k in ks:
         p = predict(acceptance, t, Shape(k, 1, k + 1))
-        rows.append({"k": k, "accept_predicted": p.accept_length, "tok_s_predicted": p.tok_s, "tok_s_measured": measured[k],
-                     "error_percent": 100 * (p.tok_s / measured[k] - 1)})
+        rows.append({"k": k, "accept_predicted": p.accept_length, "tok_s_predicted": p.tok_s,
+                     "tok_s_measured": measured[k], "error_percent": 100 * (p.tok_s / measured[k] - 1)})
     ranked = [{"k": 0, "tok_s_predicted": 1e3 / t.ar_ms, "tok_s_measured": measured[0]}, *rows]
-    rank_pred = [r["k"] for r in sorted(ranked, key=lambda r: -r["tok_s_predicted"])]
-    rank_meas = [r["k"] for r in sorted(ranked, key=lambda r: -r["tok_s_measured"])]
+    rank_pred, rank_meas = ([r["k"] for r in sorted(ranked, key=lambda r: -r[key])]
+                            for key in ("tok_s_predicted", "tok_s_measured"))
     return {"machine": "this CPU (vLLM CPU build, float32, --enforce-eager)", "target": "smollm2-135m",
             "drafter": str(DRAFTER.relative_to(ROOT)), "max_new_tokens": max_new_tokens, "requests": requests,
             "calibrate_levels": levels, "calibrate_ks": calibrate_ks, "plain_tok_s_measured": measured[0],
