@@ -49,16 +49,14 @@ def summarize(runs: dict[str, list[dict]], ranks: dict[str, int], skip: int) -> 
 
 
 def plot(runs: dict[str, list[dict]], summary: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(11, 4))
+    a, b = fig.subplots(1, 2)
     for name, rows in runs.items():
         a.plot([r["step"] for r in rows], [r["objective"] for r in rows], "o-", ms=3, label=name)
     a.set(title="training objective (same global batch)", xlabel="optimizer step")
     a.legend()
-    names = list(summary)
-    b.bar(names, [summary[n]["tok_s_per_gpu"] for n in names])
+    b.bar(list(summary), [r["tok_s_per_gpu"] for r in summary.values()])
     b.set(title="target tokens/s per GPU")
     save_figure(fig, path)
 

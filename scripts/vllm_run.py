@@ -38,11 +38,10 @@ class Collect(logging.Handler):
 
 def spec_counters(metrics) -> dict:
     """vLLM's spec-decode counters by short name (the Vector is per draft position)."""
-    out = {}
-    for m in metrics:
-        if m.name.startswith("vllm:spec_decode_"):
-            out[m.name.removeprefix("vllm:spec_decode_")] = m.values if hasattr(m, "values") else m.value
-    return out
+    from vllm.v1.metrics.reader import Vector
+
+    return {m.name.removeprefix("vllm:spec_decode_"): m.values if isinstance(m, Vector) else m.value
+            for m in metrics if m.name.startswith("vllm:spec_decode_")}
 
 
 def main():
