@@ -3,10 +3,9 @@
 Every check here exists because the failure it catches is *silent* in SGLang or vLLM: the
 server starts, serves correct text, and acceptance quietly collapses (plain `EAGLE` on an
 EAGLE-3 drafter, a missing `d2t` or `hidden_norm`, a context window shorter than the
-target's). Files are read with `fledge.weights` (headers, then numpy, tensor by tensor), so a
-broken checkpoint is reported, never raised, and the layout with `fledge.layout`: without
-`--target` (a name fledge.target resolves) or `--probe` it never loads torch, whose start-up
-would cost more than every check together.
+target's). Files are read by `fledge.weights`, the layout by `fledge.layout`, both torch-free:
+a broken checkpoint is reported, never raised, and without `--target` (a name fledge.target
+resolves) or `--probe` torch, whose start-up costs more than every check together, never loads.
 
 Results are a list of `Check`s; `report(results)` prints them and returns the exit code
 (0 all PASS, 1 some WARN, 2 some FAIL). Any further source of checks (a live acceptance
@@ -21,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from fledge.catalog import BUILTINS
 from fledge.checks import Check, DraftFacts, draft_facts, fail, ok, report, warn
@@ -30,10 +28,9 @@ from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, rope_fi
 from fledge.layout import aux_ids_of, canonical_name, checkpoint_keys, draft_config_from_json
 from fledge.lint import launch_checks
 from fledge.util import FledgeError
-from fledge.weights import Checkpoint, Weights, is_float, open_checkpoint
+from fledge.weights import Checkpoint, Stats, Weights, is_float, open_checkpoint
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-_CHUNK = 1 << 22  # elements per fp32 chunk: a 163840x7168 embedding never sits in fp32 whole
 
 
 def files_check(ck: Checkpoint) -> Check:
@@ -255,8 +252,7 @@ def check_verifier(f: DraftFacts, t: TargetFacts | None) -> Check | None:
     target, through the HF hub or from a local directory; a name only fledge knows fails there."""
     if f.layout != "speculators":
         return None
-    v = f.verifier
-    example = t.path if t else "<HF id or model directory>"
+    v, example = f.verifier, t.path if t else "<HF id or model directory>"
     fix = f"re-export with `fledge export ... --layout speculators --verifier {example}`"
     if not isinstance(v, str) or not v:
         return fail("verifier", "no speculators_config.verifier.name_or_path: vLLM has no target to serve", fix)
@@ -297,8 +293,8 @@ def check_rope(f: DraftFacts, t: TargetFacts | None) -> Check:
     theta, scaling = f.rope
     if t is None:
         return ok("rope", f"theta {theta}, scaling {scaling} (compare with --target)")
-    problems = [f"rope {name} {mine} != target {theirs}" for name, mine, theirs in zip(("theta", "scaling"), f.rope, t.rope)
-                if mine != theirs]
+    problems = [f"rope {name} {mine} != target {theirs}"
+                for name, mine, theirs in zip(("theta", "scaling"), f.rope, t.rope) if mine != theirs]
     if problems:
         return warn("rope", "; ".join(problems) + ": fine only if the drafter was trained with these",
                      "copy the target's rope fields into config.json unless training used others")
@@ -316,47 +312,6 @@ def check_dtype(f: DraftFacts, w: Weights) -> Check:
 
 
 # ------------------------------------------------------------------ weight sanity, in fp32
-@dataclass
-class Stats:
-    ndim: int
-    nonfinite: int
-    lo: float
-    hi: float
-
-
-def _chunks(w: Weights, k: str):
-    """Tensor `k` in fp32, a chunk of rows at a time: the largest embedding never has to fit
-    in memory as fp32."""
-    shape = w.shapes[k]
-    if not shape:
-        yield w.read(k).astype(np.float32)
-        return
-    step = max(1, _CHUNK // max(1, math.prod(shape[1:])))
-    for a in range(0, shape[0], step):
-        yield w.read(k, a, a + step).astype(np.float32, copy=False)
-
-
-def scan_weights(w: Weights) -> dict[str, Stats]:
-    """Non-finite count and finite min/max of every float tensor, in fp32."""
-    names = [k for k in sorted(w.files) if is_float(w.dtypes[k])]
-    out = {}
-    with tqdm(total=sum(math.prod(w.shapes[k]) for k in names), unit="el", unit_scale=True,
-              desc="doctor: weights", leave=False) as bar:
-        for k in names:
-            bad, lo, hi = 0, math.inf, -math.inf
-            for x in _chunks(w, k):
-                x = x.ravel()
-                fin = np.isfinite(x)
-                n_bad = x.size - int(fin.sum())
-                x = x[fin] if n_bad else x
-                if x.size:
-                    lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
-                bad += n_bad
-                bar.update(fin.size)
-            out[k] = Stats(len(w.shapes[k]), bad, lo, hi)
-    return out
-
-
 def check_weights(stats: dict[str, Stats]) -> Check:
     nonfin = [k for k, s in stats.items() if s.nonfinite]
     zero = [k for k, s in stats.items() if s.lo == 0.0 and s.hi == 0.0]
@@ -406,7 +361,7 @@ def check_embed(f: DraftFacts, w: Weights, t: TargetFacts | None) -> Check:
         return fail("embed", f"embed_tokens {list(w.shapes['embed_tokens.weight'])} != target {list(tw.shapes[key])}",
                      "drop embed_tokens from the export (engines share the target's)")
     diff = norm = 0.0
-    for x, y in zip(_chunks(w, "embed_tokens.weight"), _chunks(tw, key)):
+    for x, y in zip(w.chunks("embed_tokens.weight"), tw.chunks(key)):
         diff, norm = diff + float(np.square(x - y).sum(dtype=np.float64)), norm + float(np.square(y).sum(dtype=np.float64))
     rel = math.sqrt(diff / max(norm, 1e-30))
     if rel > 1e-2:  # beyond a bf16 round trip
@@ -424,7 +379,7 @@ def _guarded(name: str, fn, *args) -> Check | None:
         return fail(name, f"could not check ({type(e).__name__}: {e})", "fix the field's type in config.json")
 
 
-def static_checks(drafter, target: str | None = None) -> tuple[list[Check], Checkpoint, DraftFacts | None]:
+def static_checks(drafter, target: str | None = None) -> tuple[list[Check], DraftFacts | None]:
     """Every check that needs only files. Never raises on a broken checkpoint."""
     ck = open_checkpoint(drafter)
     results = [files_check(ck) if ck.path.is_dir() else
@@ -435,19 +390,19 @@ def static_checks(drafter, target: str | None = None) -> tuple[list[Check], Chec
         results.append(tcheck)
     f = _guarded("architecture", draft_facts, ck.config) if ck.config is not None else None
     if not isinstance(f, DraftFacts):
-        return [r for r in results + [f] if r is not None], ck, None
+        return [r for r in results + [f] if r is not None], None
     runs = [("architecture", check_architecture, f), ("aux_ids", check_aux_ids, f, t),
             ("verifier", check_verifier, f, t), ("context", check_context, f, t), ("rope", check_rope, f, t)]
     runs += [("hidden", check_hidden, f, t)] if t else []
     w = ck.weights
     if w is not None:
-        stats = scan_weights(w)
+        stats = w.scan()
         runs += [("keys", check_keys, f, w), ("fc", check_fc, f, w, t), ("shapes", check_shapes, ck.config, w, t),
                  ("vocab", check_vocab, f, w, t), ("d2t", check_d2t, f, w), ("t2d", check_t2d, f, w),
                  ("dtype", check_dtype, f, w), ("weights", check_weights, stats), ("norms", check_norms, stats, w),
                  ("embed", check_embed, f, w, t)]
     results += [_guarded(name, fn, *args) for name, fn, *args in runs]
-    return [r for r in results if r is not None], ck, f
+    return [r for r in results if r is not None], f
 
 
 # ------------------------------------------------------------------ comparing two drafters
@@ -476,7 +431,7 @@ def against_check(drafter, other) -> Check:
 
 def doctor(drafter, target: str | None = None, launch: str | None = None, against: str | None = None) -> list[Check]:
     """All checks for one drafter; never raises on a broken checkpoint or an odd launch line."""
-    results, _, facts = static_checks(drafter, target)
+    results, facts = static_checks(drafter, target)
     if launch is not None:
         results += launch_checks(launch, drafter, facts, target)
     if against is not None:

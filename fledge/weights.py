@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
+from tqdm import tqdm
 
 INDEX = "model.safetensors.index.json"
+_CHUNK = 1 << 22  # elements per fp32 chunk: a 163840x7168 embedding never sits in fp32 whole
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
@@ -49,6 +51,14 @@ def read_safetensor(path: Path, name: str, start: int | None = None, stop: int |
 
 
 @dataclass
+class Stats:
+    ndim: int
+    nonfinite: int
+    lo: float  # finite min and max
+    hi: float
+
+
+@dataclass
 class Weights:
     """Where each tensor lives, with its shape and dtype, read from file headers only."""
 
@@ -65,6 +75,35 @@ class Weights:
             t = t if start is None or not self.shapes[name] else t[start:stop]
             return (t.float() if self.dtypes[name] == "bfloat16" else t).numpy()
         return read_safetensor(self.files[name], name, start, stop)
+
+    def chunks(self, name: str):
+        """The tensor in fp32, a chunk of rows at a time."""
+        shape = self.shapes[name]
+        if not shape:
+            yield self.read(name).astype(np.float32)
+            return
+        step = max(1, _CHUNK // max(1, math.prod(shape[1:])))
+        for a in range(0, shape[0], step):
+            yield self.read(name, a, a + step).astype(np.float32, copy=False)
+
+    def scan(self) -> dict[str, Stats]:
+        """Non-finite count and finite min/max of every float tensor, in fp32."""
+        names = [k for k in sorted(self.files) if is_float(self.dtypes[k])]
+        out = {}
+        with tqdm(total=sum(math.prod(self.shapes[k]) for k in names), unit="el", unit_scale=True,
+                  desc="doctor: weights", leave=False) as bar:
+            for k in names:
+                bad, lo, hi = 0, math.inf, -math.inf
+                for x in self.chunks(k):
+                    x = x.ravel()
+                    fin = np.isfinite(x)
+                    n_bad = x.size - int(fin.sum())
+                    bad, x = bad + n_bad, x[fin] if n_bad else x
+                    if x.size:
+                        lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+                    bar.update(fin.size)
+                out[k] = Stats(len(self.shapes[k]), bad, lo, hi)
+        return out
 
     def torch_tensors(self) -> dict:
         """Every tensor as torch, in its stored dtype (this one loads torch)."""
@@ -142,7 +181,8 @@ def _apply_index(wmap: dict, w: Weights) -> tuple[list[str], list[str]]:
     for k in extra:
         del w.files[k]
     fails = [f"{INDEX}: lists {len(bad)} tensors not in the named shard (e.g. {bad[0]})"] if bad else []
-    warns = [f"{INDEX}: {len(extra)} tensors in shards but not in it, so never loaded (e.g. {extra[0]})"] if extra else []
+    warns = ([f"{INDEX}: {len(extra)} tensors in shards are not in it, so never loaded (e.g. {extra[0]})"]
+             if extra else [])
     return fails, warns
 
 
