@@ -47,7 +47,7 @@ from fledge.checkpoint import export_checkpoint, load_checkpoint
 from fledge.config import ADAPT_TRAIN_OPTIONS, DraftConfig
 from fledge.conventions import validate_aux_layer_ids
 from fledge.draft import Eagle3Draft
-from fledge.util import FledgeError, atomic_write_json
+from fledge.util import FledgeError, atomic_write_json, print_table
 from fledge.vocab import count_masked_tokens, diff_vocab, top_target_ids
 
 # Tensors that do not depend on the target's tokens: carried from OLD unchanged.
@@ -218,7 +218,6 @@ def adapt(cfg: AdaptConfig, target) -> dict:
 
 
 def print_report(report: dict) -> None:
-    from fledge.data import print_table
     v, rows, aux = report["vocab"], report["lm_head_rows"], report["aux_layer_ids"]
     aux_note = "" if aux["kept"] else " (NEW default)"
     if v["rebuilt"]:

@@ -7,7 +7,8 @@ Two layouts are written and read:
                `transformer_layer_config`, the target named in `speculators_config.verifier` (so
                `vllm serve <dir>` alone knows what to verify with); the layer is `layers.0.*`.
 The tensor names and shapes, both layouts' spellings and the reading of config.json are
-`fledge.layout`'s (torch-free, for `fledge doctor`).
+`fledge.layout`'s, and the files are found and read by `fledge.weights` (both torch-free, for
+`fledge doctor`).
 SpecForge / AQ-MedAI drafters are eagle3 layouts that may lack `eagle_config`, `t2d`,
 `target_hidden_size` or `head_dim`; they import too.
 
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
 from fledge.catalog import BUILTINS, LAYOUTS
@@ -37,6 +37,7 @@ from fledge.draft import Eagle3Draft
 from fledge.layout import (canonical_name, checkpoint_keys, detect_layout, draft_config_from_json, layout_name,
                            serving_aux_ids)
 from fledge.util import FledgeError, atomic_dir, check_no_overlap, parse_dtype, write_file
+from fledge.weights import INDEX, Checkpoint, open_checkpoint
 
 DEFAULT_SPECULATIVE_TOKENS = 3
 # Tensors vLLM fills in without a word when a checkpoint lacks them.
@@ -90,57 +91,23 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
 
 
 # --------------------------------------------------------------------------- reading
-def shard_path(path: Path, index: Path, name) -> Path:
-    """The file a safetensors index names as `name`, inside checkpoint dir `path`. A name that
-    is not a plain relative path within the directory (absolute, `..`, a link out) is refused:
-    an index must not make fledge read, or an engine load, a file elsewhere."""
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
-        raise FledgeError(f"{index}: shard {name!r} is not a file name inside {path}")
-    f = path / name
-    if not f.resolve().is_relative_to(path.resolve()):
-        raise FledgeError(f"{index}: shard {name!r} leads outside {path}")
-    return f
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The weight files an engine would read: the index's shards (each checked by
-    `shard_path`), else every *.safetensors in the directory (vLLM loads them all), else
-    pytorch_model.bin (original EAGLE releases)."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-            names = set(wm.values())
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise FledgeError(f"{index}: not a safetensors index ({e})") from None
-        return [shard_path(path, index, f) for f in sorted(names, key=str)]
-    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model.bin"))
-    if not files:
-        raise FledgeError(f"{path}: no model.safetensors (or shards, or pytorch_model.bin)")
-    return files
-
-
-def _read_file(f: Path) -> dict[str, torch.Tensor]:
-    if not f.exists():
-        raise FledgeError(f"{f}: listed in the index but missing")
-    try:
-        if f.suffix == ".bin":
-            return torch.load(f, map_location="cpu", weights_only=True)
-        return load_file(f)
-    except Exception as e:  # safetensors/torch raise assorted types for corrupt or truncated files
-        raise FledgeError(f"{f}: not a readable weights file ({str(e).splitlines()[0]})") from None
-
-
-def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """All tensors of a checkpoint dir under our names, and the file each came from."""
+def _torch_tensors(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """A checkpoint's tensors under our names, and the file each came from."""
     tensors, origin = {}, {}
-    for f in weight_files(path):
-        for k, v in _read_file(f).items():
-            name = canonical_name(k)
-            if name in tensors:
-                raise FledgeError(f"{f}: {k} appears twice ({origin[name].name} too)")
-            tensors[name], origin[name] = v, f
+    for k, v in ck.weights.torch_tensors().items():
+        name, f = canonical_name(k), ck.weights.files[k]
+        if name in tensors:
+            raise FledgeError(f"{f}: {k} appears twice ({origin[name].name} too)")
+        tensors[name], origin[name] = v, f
     return tensors, origin
+
+
+def read_tensors(path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors of a checkpoint dir under our names, and the file each came from."""
+    ck = open_checkpoint(path)
+    if ck.weights is None:
+        raise FledgeError(f"{ck.path}/{ck.fails[-1]}")  # the last: a config problem comes first
+    return _torch_tensors(ck)
 
 
 def tensor_problems(tensors: dict, origin: dict, cfg: DraftConfig, where: Path) -> list[str]:
@@ -197,27 +164,22 @@ class _Read:
 
 def _inspect(path, target_layers: int | None = None) -> tuple[_Read | None, list[str]]:
     """Read and check a checkpoint dir: what was read (None if it could not be), and the problems."""
-    path = Path(path)
-    cfile = path / "config.json"
-    if not cfile.is_file():
-        return None, [f"{cfile}: missing"]
+    ck = open_checkpoint(path)
+    if ck.config is None:
+        return None, [f"{ck.path}/{ck.fails[0]}"]
     try:
-        cj = json.loads(cfile.read_text())
-        if not isinstance(cj, dict):
-            return None, [f"{cfile}: a JSON {type(cj).__name__}, not an object of config fields"]
-        cfg = draft_config_from_json(cj, target_layers)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, [f"{cfile}: not valid JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e})"]
+        cfg = draft_config_from_json(ck.config, target_layers)
     except (FledgeError, KeyError, TypeError, ValueError) as e:
-        return None, [f"{cfile}: {e if isinstance(e, FledgeError) else f'missing or bad field {e}'}"]
+        return None, [f"{ck.path / 'config.json'}: {e if isinstance(e, FledgeError) else f'missing or bad field {e}'}"]
+    if ck.weights is None:
+        return None, [f"{ck.path}/{p}" for p in ck.fails]
     try:
-        tensors, origin = read_tensors(path)
+        tensors, origin = _torch_tensors(ck)
     except FledgeError as e:
         return None, [str(e)]
-    files = sorted(set(origin.values()))
-    index = path / "model.safetensors.index.json"
-    where = index if index.exists() else files[0] if len(files) == 1 else path  # names missing tensors
-    return _Read(cfg, detect_layout(cj), tensors), tensor_problems(tensors, origin, cfg, where)
+    index = ck.path / INDEX
+    where = index if index.exists() else ck.files[0] if len(ck.files) == 1 else ck.path  # names missing tensors
+    return _Read(cfg, detect_layout(ck.config), tensors), tensor_problems(tensors, origin, cfg, where)
 
 
 def validate_checkpoint(path, target_layers: int | None = None) -> list[str]:
@@ -289,7 +251,7 @@ def _write_weights(out: Path, tensors: dict, shard_size_mb) -> None:
         write_file(out / name, st_save(shard, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_file(out / "model.safetensors.index.json",
+    write_file(out / INDEX,
                (json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n").encode())
 
 

@@ -1,29 +1,10 @@
-"""`fledge prep`: ingest prompt and conversation sets; chat template → token ids + loss mask.
+"""`fledge prep`: ingest prompt and conversation sets; with `--tokenizer`, tokenize them too.
 
 Ingest reads ShareGPT (JSON array or JSONL), OpenAI `messages` JSONL, Alpaca JSONL, MT-Bench
 `question.jsonl` and plain text (one prompt a line); normalises roles; drops unusable
 conversations, counting each reason; deduplicates; and splits off a held-out set by a stable
-hash of the id, so the same conversation is held out whatever the input order.
-
-Tokenization takes ids and the loss mask from the target's own chat template, never from a
-regex over rendered text. Where the template marks assistant text with `{% generation %}`
-the tokenizer's assistant mask is used; otherwise each assistant turn k is located by
-rendering messages[:k] with the generation prompt and messages[:k+1], and diffing token ids
-(after checking that both are prefixes of the full rendering — templates that rewrite
-earlier turns are not prefix-stable, and such conversations are skipped and counted).
-
-Trained tokens: everything the target generates for an assistant turn — from after the
-generation prompt up to and including the turn's last special token, its end-of-turn marker
-(<|im_end|>, <|eot_id|>, <end_of_turn>, ...). The drafter must predict the stop token or
-drafts run past the end of every answer; special tokens the model itself writes before the
-content (harmony-style channel headers) are trained too. Template scaffolding after the
-marker (ChatML's trailing newline) is not trained: the target never generates it.
-
-Truncation to max_len keeps whole leading turns: the sequence is cut after the last
-assistant turn that fits. If not even the first assistant turn fits, it is cut at max_len
-(the trained tokens kept are still valid next-token targets); if no trained token fits, the
-conversation is dropped. Sequences always end with an assistant turn's end-of-turn token:
-trailing user turns and scaffolding after the last trained token are not kept.
+hash of the id, so the same conversation is held out whatever the input order. Tokenizing
+(ids and loss mask from the target's own chat template) is `fledge.tokenize`'s.
 """
 
 from __future__ import annotations
@@ -32,16 +13,13 @@ import collections
 import hashlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
-import jinja2
-from tqdm import tqdm
-
 from fledge.catalog import DATASETS, FORMATS
-from fledge.util import (FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, read_jsonl,
-                         wheel_member)
+from fledge.tokenize import build_training_set, load_tokenizer, render_sample, tokenize_with_status
+from fledge.util import (FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, print_table,
+                         read_jsonl, wheel_member)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
@@ -191,15 +169,10 @@ def load_conversations(source: str, fmt: str | None = None) -> tuple[list[dict],
         path, name = Path(source), Path(source).stem
         if not path.is_file():
             raise FledgeError(f"{source}: no such file (built-in sources: {', '.join(DATASETS)})")
-        try:
-            fmt = fmt or _sniff(path)
-        except UnicodeDecodeError as e:
-            raise FledgeError(f"{path}: not UTF-8 text ({e.reason}); re-encode it as UTF-8") from None
-        except RecursionError:
-            raise FledgeError(f"{path}: JSON nested too deeply to read; not a conversation set") from None
-    if fmt not in FORMATS:
-        raise FledgeError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
     try:
+        fmt = fmt or _sniff(path)
+        if fmt not in FORMATS:
+            raise FledgeError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
         return _load(path, fmt, name)
     except UnicodeDecodeError as e:
         raise FledgeError(f"{path}: not UTF-8 text ({e.reason} at a byte {e.object[e.start:e.start + 1]!r}); "
@@ -279,177 +252,7 @@ def split_heldout(records: list[dict], n_heldout: int) -> tuple[list[dict], list
     return [r for r in records if r["id"] not in held], [r for r in records if r["id"] in held]
 
 
-# --------------------------------------------------------------------------- tokenization
-class NotPrefixStable(Exception):
-    """The template renders an earlier turn differently once later turns follow."""
-
-
-def _end_of_turn_ids(tokenizer) -> set[int]:
-    """Special added tokens: a turn's end-of-turn marker is the last of these it renders."""
-    return {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-
-
-def _has_generation_block(tokenizer) -> bool:
-    template = tokenizer.chat_template
-    return isinstance(template, str) and re.search(r"{%-?\s*generation\s*-?%}", template) is not None
-
-
-def _mask_by_generation(tokenizer, messages, eot: set[int]):
-    """The template's assistant mask, extended over an end-of-turn token the template left
-    outside its generation block, so both paths train the same tokens."""
-    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
-    ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
-    for i in range(len(ids) - 1):
-        if mask[i] and not mask[i + 1] and ids[i] not in eot and ids[i + 1] in eot:
-            mask[i + 1] = 1
-    ends = [i + 1 for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1])]
-    return ids, mask, ends
-
-
-def _mask_by_prefix(tokenizer, messages, eot: set[int], max_len: int):
-    """Render up to each assistant turn with and without it; each rendering must extend the
-    previous one token for token, so the ids are the template's own for the whole prefix."""
-    from fledge.target import encode_chat  # torch and transformers: only once a tokenizer is at hand
-
-    ids, mask, ends = [], [], []
-    for k, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = encode_chat(tokenizer, messages[:k], add_generation_prompt=True)
-        upto = encode_chat(tokenizer, messages[: k + 1], add_generation_prompt=False)
-        if before[: len(ids)] != ids or upto[: len(before)] != before:
-            raise NotPrefixStable(k)
-        stop = max((i + 1 for i in range(len(before), len(upto)) if upto[i] in eot), default=len(upto))
-        mask += [0] * (len(before) - len(ids)) + [1] * (stop - len(before)) + [0] * (len(upto) - stop)
-        ids = upto
-        ends.append(stop)
-        if len(upto) > max_len:  # later turns would be cut off anyway
-            break
-    return ids, mask, ends
-
-
-def tokenize_with_status(tokenizer, messages, max_len: int) -> tuple[dict | None, str]:
-    """({"input_ids", "loss_mask"} or None, status): ok, truncated_turns, truncated_hard,
-    too_long, no_assistant, not_prefix_stable or template_error (see the module doc)."""
-    if not any(m["role"] == "assistant" for m in messages):
-        return None, "no_assistant"
-    eot = _end_of_turn_ids(tokenizer)
-    try:
-        if _has_generation_block(tokenizer):
-            ids, mask, ends = _mask_by_generation(tokenizer, messages, eot)
-        else:
-            ids, mask, ends = _mask_by_prefix(tokenizer, messages, eot, max_len)
-    except NotPrefixStable:
-        return None, "not_prefix_stable"
-    except jinja2.TemplateError:  # e.g. a template that insists roles alternate
-        return None, "template_error"
-    fitting = [e for e in ends if e <= max_len]
-    if fitting:
-        cut, status = fitting[-1], "ok" if fitting[-1] == ends[-1] else "truncated_turns"
-    elif any(mask[:max_len]):
-        cut, status = max_len, "truncated_hard"
-    else:
-        return None, "too_long"
-    return {"input_ids": ids[:cut], "loss_mask": mask[:cut]}, status
-
-
-def tokenize_conversation(tokenizer, messages, max_len) -> dict | None:
-    """Token ids and loss mask of one conversation, or None if it is dropped."""
-    return tokenize_with_status(tokenizer, messages, max_len)[0]
-
-
-def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict:
-    """Tokenize a conversations JSONL into a training-set JSONL; returns stats.
-
-    Resumable: progress goes to `<out>.partial` (one line per conversation, dropped ones as
-    {"id", "dropped"}); a rerun continues after the last complete line, and the final file
-    is written only when every conversation is done.
-    """
-    out_path = Path(out_path)
-    try:
-        return _build_training_set(tokenizer, conversations_path, out_path, max_len)
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror or e}; the finished part is kept in {out_path.name}.partial, "
-                      f"a rerun continues it", str(out_path)) from None
-
-
-def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) -> dict:
-    partial = out_path.with_name(out_path.name + ".partial")
-    done = [rec for _, rec in read_jsonl(partial, on_bad=lambda *_: None)] if partial.exists() else []
-    if partial.exists():  # rewrite without a torn last line before appending to it
-        tmp = partial.with_name(partial.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
-        os.replace(tmp, partial)
-    done_ids = {r["id"] for r in done}
-    convs = [rec for _, rec in read_jsonl(conversations_path)]
-    todo = [c for c in convs if c["id"] not in done_ids]
-    with open(partial, "a", encoding="utf-8") as f:
-        for conv in tqdm(todo, desc=f"tokenize {Path(conversations_path).name}", unit="conv"):
-            rec, status = tokenize_with_status(tokenizer, conv["messages"], max_len)
-            line = {"id": conv["id"], **rec} if rec else {"id": conv["id"], "dropped": status}
-            if status.startswith("truncated"):
-                line["truncated"] = status
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")  # no fsync per line: a torn tail is redone
-    stats = collections.Counter(conversations=len(convs), max_len=max_len)
-    lengths, trained = [], 0
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as dst:
-        for _, r in read_jsonl(partial):
-            stats[r.get("dropped") or r.get("truncated") or "ok"] += 1
-            if "dropped" in r:
-                continue
-            lengths.append(len(r["input_ids"]))
-            trained += sum(r["loss_mask"])
-            dst.write(json.dumps({"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}) + "\n")
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, out_path)
-    partial.unlink()
-    stats.update(samples=len(lengths), tokens=sum(lengths), trained_tokens=trained,
-                 mean_len=round(sum(lengths) / max(len(lengths), 1), 1))
-    stats["share_truncated"] = round((stats["truncated_turns"] + stats["truncated_hard"]) / max(len(convs), 1), 4)
-    return dict(stats)
-
-
-def render_sample(tokenizer, record: dict, color: bool) -> str:
-    """The sample's text with trained tokens highlighted (ANSI green) or marked [[...]]."""
-    ids, mask = record["input_ids"], record["loss_mask"]
-    parts, start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or mask[i] != mask[start]:
-            text = tokenizer.decode(ids[start:i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            if mask[start]:
-                text = f"\033[42;30m{text}\033[0m" if color else f"[[{text}]]"
-            parts.append(text)
-            start = i
-    return "".join(parts)
-
-
 # --------------------------------------------------------------------------- CLI
-def load_tokenizer(spec: str):
-    """A tokenizer from a directory holding one, or any target spec (built-in name, GGUF)."""
-    from transformers import AutoTokenizer
-
-    from fledge.target import resolve_target
-
-    path = Path(spec)
-    try:
-        tok = AutoTokenizer.from_pretrained(path if path.is_dir() else resolve_target(spec))
-    except (OSError, ValueError) as e:
-        raise FledgeError(f"{spec}: no tokenizer could be loaded ({str(e).splitlines()[0][:200]})") from None
-    if not tok.chat_template:
-        raise FledgeError(f"{spec}: the tokenizer has no chat template; prep tokenizes conversations with "
-                          f"the target's own template (add chat_template.jinja, or pick the instruct model)")
-    return tok
-
-
-def print_table(rows: list[list]) -> None:
-    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
-
-
 def _ingest(args) -> tuple[list[dict], list[dict], dict]:
     all_records, per_source = [], {}
     for src in args.sources:

@@ -19,7 +19,7 @@ import torch
 
 from fledge.checkpoint import export_checkpoint, load_checkpoint
 from fledge.checks import exit_code, report
-from fledge.data import build_training_set, load_conversations
+from fledge.data import load_conversations
 from fledge.doctor import doctor
 from fledge.engine.drafters import NgramDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
@@ -27,6 +27,7 @@ from fledge.engine.model import build_engine_target
 from fledge.engine.spec import generate_spec
 from fledge.regen import EngineBackend, RegenConfig, regenerate
 from fledge.target import encode_chat, eos_ids, load_target
+from fledge.tokenize import build_training_set
 from fledge.train import TrainConfig, train
 from fledge.util import FledgeError, atomic_write_json
 from fledge.vocab import build_vocab, save_vocab

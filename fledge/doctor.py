@@ -3,10 +3,9 @@
 Every check here exists because the failure it catches is *silent* in SGLang or vLLM: the
 server starts, serves correct text, and acceptance quietly collapses (plain `EAGLE` on an
 EAGLE-3 drafter, a missing `d2t` or `hidden_norm`, a context window shorter than the
-target's). The doctor reads config.json and safetensors headers itself, tensor by tensor, so
-a broken checkpoint is reported, never raised. It reads weights with numpy and the layout with
-`fledge.layout`: without `--target` (a name fledge.target resolves) or `--probe` it never
-loads torch, whose start-up would cost more than every check together.
+target's). Files are read by `fledge.weights`, the layout by `fledge.layout`, both torch-free:
+a broken checkpoint is reported, never raised, and without `--target` (a name fledge.target
+resolves) or `--probe` torch, whose start-up costs more than every check together, never loads.
 
 Results are a list of `Check`s; `report(results)` prints them and returns the exit code
 (0 all PASS, 1 some WARN, 2 some FAIL). Any further source of checks (a live acceptance
@@ -17,166 +16,31 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
-from tqdm import tqdm
 
 from fledge.catalog import BUILTINS
-from fledge.config import DraftConfig
-from fledge.conventions import (aux_ids_to_sglang, default_aux_layer_ids, rope_fields, target_ids_from_d2t,
-                                validate_aux_layer_ids)
 from fledge.checks import Check, DraftFacts, draft_facts, fail, ok, report, warn
-from fledge.layout import aux_ids_from_serving, canonical_name, checkpoint_keys, draft_config_from_json
+from fledge.config import DraftConfig
+from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, rope_fields, target_ids_from_d2t
+from fledge.layout import aux_ids_of, canonical_name, checkpoint_keys, draft_config_from_json
 from fledge.lint import launch_checks
 from fledge.util import FledgeError
+from fledge.weights import Checkpoint, Stats, Weights, is_float, open_checkpoint
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-_CHUNK = 1 << 22  # elements per fp32 chunk: a 163840x7168 embedding never sits in fp32 whole
 
 
-# ------------------------------------------------------------------ reading tensors defensively
-@dataclass
-class Weights:
-    """Where each tensor lives, with its shape and dtype, read from file headers only."""
-
-    files: dict[str, Path] = field(default_factory=dict)
-    shapes: dict[str, tuple] = field(default_factory=dict)
-    dtypes: dict[str, str] = field(default_factory=dict)
-    bin_tensors: dict = field(default_factory=dict)  # pytorch_model.bin's torch tensors, mmapped
-
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        """The tensor (or rows start:stop of it) as numpy, in its stored dtype; bfloat16, which
-        numpy lacks, widened exactly to float32."""
-        if name in self.bin_tensors:
-            t = self.bin_tensors[name]
-            t = t if start is None or not self.shapes[name] else t[start:stop]
-            return (t.float() if self.dtypes[name] == "bfloat16" else t).numpy()
-        return read_safetensor(self.files[name], name, start, stop)
-
-
-def read_safetensor(path: Path, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-    """Tensor `name` of a safetensors file (rows start:stop of it) as numpy, bfloat16 widened
-    exactly to float32: a bfloat16 is the upper half of a float32's bits. safetensors' numpy
-    reader refuses bfloat16, so those bits are read where the file's header says they lie (the
-    format: an 8-byte little-endian header length, the JSON header, then the data)."""
-    with safe_open(path, "np") as f:
-        view = f.get_slice(name)
-        shape = tuple(view.get_shape())
-        whole = start is None and stop is None or not shape
-        a, b, _ = (0, 1, 1) if not shape else slice(start, stop).indices(shape[0])  # clamped, as Python's
-        b = max(a, b)
-        if view.get_dtype() != "BF16":
-            return f.get_tensor(name) if whole else view[a:b]
-    with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        begin = 8 + n + json.loads(fh.read(n))[name]["data_offsets"][0]
-    row = math.prod(shape[1:])
-    bits = np.fromfile(path, dtype="<u2", count=(b - a) * row, offset=begin + 2 * a * row)
-    return (bits.astype("<u4") << 16).view("<f4").reshape((b - a, *shape[1:]) if shape else ())
-
-
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
-def _is_float(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat"))
-
-
-def _scan_file(path: Path, w: Weights) -> str | None:
-    """Add a file's tensors to `w`; return a problem in words, or None."""
-    try:
-        if path.suffix == ".bin":
-            import torch  # a pickle of torch tensors: only torch reads it
-
-            tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            items = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()]
-            w.bin_tensors.update(tensors)
-        else:
-            with safe_open(path, "np") as f:
-                items = [(k, tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()]
-            items = [(k, shape, _ST_DTYPES.get(dt, dt.lower())) for k, shape, dt in items]
-    except Exception as e:  # a truncated or foreign file: any error is the finding
-        return f"{path.name}: unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    dup = [k for k, _, _ in items if k in w.files]
-    for k, shape, dtype in items:
-        w.files[k], w.shapes[k], w.dtypes[k] = path, shape, dtype
-    return f"{path.name}: tensors also in another file: {dup[:3]}" if dup else None
-
-
-def _weight_files(d: Path) -> tuple[list[Path], dict | None, list[str], list[str]]:
-    """(files to read, the index's weight_map, FAIL problems, WARN problems) following the
-    engines' lookup order: the sharded index if present, else every *.safetensors, else
-    pytorch_model*.bin."""
-    index = d / "model.safetensors.index.json"
-    shards = sorted(d.glob("*.safetensors"))
-    if not index.exists():
-        return (shards or sorted(d.glob("pytorch_model*.bin"))), None, [], []
-    try:
-        wmap = json.loads(index.read_text())["weight_map"]
-        named = sorted({d / f for f in wmap.values()})
-    except Exception as e:
-        return shards, None, [f"{index.name}: unreadable ({type(e).__name__})"], []
-    fails = [f"{index.name} names {p.name}, which is missing" for p in named if not p.exists()]
-    warns = [f"{p.name} is not in {index.name}: engines skip it" for p in shards if p not in named]
-    return [p for p in named if p.exists()], wmap, fails, warns
-
-
-def _apply_index(wmap: dict, w: Weights) -> tuple[list[str], list[str]]:
-    """Drop tensors the index does not list (engines never see them) and report both ways."""
-    bad = [k for k, f in wmap.items() if k not in w.files or w.files[k].name != f]
-    extra = [k for k in w.files if k not in wmap]
-    for k in extra:
-        del w.files[k]
-    fails = [f"index lists {len(bad)} tensors not in the named shard (e.g. {bad[0]})"] if bad else []
-    warns = [f"{len(extra)} tensors in shards but not in the index, so never loaded (e.g. {extra[0]})"] if extra else []
-    return fails, warns
-
-
-@dataclass
-class Checkpoint:
-    path: Path
-    config: dict | None
-    weights: Weights | None
-
-
-def _read_config(d: Path) -> tuple[dict | None, str | None]:
-    try:
-        cfg = json.loads((d / "config.json").read_text())
-    except FileNotFoundError:
-        return None, "config.json missing"
-    except Exception as e:
-        return None, f"config.json unreadable ({type(e).__name__})"
-    return (cfg, None) if isinstance(cfg, dict) else (None, "config.json is not a JSON object")
-
-
-def open_checkpoint(path) -> tuple[Checkpoint, Check]:
-    """Read config.json and weight headers; the Check says what is missing or broken.
-    `weights` stays None unless every weight file could be read."""
-    d = Path(path)
-    if not d.is_dir():
-        return Checkpoint(d, None, None), fail("files", f"{d}: not a directory",
-                                                "point doctor at the exported drafter directory")
-    config, cfg_problem = _read_config(d)
-    files, wmap, fails, warns = _weight_files(d)
-    w = Weights()
-    fails += [p for p in (_scan_file(f, w) for f in files) if p]
-    if not files:
-        fails.append("no weights (*.safetensors or pytorch_model.bin)")
-    if wmap is not None and not fails:
-        more_fails, more_warns = _apply_index(wmap, w)
-        fails, warns = fails + more_fails, warns + more_warns
-    ck = Checkpoint(d, config, None if fails else w)
-    fails = ([cfg_problem] if cfg_problem else []) + fails
+def files_check(ck: Checkpoint) -> Check:
+    """What is missing or broken in the files, in one check."""
     fix = "re-export with `fledge export` (writes atomically), or copy the missing/truncated files again"
-    if fails:
-        return ck, fail("files", "; ".join(fails + warns), fix)
-    if warns:
-        return ck, warn("files", "; ".join(warns), fix)
-    return ck, ok("files", f"config.json + {len(w.files)} tensors in {len(files)} file(s)")
+    if ck.fails:
+        return fail("files", "; ".join(ck.fails + ck.warns), fix)
+    if ck.warns:
+        return warn("files", "; ".join(ck.warns), fix)
+    return ok("files", f"config.json + {len(ck.weights.files)} tensors in {len(ck.files)} file(s)")
 
 
 # ------------------------------------------------------------------ the target
@@ -190,19 +54,15 @@ class TargetFacts:
     rope: tuple
 
 
-def _resolve_target(spec: str) -> Path:
-    """fledge.target owns names like built-in models and GGUF conversion; a plain HF
-    directory needs nothing from it."""
-    if Path(spec).is_dir():
-        return Path(spec)
-    from fledge.target import resolve_target
-    return Path(resolve_target(spec))
-
-
 def target_facts(spec: str) -> tuple[TargetFacts | None, Check]:
-    """The target's config read directly: a target that cannot load still has a config."""
+    """The target's config read directly: a target that cannot load still has a config. A plain
+    HF directory needs nothing of fledge.target (built-in names, GGUF conversion), nor torch."""
     try:
-        p = _resolve_target(spec)
+        if Path(spec).is_dir():
+            p = Path(spec)
+        else:
+            from fledge.target import resolve_target
+            p = Path(resolve_target(spec))
         cfg = json.loads((p / "config.json").read_text())
         cfg = cfg.get("text_config") or cfg
         t = TargetFacts(p, int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["num_hidden_layers"]),
@@ -233,26 +93,21 @@ def check_architecture(f: DraftFacts) -> Check:
 
 
 def served_keys() -> dict[str, bool]:
-    """Served tensor name -> required, from fledge.checkpoint (the names do not depend on sizes,
-    so a minimal config with a reduced draft vocab, which carries d2t, serves to list them)."""
+    """Served tensor name -> required (the names do not depend on sizes, so a minimal config
+    with a reduced draft vocab, which carries d2t, serves to list them)."""
     tiny = DraftConfig(hidden_size=8, intermediate_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
                        vocab_size=16, draft_vocab_size=8, target_hidden_size=8, target_num_layers=4,
                        aux_layer_ids=(1, 2, 3), max_position_embeddings=8)
     return {k: required for k, (_, required) in checkpoint_keys(tiny).items()}
 
 
-def _key_sets(f: DraftFacts, w: Weights) -> tuple[list[str], list[str], list[str]]:
-    """(missing required, unknown, present) after the layout's own naming is mapped to ours."""
+def check_keys(f: DraftFacts, w: Weights) -> Check:
     names = set(w.files)
     if f.layout == "speculators":  # vLLM maps midlayer.* onto layers.0.*: both spellings load
         names = {canonical_name(n) for n in names}
     spec = served_keys()
-    return [k for k, req in spec.items() if req and k not in names], sorted(names - set(spec)), sorted(names)
-
-
-def check_keys(f: DraftFacts, w: Weights) -> Check:
-    missing, unknown, _ = _key_sets(f, w)
-    missing = [k for k in missing if k != "d2t"]  # check_d2t says what a missing d2t means
+    unknown = sorted(names - set(spec))
+    missing = [k for k, req in spec.items() if req and k not in names and k != "d2t"]  # check_d2t: a missing d2t
     why, fix = [], []
     if missing:
         why.append(f"missing {missing}: both engines keep those parameters at init (hidden_norm = ones) without a word")
@@ -271,16 +126,8 @@ def check_keys(f: DraftFacts, w: Weights) -> Check:
     return ok("keys", "every served weight present, no unknown keys")
 
 
-def _shape(w: Weights, f: DraftFacts, key: str):
-    _, _, present = _key_sets(f, w)
-    if key not in present:
-        return None
-    alt = key.replace("midlayer.", "layers.0.", 1)
-    return w.shapes.get(key, w.shapes.get(alt))
-
-
 def check_fc(f: DraftFacts, w: Weights, t: TargetFacts | None) -> Check | None:
-    shape = _shape(w, f, "fc.weight")
+    shape = w.shapes.get("fc.weight")
     if shape is None:
         return None
     th = t.hidden if t else f.target_hidden
@@ -316,16 +163,6 @@ def check_hidden(f: DraftFacts, t: TargetFacts) -> Check:
     return ok("hidden", f"hidden_size {f.hidden} matches the target")
 
 
-def _aux_ids(f: DraftFacts, n: int) -> tuple[int, int, int]:
-    """Canonical ids from the config (FledgeError if invalid or if vLLM's and SGLang's lists disagree)."""
-    top = validate_aux_layer_ids(f.aux_top, n) if f.aux_top is not None else None
-    nested = aux_ids_from_serving(f.aux_nested, n) if f.aux_nested is not None else None
-    if top and nested and top != nested:
-        raise FledgeError(f"top-level {list(f.aux_top)} (vLLM reads) and eagle_config {list(f.aux_nested)} "
-                          "(SGLang reads) name different layers")
-    return top or nested
-
-
 def check_aux_ids(f: DraftFacts, t: TargetFacts | None) -> Check:
     fix = "write the canonical ids the drafter was trained on (fledge export writes both lists)"
     if f.aux_top is None and f.aux_nested is None:
@@ -339,7 +176,7 @@ def check_aux_ids(f: DraftFacts, t: TargetFacts | None) -> Check:
     given = f.aux_top if f.aux_top is not None else f.aux_nested
     try:
         bound = int(n) if n else max(4, max(int(i) for i in given) + 1)  # unknown depth: check order only
-        ids = _aux_ids(f, bound)
+        ids = aux_ids_of(f.aux_top, f.aux_nested, bound)
     except Exception as e:  # FledgeError, or non-integers in the JSON
         return fail("aux_ids", f"{given}: {e}", fix)
     meaning = (f"{list(ids)} = HF hidden_states{list(ids)} (vLLM, canonical) = SGLang 'output of layer' "
@@ -353,7 +190,7 @@ def check_aux_ids(f: DraftFacts, t: TargetFacts | None) -> Check:
 
 def check_vocab(f: DraftFacts, w: Weights, t: TargetFacts | None) -> Check:
     problems = []
-    lm = _shape(w, f, "lm_head.weight")
+    lm = w.shapes.get("lm_head.weight")
     if f.tied:
         problems.append("tie_word_embeddings is true: SGLang then uses embed_tokens (full vocab) as lm_head")
     if f.draft_vocab is None:
@@ -364,7 +201,7 @@ def check_vocab(f: DraftFacts, w: Weights, t: TargetFacts | None) -> Check:
         problems.append(f"draft_vocab_size {f.draft_vocab} > vocab_size {f.vocab}")
     if t and f.vocab != t.vocab:
         problems.append(f"vocab_size {f.vocab} != target vocab {t.vocab}: d2t offsets and embeddings index the target vocab")
-    emb = _shape(w, f, "embed_tokens.weight")
+    emb = w.shapes.get("embed_tokens.weight")
     if emb is not None and f.vocab and emb[0] != f.vocab:
         problems.append(f"embed_tokens has {emb[0]} rows, vocab_size is {f.vocab}")
     if problems:
@@ -415,8 +252,7 @@ def check_verifier(f: DraftFacts, t: TargetFacts | None) -> Check | None:
     target, through the HF hub or from a local directory; a name only fledge knows fails there."""
     if f.layout != "speculators":
         return None
-    v = f.verifier
-    example = t.path if t else "<HF id or model directory>"
+    v, example = f.verifier, t.path if t else "<HF id or model directory>"
     fix = f"re-export with `fledge export ... --layout speculators --verifier {example}`"
     if not isinstance(v, str) or not v:
         return fail("verifier", "no speculators_config.verifier.name_or_path: vLLM has no target to serve", fix)
@@ -457,11 +293,8 @@ def check_rope(f: DraftFacts, t: TargetFacts | None) -> Check:
     theta, scaling = f.rope
     if t is None:
         return ok("rope", f"theta {theta}, scaling {scaling} (compare with --target)")
-    problems = []
-    if theta != t.rope[0]:
-        problems.append(f"rope theta {theta} != target {t.rope[0]}")
-    if scaling != t.rope[1]:
-        problems.append(f"rope scaling {scaling} != target {t.rope[1]}")
+    problems = [f"rope {name} {mine} != target {theirs}"
+                for name, mine, theirs in zip(("theta", "scaling"), f.rope, t.rope) if mine != theirs]
     if problems:
         return warn("rope", "; ".join(problems) + ": fine only if the drafter was trained with these",
                      "copy the target's rope fields into config.json unless training used others")
@@ -469,7 +302,7 @@ def check_rope(f: DraftFacts, t: TargetFacts | None) -> Check:
 
 
 def check_dtype(f: DraftFacts, w: Weights) -> Check:
-    floats = sorted({w.dtypes[k] for k in w.files if _is_float(w.dtypes[k])})
+    floats = sorted({w.dtypes[k] for k in w.files if is_float(w.dtypes[k])})
     if len(floats) > 1:
         return warn("dtype", f"mixed weight dtypes {floats}", "export in one dtype (engines cast on load)")
     if f.dtype and floats and f.dtype.removeprefix("torch.") != floats[0]:
@@ -479,46 +312,12 @@ def check_dtype(f: DraftFacts, w: Weights) -> Check:
 
 
 # ------------------------------------------------------------------ weight sanity, in fp32
-@dataclass
-class Stats:
-    ndim: int
-    nonfinite: int
-    lo: float
-    hi: float
-
-
-def scan_weights(w: Weights) -> dict[str, Stats]:
-    """Non-finite count and finite min/max of every float tensor, in fp32, a chunk of rows at
-    a time so the largest embedding never has to fit in memory as fp32."""
-    names = [k for k in sorted(w.files) if _is_float(w.dtypes[k])]
-    out = {}
-    with tqdm(total=sum(math.prod(w.shapes[k]) for k in names), unit="el", unit_scale=True,
-              desc="doctor: weights", leave=False) as bar:
-        for k in names:
-            shape = w.shapes[k]
-            rows = shape[0] if shape else 1
-            step = max(1, _CHUNK // max(1, math.prod(shape[1:])))
-            bad, lo, hi = 0, math.inf, -math.inf
-            for a in range(0, rows, step):
-                x = (w.read(k, a, a + step) if shape else w.read(k)).astype(np.float32, copy=False).ravel()
-                fin = np.isfinite(x)
-                n_bad = x.size - int(fin.sum())
-                x = x[fin] if n_bad else x
-                if x.size:
-                    lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
-                bad += n_bad
-                bar.update(fin.size)
-            out[k] = Stats(len(shape), bad, lo, hi)
-    return out
-
-
 def check_weights(stats: dict[str, Stats]) -> Check:
     nonfin = [k for k, s in stats.items() if s.nonfinite]
     zero = [k for k, s in stats.items() if s.lo == 0.0 and s.hi == 0.0]
     const = [k for k, s in stats.items() if s.lo == s.hi and s.ndim >= 2 and k not in zero]
-    problems = [f"NaN/inf in {nonfin}"] if nonfin else []
-    problems += [f"all zeros: {zero}"] if zero else []
-    problems += [f"constant (dead): {const}"] if const else []
+    problems = [f"{what}{keys}" for what, keys in (("NaN/inf in ", nonfin), ("all zeros: ", zero),
+                                                    ("constant (dead): ", const)) if keys]
     if problems:
         return fail("weights", "; ".join(problems), "re-export from a healthy training checkpoint (check the loss curve)")
     return ok("weights", f"{len(stats)} float tensors finite and non-degenerate (fp32 scan)")
@@ -548,32 +347,21 @@ def check_norms(stats: dict[str, Stats], w: Weights) -> Check:
                 "check that the export read the trained checkpoint")
 
 
-def _target_embedding(t: TargetFacts) -> tuple[Weights, str] | None:
-    w = open_checkpoint(t.path)[0].weights
-    if w is None:
-        return None
-    keys = sorted((k for k in w.files if k.endswith("embed_tokens.weight")), key=len)
-    return (w, keys[0]) if keys else None
-
-
 def check_embed(f: DraftFacts, w: Weights, t: TargetFacts | None) -> Check:
     if "embed_tokens.weight" not in w.files:
         return ok("embed", "absent: both engines use the target's embeddings")
     if t is None:
         return ok("embed", "present (compare with the target's using --target)")
-    found = _target_embedding(t)
-    if found is None:
+    tw = open_checkpoint(t.path).weights
+    keys = sorted((k for k in tw.files if k.endswith("embed_tokens.weight")), key=len) if tw else []
+    if not keys:
         return warn("embed", "present; the target's embedding could not be read to compare")
-    tw, key = found
+    key = keys[0]
     if tuple(tw.shapes[key]) != tuple(w.shapes["embed_tokens.weight"]):
         return fail("embed", f"embed_tokens {list(w.shapes['embed_tokens.weight'])} != target {list(tw.shapes[key])}",
                      "drop embed_tokens from the export (engines share the target's)")
-    rows = tw.shapes[key][0]
-    step = max(1, _CHUNK // max(1, tw.shapes[key][1]))
     diff = norm = 0.0
-    for a in range(0, rows, step):
-        x = w.read("embed_tokens.weight", a, a + step).astype(np.float32, copy=False)
-        y = tw.read(key, a, a + step).astype(np.float32, copy=False)
+    for x, y in zip(w.chunks("embed_tokens.weight"), tw.chunks(key)):
         diff, norm = diff + float(np.square(x - y).sum(dtype=np.float64)), norm + float(np.square(y).sum(dtype=np.float64))
     rel = math.sqrt(diff / max(norm, 1e-30))
     if rel > 1e-2:  # beyond a bf16 round trip
@@ -591,29 +379,30 @@ def _guarded(name: str, fn, *args) -> Check | None:
         return fail(name, f"could not check ({type(e).__name__}: {e})", "fix the field's type in config.json")
 
 
-def static_checks(drafter, target: str | None = None) -> tuple[list[Check], Checkpoint, DraftFacts | None]:
+def static_checks(drafter, target: str | None = None) -> tuple[list[Check], DraftFacts | None]:
     """Every check that needs only files. Never raises on a broken checkpoint."""
-    ck, files = open_checkpoint(drafter)
-    results = [files]
+    ck = open_checkpoint(drafter)
+    results = [files_check(ck) if ck.path.is_dir() else
+               fail("files", f"{ck.path}: not a directory", "point doctor at the exported drafter directory")]
     t = None
     if target:
         t, tcheck = target_facts(target)
         results.append(tcheck)
     f = _guarded("architecture", draft_facts, ck.config) if ck.config is not None else None
     if not isinstance(f, DraftFacts):
-        return [r for r in results + [f] if r is not None], ck, None
+        return [r for r in results + [f] if r is not None], None
     runs = [("architecture", check_architecture, f), ("aux_ids", check_aux_ids, f, t),
             ("verifier", check_verifier, f, t), ("context", check_context, f, t), ("rope", check_rope, f, t)]
     runs += [("hidden", check_hidden, f, t)] if t else []
     w = ck.weights
     if w is not None:
-        stats = scan_weights(w)
+        stats = w.scan()
         runs += [("keys", check_keys, f, w), ("fc", check_fc, f, w, t), ("shapes", check_shapes, ck.config, w, t),
                  ("vocab", check_vocab, f, w, t), ("d2t", check_d2t, f, w), ("t2d", check_t2d, f, w),
                  ("dtype", check_dtype, f, w), ("weights", check_weights, stats), ("norms", check_norms, stats, w),
                  ("embed", check_embed, f, w, t)]
     results += [_guarded(name, fn, *args) for name, fn, *args in runs]
-    return [r for r in results if r is not None], ck, f
+    return [r for r in results if r is not None], f
 
 
 # ------------------------------------------------------------------ comparing two drafters
@@ -621,7 +410,7 @@ def against_check(drafter, other) -> Check:
     """How different two drafters' vocabularies are (K2 vs K2.5: 31,748 of 32,000 d2t differ)."""
     maps = []
     for p in (drafter, other):
-        ck, _ = open_checkpoint(p)
+        ck = open_checkpoint(p)
         if ck.weights is None or "d2t" not in ck.weights.files:
             return warn("against", f"{p}: no readable d2t to compare")
         vocab = draft_facts(ck.config).vocab if ck.config else None
@@ -642,7 +431,7 @@ def against_check(drafter, other) -> Check:
 
 def doctor(drafter, target: str | None = None, launch: str | None = None, against: str | None = None) -> list[Check]:
     """All checks for one drafter; never raises on a broken checkpoint or an odd launch line."""
-    results, _, facts = static_checks(drafter, target)
+    results, facts = static_checks(drafter, target)
     if launch is not None:
         results += launch_checks(launch, drafter, facts, target)
     if against is not None:

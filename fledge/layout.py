@@ -91,10 +91,11 @@ def _target_layers(cj: dict, target_layers: int | None) -> int:
     return int(n)
 
 
-def _aux_ids(cj: dict, layout: str, n: int) -> tuple[int, int, int]:
-    top = cj.get("eagle_aux_hidden_state_layer_ids")
-    nested = (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if layout == "speculators" or nested is None:
+def aux_ids_of(top, nested, n: int) -> tuple[int, int, int]:
+    """Canonical ids from a config's top-level list (canonical, what vLLM reads) and its
+    eagle_config list (the serving spelling, what SGLang reads), which must name the same
+    layers; SpecForge's default when neither is written."""
+    if nested is None:
         return validate_aux_layer_ids(top, n) if top else _specforge_default_aux(n)
     from_nested = aux_ids_from_serving(nested, n)
     if top and tuple(validate_aux_layer_ids(top, n)) != from_nested:
@@ -129,6 +130,8 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
     if layer.get("num_hidden_layers", 1) != 1:
         raise FledgeError(f"num_hidden_layers {layer.get('num_hidden_layers')}: an EAGLE-3 drafter has one layer")
     n = _target_layers(cj, target_layers)
+    nested = None if layout == "speculators" else (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    aux = aux_ids_of(cj.get("eagle_aux_hidden_state_layer_ids"), nested, n)
     h, heads = layer["hidden_size"], layer["num_attention_heads"]
     theta, scaling = rope_fields(layer)
     return DraftConfig(
@@ -136,7 +139,7 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
         num_key_value_heads=layer.get("num_key_value_heads") or heads, head_dim=layer.get("head_dim") or h // heads,
         vocab_size=layer["vocab_size"], draft_vocab_size=cj.get("draft_vocab_size") or layer["vocab_size"],
         target_hidden_size=cj.get("target_hidden_size") or h, target_num_layers=n,
-        aux_layer_ids=_aux_ids(cj, layout, n), max_position_embeddings=layer["max_position_embeddings"],
+        aux_layer_ids=aux, max_position_embeddings=layer["max_position_embeddings"],
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         hidden_act=layer.get("hidden_act", "silu"),
         torch_dtype=cj.get("torch_dtype") or layer.get("torch_dtype") or cj.get("dtype") or "bfloat16",

@@ -55,11 +55,9 @@ class RegenConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "n", "max_len", "chunk"):
-            if getattr(self, name) < 1:
+        for name in ("max_new_tokens", "n", "max_turns", "max_len", "chunk"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise FledgeError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise FledgeError(f"--max-turns {self.max_turns}: must be >= 1")
         if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
             raise FledgeError(f"--temperature {self.temperature} (>= 0), --top-p {self.top_p} (in (0, 1]): "
                               f"out of range")
@@ -134,27 +132,21 @@ class EngineBackend:
         """One answer per chat; a prompt with no room for max_new_tokens is finish "context",
         as a server's 400 is. `progress(n)` is called as answers are done."""
         from fledge.engine.generate import SamplingParams, generate_ar
+        from fledge.engine.stream import generate_stream
         from fledge.target import encode_chat
         ids = [encode_chat(self.tok, c) for c in chats]
-        out: list[Answer | None] = [None] * len(ids)
         room = self.cfg.max_len - self.cfg.max_new_tokens
-        for i, x in enumerate(ids):
-            if len(x) > room:
-                out[i] = Answer("", "context")
+        out = [Answer("", "context") if len(x) > room else None for x in ids]
         order = sorted((i for i in range(len(ids)) if out[i] is None), key=lambda i: len(ids[i]))
         if order and not self.checked:
             self.check_finite(ids[order[0]])
         params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seeds[0] if seeds else 0)
-        if order and self.model.row_groups_ok:  # continuous batching (engine/stream.py)
-            from fledge.engine.stream import generate_stream
-            gen, _ = generate_stream(self.model, [ids[i] for i in order], params, self.eos, rows=self.batch_size)
-            for i, g in zip(order, gen):
-                out[i] = self._text(g)
-            progress(len(chats))
-            return out
-        for s in range(0, len(order), self.batch_size):
-            rows = order[s:s + self.batch_size]
-            gen, _ = generate_ar(self.model, [ids[i] for i in rows], params, self.eos)
+        stream = self.model.row_groups_ok  # continuous batching (engine/stream.py): one call refills the rows
+        step = max(1, len(order)) if stream else self.batch_size
+        for s in range(0, len(order), step):
+            rows, x = order[s:s + step], [ids[i] for i in order[s:s + step]]
+            gen, _ = (generate_stream(self.model, x, params, self.eos, rows=self.batch_size) if stream
+                      else generate_ar(self.model, x, params, self.eos))
             for i, g in zip(rows, gen):
                 out[i] = self._text(g)
             progress(len(rows))
@@ -302,10 +294,7 @@ def _repair_tail(path: Path) -> None:
             whole = isinstance(json.loads(data[cut:]), dict)
         except (ValueError, RecursionError):
             whole = False
-        if whole:
-            f.write(b"\n")
-        else:
-            f.truncate(cut)
+        f.write(b"\n") if whole else f.truncate(cut)
         f.flush()
         os.fsync(f.fileno())
 
@@ -366,8 +355,7 @@ def _read_done(out: Path) -> set[str]:
 
 def _cannot_write(path: Path, e: OSError) -> OSError:
     """The OS error, naming the output (not a temporary file) and what is kept."""
-    return OSError(e.errno, f"{e.strerror or e}; the samples already written are kept, a rerun resumes",
-                   str(path))
+    return OSError(e.errno, f"{e.strerror or e}; the samples already written are kept, a rerun resumes", str(path))
 
 
 def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend, cfg: RegenConfig,
@@ -435,7 +423,6 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
     except OSError as e:
         raise _cannot_write(summary, e) from None
     return counts
-
 
 
 def run_regen(args):

@@ -8,9 +8,29 @@ The held-out set: every conversation of a `--heldout` file, and every conversati
 `source` ends in `-heldout` (regen keeps `source`, so prompts marked held-out before regen,
 like `sharegpt-heldout` in a shared answer set, need no side file).
 
-Ids and masks come from `fledge.data.build_training_set` (the target's own chat template),
-run by worker processes on interleaved shards. Shards resume on their own after a kill; the
+Ids and masks come from `build_training_set`, run by worker processes on interleaved shards
+(`fledge prep --tokenizer` runs it in-process). Shards resume on their own after a kill; the
 output directory appears only when every shard is done.
+
+Tokenization takes ids and the loss mask from the target's own chat template, never from a
+regex over rendered text. Where the template marks assistant text with `{% generation %}`
+the tokenizer's assistant mask is used; otherwise each assistant turn k is located by
+rendering messages[:k] with the generation prompt and messages[:k+1], and diffing token ids
+(after checking that both are prefixes of the full rendering — templates that rewrite
+earlier turns are not prefix-stable, and such conversations are skipped and counted).
+
+Trained tokens: everything the target generates for an assistant turn — from after the
+generation prompt up to and including the turn's last special token, its end-of-turn marker
+(<|im_end|>, <|eot_id|>, <end_of_turn>, ...). The drafter must predict the stop token or
+drafts run past the end of every answer; special tokens the model itself writes before the
+content (harmony-style channel headers) are trained too. Template scaffolding after the
+marker (ChatML's trailing newline) is not trained: the target never generates it.
+
+Truncation to max_len keeps whole leading turns: the sequence is cut after the last
+assistant turn that fits. If not even the first assistant turn fits, it is cut at max_len
+(the trained tokens kept are still valid next-token targets); if no trained token fits, the
+conversation is dropped. Sequences always end with an assistant turn's end-of-turn token:
+trailing user turns and scaffolding after the last trained token are not kept.
 """
 
 from __future__ import annotations
@@ -21,20 +41,180 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+import jinja2
 from tqdm import tqdm
 
 from fledge.catalog import HELDOUT_SUFFIX
-from fledge.util import FledgeError, atomic_dir, atomic_write_json, check_no_overlap
+from fledge.util import FledgeError, atomic_dir, atomic_write_json, check_no_overlap, read_jsonl
 
 SETS = ("train", "heldout")
 
 
+# --------------------------------------------------------------------------- one conversation
+class NotPrefixStable(Exception):
+    """The template renders an earlier turn differently once later turns follow."""
+
+
+def _end_of_turn_ids(tokenizer) -> set[int]:
+    """Special added tokens: a turn's end-of-turn marker is the last of these it renders."""
+    return {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+def _has_generation_block(tokenizer) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and re.search(r"{%-?\s*generation\s*-?%}", template) is not None
+
+
+def _mask_by_generation(tokenizer, messages, eot: set[int]):
+    """The template's assistant mask, extended over an end-of-turn token the template left
+    outside its generation block, so both paths train the same tokens."""
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+    for i in range(len(ids) - 1):
+        if mask[i] and not mask[i + 1] and ids[i] not in eot and ids[i + 1] in eot:
+            mask[i + 1] = 1
+    ends = [i + 1 for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1])]
+    return ids, mask, ends
+
+
+def _mask_by_prefix(tokenizer, messages, eot: set[int], max_len: int):
+    """Render up to each assistant turn with and without it; each rendering must extend the
+    previous one token for token, so the ids are the template's own for the whole prefix."""
+    from fledge.target import encode_chat  # torch and transformers: only once a tokenizer is at hand
+
+    ids, mask, ends = [], [], []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = encode_chat(tokenizer, messages[:k], add_generation_prompt=True)
+        upto = encode_chat(tokenizer, messages[: k + 1], add_generation_prompt=False)
+        if before[: len(ids)] != ids or upto[: len(before)] != before:
+            raise NotPrefixStable(k)
+        stop = max((i + 1 for i in range(len(before), len(upto)) if upto[i] in eot), default=len(upto))
+        mask += [0] * (len(before) - len(ids)) + [1] * (stop - len(before)) + [0] * (len(upto) - stop)
+        ids = upto
+        ends.append(stop)
+        if len(upto) > max_len:  # later turns would be cut off anyway
+            break
+    return ids, mask, ends
+
+
+def tokenize_with_status(tokenizer, messages, max_len: int) -> tuple[dict | None, str]:
+    """({"input_ids", "loss_mask"} or None, status): ok, truncated_turns, truncated_hard,
+    too_long, no_assistant, not_prefix_stable or template_error (see the module doc)."""
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, "no_assistant"
+    eot = _end_of_turn_ids(tokenizer)
+    try:
+        if _has_generation_block(tokenizer):
+            ids, mask, ends = _mask_by_generation(tokenizer, messages, eot)
+        else:
+            ids, mask, ends = _mask_by_prefix(tokenizer, messages, eot, max_len)
+    except NotPrefixStable:
+        return None, "not_prefix_stable"
+    except jinja2.TemplateError:  # e.g. a template that insists roles alternate
+        return None, "template_error"
+    fitting = [e for e in ends if e <= max_len]
+    if fitting:
+        cut, status = fitting[-1], "ok" if fitting[-1] == ends[-1] else "truncated_turns"
+    elif any(mask[:max_len]):
+        cut, status = max_len, "truncated_hard"
+    else:
+        return None, "too_long"
+    return {"input_ids": ids[:cut], "loss_mask": mask[:cut]}, status
+
+
+def load_tokenizer(spec: str):
+    """A tokenizer from a directory holding one, or any target spec (built-in name, GGUF)."""
+    from transformers import AutoTokenizer
+
+    from fledge.target import resolve_target
+
+    path = Path(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(path if path.is_dir() else resolve_target(spec))
+    except (OSError, ValueError) as e:
+        raise FledgeError(f"{spec}: no tokenizer could be loaded ({str(e).splitlines()[0][:200]})") from None
+    if not tok.chat_template:
+        raise FledgeError(f"{spec}: the tokenizer has no chat template; prep tokenizes conversations with "
+                          f"the target's own template (add chat_template.jinja, or pick the instruct model)")
+    return tok
+
+
+def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict:
+    """Tokenize a conversations JSONL into a training-set JSONL; returns stats.
+
+    Resumable: progress goes to `<out>.partial` (one line per conversation, dropped ones as
+    {"id", "dropped"}); a rerun continues after the last complete line, and the final file
+    is written only when every conversation is done.
+    """
+    out_path = Path(out_path)
+    try:
+        return _build_training_set(tokenizer, conversations_path, out_path, max_len)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e}; the finished part is kept in {out_path.name}.partial, "
+                      f"a rerun continues it", str(out_path)) from None
+
+
+def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) -> dict:
+    partial = out_path.with_name(out_path.name + ".partial")
+    done = [rec for _, rec in read_jsonl(partial, on_bad=lambda *_: None)] if partial.exists() else []
+    if partial.exists():  # rewrite without a torn last line before appending to it
+        tmp = partial.with_name(partial.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
+        os.replace(tmp, partial)
+    done_ids = {r["id"] for r in done}
+    convs = [rec for _, rec in read_jsonl(conversations_path)]
+    todo = [c for c in convs if c["id"] not in done_ids]
+    with open(partial, "a", encoding="utf-8") as f:
+        for conv in tqdm(todo, desc=f"tokenize {Path(conversations_path).name}", unit="conv"):
+            rec, status = tokenize_with_status(tokenizer, conv["messages"], max_len)
+            line = {"id": conv["id"], **rec} if rec else {"id": conv["id"], "dropped": status}
+            if status.startswith("truncated"):
+                line["truncated"] = status
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")  # no fsync per line: a torn tail is redone
+    stats = Counter(conversations=len(convs))
+    lengths, trained = [], 0
+    tmp = out_path.with_name(f".{out_path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as dst:
+        for _, r in read_jsonl(partial):
+            stats[r.get("dropped") or r.get("truncated") or "ok"] += 1
+            if "dropped" in r:
+                continue
+            lengths.append(len(r["input_ids"]))
+            trained += sum(r["loss_mask"])
+            dst.write(json.dumps({"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}) + "\n")
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, out_path)
+    partial.unlink()
+    stats.update(samples=len(lengths), tokens=sum(lengths), trained_tokens=trained)
+    return _merge_stats([stats], max_len)
+
+
+def render_sample(tokenizer, record: dict, color: bool) -> str:
+    """The sample's text with trained tokens highlighted (ANSI green) or marked [[...]]."""
+    ids, mask = record["input_ids"], record["loss_mask"]
+    parts, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            text = tokenizer.decode(ids[start:i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if mask[start]:
+                text = f"\033[42;30m{text}\033[0m" if color else f"[[{text}]]"
+            parts.append(text)
+            start = i
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------- conversation files
 def is_heldout(record: dict) -> bool:
     """The held-out convention by source: `<source>-heldout` (e.g. `sharegpt-heldout`)."""
     return str(record.get("source", "")).endswith(HELDOUT_SUFFIX)
@@ -80,7 +260,6 @@ def _quiet_worker() -> None:
 
 
 def _tokenize_shard(tokenizer_dir: str, conv: str, out: str, max_len: int) -> dict:
-    from fledge.data import build_training_set, load_tokenizer
     return build_training_set(load_tokenizer(tokenizer_dir), conv, out, max_len)
 
 
@@ -129,7 +308,7 @@ def _run_shards(shards: list[dict], tokenizer_dir: str, max_len: int, workers: i
 
 
 def _merge_stats(parts: list[dict], max_len: int) -> dict:
-    """One set's stats from its shards' (build_training_set's keys)."""
+    """One set's stats from its shards' counts: sums, and the mean length and truncated share."""
     total = Counter()
     for p in parts:
         total.update({k: v for k, v in p.items() if isinstance(v, int) and k != "max_len"})
@@ -142,7 +321,6 @@ def _merge_stats(parts: list[dict], max_len: int) -> dict:
 def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048, workers: int = 1,
              heldout: list[Path] = (), overwrite: bool = False) -> dict:
     """Tokenize `inputs` (+ `heldout` files) into `out`/{train,heldout}.tok.jsonl; returns the summary."""
-    from fledge.data import load_tokenizer
     from fledge.target import resolve_target
 
     for path in [*inputs, *heldout]:  # --overwrite would delete an input inside the output

@@ -226,6 +226,13 @@ def read_jsonl(path: str | os.PathLike, on_bad=None):
                 on_bad(lineno, e)
 
 
+def print_table(rows: list[list]) -> None:
+    """Rows as aligned columns: the first left-aligned, the others right-aligned."""
+    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
+
+
 def cache_dir() -> Path:
     """Where fetched packages and converted models live ($FLEDGE_CACHE, else ~/.cache/fledge)."""
     return Path(os.environ.get("FLEDGE_CACHE", Path.home() / ".cache" / "fledge"))

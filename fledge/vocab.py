@@ -16,12 +16,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as st_save
 from tqdm import tqdm
 
 from fledge.conventions import d2t_from_target_ids, t2d_from_target_ids, target_ids_from_d2t
-from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, check_no_overlap, read_jsonl
+from fledge.util import (FledgeError, atomic_write_bytes, atomic_write_json, check_no_overlap, print_table,
+                         read_jsonl)
+from fledge.weights import open_checkpoint, scan_files
 
 
 def _masked_tokens(record, path, lineno) -> torch.Tensor:
@@ -159,39 +160,27 @@ def save_vocab(path, target_ids: torch.Tensor, target_vocab: int, stats: dict) -
     atomic_write_json(Path(path).with_suffix(".json"), stats)
 
 
-def _weights_file(ckpt_dir: Path) -> Path:
-    index = ckpt_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            shard = json.loads(index.read_text()).get("weight_map", {}).get("d2t")
-        except (ValueError, AttributeError):
-            raise FledgeError(f"{index}: not a safetensors index (JSON with a weight_map)") from None
-        if shard is None:
-            raise FledgeError(f"{index}: no d2t tensor in the checkpoint")
-        from fledge.checkpoint import shard_path  # the one reader's check: no shard outside the dir
-        return shard_path(ckpt_dir, index, shard)
-    return ckpt_dir / "model.safetensors"
-
-
 def load_vocab_ids(path) -> tuple[torch.Tensor, int]:
     """(target ids, target vocab) from a vocab file or a drafter checkpoint directory."""
     path = Path(path)
-    file = _weights_file(path) if path.is_dir() else path
-    if not file.is_file():
-        raise FledgeError(f"{path}: no vocab file or model.safetensors")
-    with safe_open(str(file), framework="pt") as f:
-        keys = set(f.keys())
-        if "d2t" not in keys:
-            raise FledgeError(f"{file}: no d2t tensor")
-        d2t = f.get_tensor("d2t")
-        t2d = f.get_tensor("t2d") if "t2d" in keys else None
-    if t2d is not None:
-        target_vocab = t2d.numel()
-    elif path.is_dir() and (path / "config.json").exists():
-        target_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    if path.is_dir():
+        ck = open_checkpoint(path)
+        w, config, problems, base = ck.weights, ck.config, [] if ck.weights else ck.fails, path
+    elif path.is_file():
+        (w, problems), config, base = scan_files([path]), None, path.parent
     else:
-        raise FledgeError(f"{file}: no t2d and no config.json to tell the target vocab size")
-    return torch.from_numpy(target_ids_from_d2t(d2t, target_vocab)), target_vocab
+        raise FledgeError(f"{path}: no vocab file or drafter checkpoint directory")
+    if problems:
+        raise FledgeError(f"{base}/{problems[-1]}")
+    if "d2t" not in w.files:
+        raise FledgeError(f"{path}: no d2t tensor")
+    if "t2d" in w.files:
+        target_vocab = w.read("t2d").size
+    elif config and "vocab_size" in config:
+        target_vocab = config["vocab_size"]
+    else:
+        raise FledgeError(f"{path}: no t2d and no config.json to tell the target vocab size")
+    return torch.from_numpy(target_ids_from_d2t(w.read("d2t"), target_vocab)), target_vocab
 
 
 def _target_vocab(args) -> int:
@@ -207,8 +196,6 @@ def _target_vocab(args) -> int:
 
 # --------------------------------------------------------------------------- CLI
 def _print_rows(rows) -> None:
-    from fledge.data import print_table
-
     print_table([[k, v if not isinstance(v, float) else f"{v:.4f}"] for k, v in rows])
 
 

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from fledge import cli
-from fledge.data import (build_training_set, deduplicate, iter_json_array, load_conversations, render_sample,
-                         split_heldout, tokenize_conversation, tokenize_with_status)
+from fledge.data import deduplicate, iter_json_array, load_conversations, split_heldout
+from fledge.tokenize import build_training_set, render_sample, tokenize_with_status
 from fledge.util import FledgeError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
@@ -126,7 +126,7 @@ def test_mask_is_exactly_assistant_content_plus_end_of_turn(base_tokenizer, name
     rng = random.Random(name)
     for _ in range(12):
         msgs = rand_conversation(rng)
-        rec = tokenize_conversation(tok, msgs, max_len=10_000)
+        rec = tokenize_with_status(tok, msgs, max_len=10_000)[0]
         assert rec is not None and len(rec["input_ids"]) == len(rec["loss_mask"])
         assert_is_template_rendering(tok, rec, msgs)
         head = "<|start_header_id|>final<|end_header_id|>" if name == "channel" else ""
@@ -139,7 +139,7 @@ def test_generation_block_and_prefix_diff_agree(base_tokenizer):
     rng = random.Random(1)
     for _ in range(8):
         msgs = rand_conversation(rng)
-        assert tokenize_conversation(gen, msgs, 10_000) == tokenize_conversation(diff, msgs, 10_000)
+        assert tokenize_with_status(gen, msgs, 10_000)[0] == tokenize_with_status(diff, msgs, 10_000)[0]
 
 
 def test_truncation_keeps_whole_leading_turns(base_tokenizer):
@@ -202,7 +202,7 @@ def test_build_training_set_resumes_after_a_torn_line(base_tokenizer, tmp_path):
 @pytest.mark.slow
 def test_smollm2_tokenizer_masks():
     target = pytest.importorskip("fledge.target")
-    from fledge.data import load_tokenizer
+    from fledge.tokenize import load_tokenizer
 
     try:
         tok = load_tokenizer(str(target.resolve_target("smollm2-135m")))
@@ -211,7 +211,7 @@ def test_smollm2_tokenizer_masks():
     rng = random.Random(6)
     for _ in range(10):
         msgs = rand_conversation(rng)
-        rec = tokenize_conversation(tok, msgs, 10_000)
+        rec = tokenize_with_status(tok, msgs, 10_000)[0]
         assert_is_template_rendering(tok, rec, msgs)
         assert trained_runs(tok, rec) == [m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant"]
 

@@ -9,12 +9,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny
-from fledge import cli, doctor
-from fledge.checks import FAIL, PASS, WARN, Check, exit_code, report
-from fledge.lint import launch_checks, sglang_tree_bound
+from fledge import cli, doctor, weights
+from fledge.checks import FAIL, PASS, WARN, Check, draft_facts, exit_code, report
 from fledge.checkpoint import export_checkpoint
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
+from fledge.layout import canonical_name
+from fledge.lint import launch_checks, sglang_tree_bound
 
 DRAFT_VOCAB = 100
 
@@ -250,7 +251,7 @@ def test_sglang_other_flags(target, tmp_path):
     model, tpath = target
     d = _export(model, tmp_path / "d")
     other = _export(model, tmp_path / "other")
-    facts = doctor.draft_facts(json.loads((d / "config.json").read_text()))
+    facts = draft_facts(json.loads((d / "config.json").read_text()))
     base = SGL.format(t=tpath, d=d) + "--speculative-algorithm EAGLE3 "
     r = _statuses(launch_checks(base + "--disable-cuda-graph --context-length 100000", d, facts))
     assert r["launch.cuda_graph"] == WARN and r["launch.context"] == FAIL
@@ -263,7 +264,7 @@ def test_sglang_other_flags(target, tmp_path):
 def test_vllm_lines(target, tmp_path):
     model, tpath = target
     d = _export(model, tmp_path / "d")
-    facts = doctor.draft_facts(json.loads((d / "config.json").read_text()))
+    facts = draft_facts(json.loads((d / "config.json").read_text()))
 
     def vllm(spec, extra=""):
         return _statuses(launch_checks(f"vllm serve {tpath} {extra} --speculative-config '{json.dumps(spec)}'",
@@ -411,15 +412,15 @@ def test_numpy_reader_matches_the_torch_reader(target, tmp_path):
 
     ref = torch_load(tmp_path / "mixed.safetensors")
     for k, t in ref.items():
-        same(torch.from_numpy(doctor.read_safetensor(tmp_path / "mixed.safetensors", k)), t, k)
+        same(torch.from_numpy(weights.read_safetensor(tmp_path / "mixed.safetensors", k)), t, k)
         for a, b in ((1, 3), (3, 10**6)) if t.dim() else ():  # rows past the end are clamped, as in Python
-            same(torch.from_numpy(doctor.read_safetensor(tmp_path / "mixed.safetensors", k, a, b)), t[a:b], k)
+            same(torch.from_numpy(weights.read_safetensor(tmp_path / "mixed.safetensors", k, a, b)), t[a:b], k)
     for d in drafters:
-        w = doctor.open_checkpoint(d)[0].weights
+        w = weights.open_checkpoint(d).weights
         tensors, _ = read_tensors(d)
-        assert {doctor.canonical_name(k) for k in w.files} == set(tensors)
+        assert {canonical_name(k) for k in w.files} == set(tensors)
         for k in w.files:
-            t = tensors[doctor.canonical_name(k)]
+            t = tensors[canonical_name(k)]
             same(torch.from_numpy(w.read(k)), t, k)
             same(torch.from_numpy(w.read(k, 2, 10**6)), t[2:], k)
 

@@ -18,7 +18,7 @@ LAYERS = [
                                     "fledge.engine.drafters", "fledge.engine.few_rows", "fledge.engine.generate",
                                     "fledge.engine.model", "fledge.engine.resident", "fledge.engine.spec",
                                     "fledge.engine.stats", "fledge.engine.stream", "fledge.engine.tree"}),
-    ("draft/target", {"fledge.draft", "fledge.layout", "fledge.target"}),
+    ("draft/target", {"fledge.draft", "fledge.layout", "fledge.target", "fledge.weights"}),
     ("config/conventions/util", {"fledge", "fledge.catalog", "fledge.config", "fledge.conventions", "fledge.util",
                                  "fledge.openai_client"}),
 ]

@@ -12,7 +12,6 @@ import pytest
 
 from fledge import cli
 from fledge import tokenize as tk
-from fledge.data import build_training_set, load_tokenizer
 from fledge.util import FledgeError
 
 
@@ -82,7 +81,7 @@ def test_heldout_by_source_and_by_file_equal_a_serial_build(tmp_path, tokenizer_
     # Brute force: one build_training_set over the same conversations in one process.
     serial_in = tmp_path / "serial.jsonl"
     serial_in.write_text(text.split("\n", 5)[-1] + extra.read_text(), encoding="utf-8")
-    ref = build_training_set(load_tokenizer(tokenizer_dir), serial_in, tmp_path / "serial.tok.jsonl", 64)
+    ref = tk.build_training_set(tk.load_tokenizer(tokenizer_dir), serial_in, tmp_path / "serial.tok.jsonl", 64)
     got = {json.loads(x)["id"]: x for x in (out / "heldout.tok.jsonl").read_text().splitlines()}
     want = {json.loads(x)["id"]: x for x in (tmp_path / "serial.tok.jsonl").read_text().splitlines()}
     assert got == want
