@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from fledge.acceptance import (Profile, Shape, build_tree, chain_accept_length, expected_accept_length, profile_from_json,
+                               simulate_accept_length)
 from fledge.cli import main
-from fledge.tune import (Profile, Shape, Timings, build_tree, chain_accept_length, expected_accept_length, grid,
-                         parse_ms_table, predict, profile_from_json, rank_all, report, simulate_accept_length,
-                         stops_paying, sweep, verdict)
+from fledge.tune import Timings, grid, parse_ms_table, predict, rank_all, report, stops_paying, sweep, verdict
 from fledge.util import FledgeError
 
 
@@ -277,13 +277,13 @@ def test_hardware_model_cli_writes_table_json_png(tmp_path):
 
 
 def test_no_import_cycle_between_bench_and_tune():
-    """bench, calibrate and the hardware model sit below tune: none of them imports it."""
+    """bench, serving, calibrate, the acceptance and hardware models sit below tune: none of them imports it."""
     import ast
 
     import fledge
 
     root = Path(fledge.__file__).parent
-    for name in ("bench.py", "calibrate.py", "hwmodel.py"):
+    for name in ("bench.py", "serving.py", "calibrate.py", "acceptance.py", "hwmodel.py"):
         tree = ast.parse((root / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
