@@ -22,7 +22,7 @@ Approximations, stated once:
     the stretches where the drafter agrees at length: predictions for shapes far from the
     probe's read slightly low.
 Under the first two assumptions `expected_accept_length` is exact (tests check it against
-Monte Carlo).
+a Monte Carlo walk).
 
 Where only an accept length is known, the profile is one table for the spine and the rest: one
 p per depth for the top guess and p((1-p)/2)^r for the rank-r sibling — a prior that lets trees
@@ -33,10 +33,8 @@ measures the real one. Acceptance is taken not to depend on the batch size.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -114,15 +112,6 @@ class Profile:
             for d, row in enumerate(table, 1):
                 if any(not 0 <= p <= 1 for p in row) or sum(row) > 1 + 1e-6:
                     raise FledgeError(f"acceptance profile ({name}) depth {d}: {row} — each value in [0, 1], sum <= 1")
-
-    @classmethod
-    def chain(cls, p: list[float]) -> "Profile":
-        return cls([[float(x)] for x in p])
-
-    @classmethod
-    def geometric(cls, accept_length: float, num_steps: int) -> "Profile":
-        """The constant p with 1 + p + p^2 + ... + p^num_steps = accept_length, chains only."""
-        return cls.chain([cls.fit(accept_length, Shape(num_steps, 1, num_steps + 1)).spine[0][0]])
 
     @classmethod
     def sibling_prior(cls, p: float, width: int = 8) -> "Profile":
@@ -231,22 +220,3 @@ def build_tree(profile: Profile, shape: Shape) -> list[Node]:
 def expected_accept_length(profile: Profile, shape: Shape) -> float:
     """Accepted nodes form one root path, so E[accept length] = 1 + sum of P(node accepted)."""
     return 1.0 + sum(n.prob for n in build_tree(profile, shape))
-
-
-def simulate_accept_length(profile: Profile, shape: Shape, rounds: int, seed: int = 0) -> float:
-    """Monte Carlo of the same model: at each reached node the target picks at most one child
-    rank (probabilities from the spine's table while the walk is on it, the other after); the
-    walk stops when that child is not in the tree."""
-    tree, rng = build_tree(profile, shape), random.Random(seed)
-    children = {(n.parent, n.rank): i for i, n in enumerate(tree)}
-    total = 0
-    for _ in range(rounds):
-        node, depth, spine = -1, 1, True
-        while True:
-            cum = list(itertools.accumulate(profile.at(depth, r, spine) for r in range(profile.width)))
-            pick = bisect.bisect_right(cum, rng.random())  # == width: no child accepted
-            if (node, pick) not in children:
-                break
-            node, depth, spine = children[(node, pick)], depth + 1, spine and pick == 0
-        total += depth
-    return total / rounds

@@ -11,14 +11,13 @@ Three sources, one command:
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from fledge import serving
 from fledge.acceptance import Shape, max_nodes, parse_shapes
-from fledge.util import FledgeError, atomic_write_json, save_figure
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, save_figure
 
 
 class RankProbe:
@@ -110,7 +109,6 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, c
     from fledge.checkpoint import load_checkpoint
     from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
     from fledge.target import eos_ids, load_target
-    from fledge.util import pick_device, pick_dtype
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -185,6 +183,7 @@ def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warm
     import torch
 
     from fledge.engine import spec
+    from fledge.engine.generate import now
     from fledge.engine.tree import chain
 
     dev, out = rig.device, {}
@@ -202,20 +201,11 @@ def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warm
             call(tree.tokens, cache_len)
         times = []
         for _ in range(iters):
-            _sync(dev)
-            t0 = time.perf_counter()
+            t0 = now(dev)
             call(tree.tokens, cache_len)
-            _sync(dev)
-            times.append(1e3 * (time.perf_counter() - t0))
+            times.append(1e3 * (now(dev) - t0))
         out[n] = statistics.median(times)
     return out
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int, context: int = 64,
