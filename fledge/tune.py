@@ -308,9 +308,8 @@ def _ranked(args, profile: Profile, timings: Timings, shapes, ref_shape: Shape |
 
 
 def _what_if(args):
-    for name in ("ar_ms", "verify_ms"):
-        if getattr(args, name) is None:
-            raise FledgeError(f"--what-if needs --{name.replace('_', '-')}")
+    if args.ar_ms is None or args.verify_ms is None:
+        raise FledgeError(f"--what-if needs --{'ar-ms' if args.ar_ms is None else 'verify-ms'}")
     notes = ["timings: as given (--what-if)"]
     if args.draft_ms is not None:
         draft = parse_ms_table(args.draft_ms, "--draft-ms")
