@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import StaticCache
 
-from fledge.bench import load_prompts, spec_request
+from fledge.bench import load_prompts
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
@@ -69,7 +69,7 @@ def ar_runner(target, eos, graphs: bool, resident=None):
 
 def spec_runner(target, eos, graphs: bool, make_drafter, resident=None):
     def run(prompt, params, ar):  # the timing path fledge tune validates with
-        out, st = spec_request(target, make_drafter(prompt, ar), prompt, params, eos, graphs, resident)
+        out, st = generate_spec(target, make_drafter(prompt, ar), prompt, params, eos, use_cuda_graph=graphs, resident=resident)
         return out, st.wall_ms / 1e3, st, st.prefill_ms
     return run
 

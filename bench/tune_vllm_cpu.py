@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 
 from fledge import hwmodel
-from fledge.bench import ServerBench, bench_server
-from fledge.calibrate import PROMPTS, parse_levels
+from fledge.acceptance import Profile, Shape, profile_from_json
+from fledge.calibrate import parse_levels
 from fledge.cli import main as fledge
+from fledge.serving import PROMPTS, ServerBench, bench_server
 from fledge.target import resolve_target
-from fledge.tune import Profile, Shape, Timings, predict, profile_from_json
+from fledge.tune import Timings, predict
 from fledge.util import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]

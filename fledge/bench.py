@@ -1,12 +1,8 @@
 """`fledge bench`: measure speculative decoding where it runs.
 
 Three sources, one command:
-  --url      an OpenAI-compatible server (SGLang, vLLM, ...): tok/s per request, time to first
-             token (streaming), at several concurrency levels, in loops bounded by a request
-             count and a time limit. Requests go only to the URL given.
-  --log      a serving log: SGLang's "Decode batch" lines and vLLM's "SpecDecoding metrics"
-             lines → accept length (SGLang's definition, bonus included), per-position
-             acceptance, throughput.
+  --url      an OpenAI-compatible server (SGLang, vLLM, ...), and
+  --log      a serving log: fledge.serving reads both.
   --target   fledge's engine (with --drafter): plain decoding, then each --shapes shape through
              the engine's speculative decoding, an acceptance profile by depth and sibling rank
              (the input `fledge tune` needs), a table, JSON and PNG plots.
@@ -14,183 +10,16 @@ Three sources, one command:
 
 from __future__ import annotations
 
-import itertools
-import re
 import statistics
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 from tqdm import tqdm
 
-from fledge.conventions import accept_length
-from fledge.openai_client import Client
-from fledge.util import FledgeError, atomic_write_json, save_figure
-
-# --------------------------------------------------------------------------- serving logs
-# SGLang, python/sglang/srt/managers/scheduler_metrics_mixin.py (SchedulerMetricsMixin.log_decode_stats;
-# scheduler.py in older versions):
-#   "Decode batch, #running-req: 1, #token: 812, token usage: 0.01, accept len: 3.12, accept rate: 0.45,
-#    cuda graph: True, gen throughput (token/s): 120.50, #queue-req: 0, "
-# "accept len" = (accepted + bonus) / forward passes, as fledge.conventions.accept_length. "accept rate"
-# is absent in older versions and its denominator has changed between versions (num_draft_tokens vs
-# num_draft_tokens - 1), so it is reported as logged, never compared. Without speculation the line
-# has no "accept len": its gen throughput is the baseline.
-_SGLANG_FIELDS = {"running": r"#running-req: (\d+)", "accept_len": r"accept len: ([\d.]+)",
-                  "accept_rate": r"accept rate: ([\d.]+)", "gen": r"gen throughput \(token/s\): ([\d.]+)"}
+from fledge import serving
+from fledge.acceptance import Shape, max_nodes, parse_shapes
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, save_figure
 
 
-def _sglang_lines(text: str) -> list[dict]:
-    rows = []
-    for line in text.splitlines():
-        if "Decode batch" in line and "gen throughput (token/s):" in line:
-            found = {k: re.search(p, line) for k, p in _SGLANG_FIELDS.items()}
-            rows.append({k: m.group(1) if m else None for k, m in found.items()})
-    return rows
-
-
-# vLLM, vllm/v1/spec_decode/metrics.py (SpecDecodingLogging.log):
-#   "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, Drafted
-#    throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, Per-position acceptance rate:
-#    %s, Avg Draft acceptance rate: %.1f%%"   (rates ", "-joined, %.3f each)
-# Mean acceptance length = 1 + accepted / drafts (bonus included, as SGLang); per-position rate i =
-# fraction of drafts whose position i was accepted, i.e. P(reached depth i).
-_VLLM = re.compile(r"SpecDecoding metrics: Mean acceptance length: (?P<mal>[\d.]+), .*?"
-                   r"Accepted: (?P<accepted>\d+) tokens, Drafted: (?P<drafted>\d+) tokens, "
-                   r"Per-position acceptance rate: (?P<rates>[\d., ]+?), Avg Draft acceptance rate: (?P<avg>[\d.]+)%")
-
-
-def parse_log(path) -> dict:
-    """Summary of every SGLang or vLLM speculative-decoding line in a log file."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError as e:
-        raise FledgeError(f"{path}: cannot read ({e.strerror})") from None
-    sglang = _sglang_lines(text)
-    vllm = [m.groupdict() for m in _VLLM.finditer(text)]
-    if vllm:
-        return _vllm_summary(vllm)
-    if sglang:
-        return _sglang_summary(sglang)
-    raise FledgeError(f"{path}: no SGLang 'Decode batch ... gen throughput' or vLLM 'SpecDecoding metrics' lines")
-
-
-def _sglang_summary(rows: list[dict]) -> dict:
-    spec = [r for r in rows if r["accept_len"] is not None]
-    gen = [float(r["gen"]) for r in (spec or rows)]
-    out = {"engine": "sglang", "lines": len(rows), "speculative": bool(spec), "gen_throughput_mean": statistics.mean(gen)}
-    if spec:
-        # Each line covers decode_log_interval forward passes of the whole batch; without the
-        # pass counts, lines are averaged unweighted.
-        out["accept_length"] = statistics.mean(float(r["accept_len"]) for r in spec)
-        rates = [float(r["accept_rate"]) for r in spec if r["accept_rate"] is not None]
-        out["accept_rate_as_logged"] = statistics.mean(rates) if rates else None
-    return out
-
-
-def _vllm_summary(rows: list[dict]) -> dict:
-    accepted = sum(int(r["accepted"]) for r in rows)
-    drafted = sum(int(r["drafted"]) for r in rows)
-    k = len(rows[-1]["rates"].split(","))
-    drafts = drafted / k  # every draft proposes num_speculative_tokens = k tokens
-    reach = [0.0] * k
-    for r in rows:
-        w = int(r["drafted"]) / k
-        for i, x in enumerate(float(v) for v in r["rates"].split(",")[:k]):
-            reach[i] += w * x / max(drafts, 1e-9)
-    cond = [reach[0]] + [b / a if a > 0 else 0.0 for a, b in zip(reach, reach[1:])]
-    return {"engine": "vllm", "lines": len(rows), "speculative": True, "num_speculative_tokens": k,
-            "accept_length": accept_length(accepted, round(drafts)) if drafts else float("nan"),
-            "accepted_tokens": accepted, "drafted_tokens": drafted, "reached_depth": reach,
-            "profile": [[p] for p in cond]}
-
-
-# --------------------------------------------------------------------------- OpenAI-compatible server
-def server_model(url: str, timeout: float) -> str:
-    """The first model the server lists (vLLM refuses requests naming another)."""
-    return Client(url, timeout).models()[0]
-
-
-def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float, ignore_eos: bool = False) -> dict:
-    """One streamed chat completion: time to first token, tokens, decode tok/s after it.
-    `ignore_eos` (vLLM and SGLang read it): every answer runs to max_tokens, so concurrency
-    stays what was asked for the whole level. Not retried: a retry's time is not a request's."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream_options": {"include_usage": True}}
-    if ignore_eos:
-        body["ignore_eos"] = True
-    t0 = time.perf_counter()
-    first, chunks, usage = None, 0, None
-    for event in Client(url, timeout).chat_stream(body):
-        usage = event.get("usage") or usage
-        if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
-            first = first or time.perf_counter()
-            chunks += 1
-    end = time.perf_counter()
-    # Servers may pack several tokens in one chunk; the usage block (if sent) is exact.
-    tokens = (usage or {}).get("completion_tokens") or chunks
-    first = first or end
-    return {"ttft_ms": 1e3 * (first - t0), "tokens": tokens, "seconds": end - t0,
-            "decode_tok_s": (tokens - 1) / (end - first) if tokens > 1 and end > first else float("nan")}
-
-
-@dataclass
-class ServerBench:
-    url: str
-    prompts: list[str]
-    model: str | None = None
-    max_tokens: int = 256
-    concurrency: tuple[int, ...] = (1,)
-    requests: int = 8  # per concurrency level
-    duration_s: float = 120.0  # per level: no request starts after this
-    timeout_s: float = 120.0
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if not self.prompts or self.requests < 1 or min(self.concurrency) < 1 or self.duration_s <= 0:
-            raise FledgeError("bench: need prompts, --requests >= 1, --concurrency >= 1 and --duration > 0")
-
-
-def run_level(cfg: ServerBench, model: str, conc: int) -> dict:
-    """`conc` workers take request numbers until `requests` are taken or the time is up."""
-    counter, lock, deadline = itertools.count(), threading.Lock(), time.perf_counter() + cfg.duration_s
-    results, errors = [], []
-
-    def worker():
-        while time.perf_counter() < deadline:
-            with lock:
-                i = next(counter)
-            if i >= cfg.requests:
-                return
-            try:
-                results.append(one_request(cfg.url, model, cfg.prompts[i % len(cfg.prompts)], cfg.max_tokens, cfg.timeout_s,
-                                           cfg.ignore_eos))
-            except FledgeError as e:
-                errors.append(str(e))
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(conc) as pool:
-        for f in [pool.submit(worker) for _ in range(conc)]:
-            f.result()
-    wall = time.perf_counter() - t0
-    if not results:
-        raise FledgeError(errors[0] if errors else f"{cfg.url}: no request finished within {cfg.duration_s} s")
-    ttft = sorted(r["ttft_ms"] for r in results)
-    rates = [r["decode_tok_s"] for r in results if r["decode_tok_s"] == r["decode_tok_s"]]
-    return {"concurrency": conc, "requests": len(results), "errors": len(errors), "wall_s": wall,
-            "tokens": sum(r["tokens"] for r in results), "total_tok_s": sum(r["tokens"] for r in results) / wall,
-            "per_request_tok_s": statistics.mean(rates) if rates else float("nan"),
-            "ttft_ms_median": statistics.median(ttft), "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))]}
-
-
-def bench_server(cfg: ServerBench) -> list[dict]:
-    model = cfg.model or server_model(cfg.url, cfg.timeout_s)
-    return [run_level(cfg, model, c) for c in tqdm(cfg.concurrency, desc="concurrency levels", leave=False)]
-
-
-# --------------------------------------------------------------------------- fledge's engine
 class RankProbe:
     """Wraps an EAGLE-3 drafter to record, for every verify round, the sibling rank of each
     node on the accepted path, in two tables by where the path stands: on the spine (every
@@ -272,29 +101,22 @@ class EngineRig:
                              compile=self.compiled)
 
 
-def engine_fns(compile: bool):
-    """The engine as `fledge generate` and `bench/bench_engine.py --compile` run it on a GPU:
-    compiled layer functions with their default matmul paths (fused reductions up to GEMV_ROWS
-    rows, the few-rows kernel for verify-sized forwards); eager layer functions otherwise."""
-    from fledge.engine.model import GEMV_ROWS, LayerFns
-
-    return LayerFns.compiled(gemv_rows=GEMV_ROWS, few_rows=16) if compile else LayerFns()
-
-
 def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, compile: bool | None = None) -> EngineRig:
-    """`compile` None: compiled on CUDA (CUDA graphs and fused rounds are the engine's defaults
-    there), eager on the CPU."""
+    """The engine as `fledge generate` and `bench/bench_engine.py --compile` run it: `compile`
+    None means compiled on CUDA (with CUDA graphs and fused rounds, the engine's defaults there:
+    fused reductions up to GEMV_ROWS rows, the few-rows kernel for verify-sized forwards), eager
+    on the CPU."""
     from fledge.checkpoint import load_checkpoint
-    from fledge.engine.model import build_engine_target
+    from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
     from fledge.target import eos_ids, load_target
-    from fledge.util import pick_device, pick_dtype
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     compile = dev.type == "cuda" if compile is None else compile
     t = load_target(target, dtype=dt, device=dev)
     draft = load_checkpoint(drafter, embed_from=t.model).eval().cast(dev, dt)
-    return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev, fns=engine_fns(compile)), draft,
+    fns = LayerFns.compiled(gemv_rows=GEMV_ROWS, few_rows=16) if compile else LayerFns()
+    return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev, fns=fns), draft,
                      eos_ids(t.tokenizer, t.model.generation_config), dev, compile)
 
 
@@ -335,23 +157,16 @@ def run_ar(rig: EngineRig, prompts, max_new_tokens: int) -> dict:
     return {"ar_ms": ms / max(steps, 1), "tok_s": 1e3 * steps / max(ms, 1e-9)}
 
 
-def spec_request(target, drafter, prompt, params, eos, use_cuda_graph: bool = True, resident=None):
-    """One request through the engine's speculative decoding as shipped (greedy: fused rounds,
-    one graph each on CUDA): the timing path `fledge bench`, `fledge tune` and
-    bench/bench_engine.py share. Returns (tokens, SpecStats)."""
-    from fledge.engine.spec import generate_spec
-
-    return generate_spec(target, drafter, prompt, params, eos, use_cuda_graph=use_cuda_graph, resident=resident)
-
-
 def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str):
-    """`spec_request` over every prompt; merged SpecStats and decode tok/s (prefill excluded:
-    the cost model predicts decode rounds)."""
+    """Every prompt through the engine's speculative decoding as shipped (greedy: fused rounds,
+    one graph each on CUDA), the timing path of `fledge bench` and `fledge tune`: merged
+    SpecStats and decode tok/s (prefill excluded: the cost model predicts decode rounds)."""
     from fledge.engine.generate import SamplingParams
+    from fledge.engine.spec import generate_spec
     from fledge.engine.stats import SpecStats
 
-    spec_request(rig.target, drafter, prompts[0], SamplingParams(max_new_tokens=8), rig.eos)  # compile, capture
-    runs = [spec_request(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos)[1]
+    generate_spec(rig.target, drafter, prompts[0], SamplingParams(max_new_tokens=8), rig.eos)  # compile, capture
+    runs = [generate_spec(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos)[1]
             for p in tqdm(prompts, desc=desc, leave=False)]
     stats = SpecStats.merge(runs)
     decode_tok_s = 1e3 * (stats.generated_tokens - len(runs)) / max(stats.wall_ms - stats.prefill_ms, 1e-9)
@@ -368,6 +183,7 @@ def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warm
     import torch
 
     from fledge.engine import spec
+    from fledge.engine.generate import now
     from fledge.engine.tree import chain
 
     dev, out = rig.device, {}
@@ -385,20 +201,11 @@ def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warm
             call(tree.tokens, cache_len)
         times = []
         for _ in range(iters):
-            _sync(dev)
-            t0 = time.perf_counter()
+            t0 = now(dev)
             call(tree.tokens, cache_len)
-            _sync(dev)
-            times.append(1e3 * (time.perf_counter() - t0))
+            times.append(1e3 * (now(dev) - t0))
         out[n] = statistics.median(times)
     return out
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int, context: int = 64,
@@ -407,13 +214,11 @@ def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int, contex
     A fused round is one graph, timed whole: its verify is timed alone on the same target
     (`measure_verify_ms`), and round - verify is fitted as a + b * num_steps from runs at 2 and
     6 steps: b is the draft step, a the rest."""
-    from fledge.engine.drafters import SpecConfig
-
     draft, fixed = {}, []
     for k in topks:
         rest = {}
         for s in (2, 6):
-            shape = SpecConfig(s, k, s + 1 if k == 1 else min(16, 1 + k + (s - 1) * k * k))
+            shape = Shape(s, k, min(16, max_nodes(s, k)))
             st, _ = run_shape(rig, rig.drafter(shape), prompts, max_new_tokens, f"draft timing s{s} k{k}")
             verify = measure_verify_ms(rig, [shape.num_draft_tokens], context, iters)[shape.num_draft_tokens]
             rest[s] = st.summary()["round_ms_per_step"] - verify
@@ -426,9 +231,7 @@ def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int, contex
 def probe_profile(rig: EngineRig, prompts, num_steps: int, topk: int, max_new_tokens: int) -> dict:
     """Acceptance by depth and sibling rank from a full tree (every candidate verified), on the
     spine and off it (RankProbe)."""
-    from fledge.engine.drafters import SpecConfig
-
-    full = SpecConfig(num_steps, topk, 1 + topk + (num_steps - 1) * topk ** 2 if topk > 1 else num_steps + 1)
+    full = Shape.full(num_steps, topk)
     probe = RankProbe(rig.drafter(full))
     run_shape(rig, probe, prompts, max_new_tokens, "acceptance probe")
     # Every round the probe saw counts, the untimed warm-up included: its acceptance is as real.
@@ -458,26 +261,16 @@ def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
 
 
 # --------------------------------------------------------------------------- CLI
-def parse_shapes(text: str) -> list:
-    from fledge.engine.drafters import SpecConfig
-
-    try:
-        return [SpecConfig(*(int(x) for x in item.split(","))) for item in text.split(";") if item.strip()]
-    except (ValueError, TypeError):
-        raise FledgeError(f"--shapes {text!r}: expected STEPS,TOPK,TOKENS;... like '3,1,4;5,4,16'") from None
-
-
 def _engine_bench(args) -> dict:
     rig = load_rig(args.target, args.drafter, args.device, args.dtype)
     prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
     ar = run_ar(rig, prompts, args.max_new_tokens)
     results = []
     for shape in parse_shapes(args.shapes):
-        stats, tok_s = run_shape(rig, rig.drafter(shape), prompts, args.max_new_tokens, f"shape {shape}")
+        stats, tok_s = run_shape(rig, rig.drafter(shape), prompts, args.max_new_tokens, f"shape {shape.label}")
         s = stats.summary()
-        results.append({"shape": f"s{shape.num_steps} k{shape.topk} n{shape.num_draft_tokens}", "tok_s": tok_s,
-                        "speedup": tok_s / ar["tok_s"], **{k: s[k] for k in (
-                            "accept_length", "accept_rate", "round_ms_per_step", "depth_acceptance", "histogram")}})
+        results.append({"shape": shape.label, "tok_s": tok_s, "speedup": tok_s / ar["tok_s"], **{k: s[k] for k in (
+            "accept_length", "accept_rate", "round_ms_per_step", "depth_acceptance", "histogram")}})
     print(f"plain decoding {ar['tok_s']:.1f} tok/s ({ar['ar_ms']:.2f} ms/step); accept length = SGLang's (bonus incl.); "
           f"{engine_path(rig)}")
     print(f"{'shape':<14}{'accept':>7}{'tok/s':>9}{'speedup':>9}{'round ms':>9}")
@@ -496,19 +289,11 @@ def _engine_bench(args) -> dict:
 
 def run_bench(args) -> int:
     if args.log:
-        out = parse_log(args.log)
+        out = serving.parse_log(args.log)
         for k, v in out.items():
             print(f"{k:<24} {v}")
     elif args.url:
-        prompts = [p.strip() for p in Path(args.prompt_file).read_text().splitlines() if p.strip()] if args.prompt_file \
-            else ["Explain speculative decoding in three paragraphs.", "Write a Python function that merges two sorted lists."]
-        cfg = ServerBench(args.url, prompts, args.model, args.max_new_tokens,
-                          tuple(int(c) for c in args.concurrency.split(",")), args.requests, args.duration, args.timeout)
-        out = {"url": args.url, "levels": bench_server(cfg)}
-        print(f"{'conc':>5}{'reqs':>6}{'errors':>7}{'total tok/s':>12}{'per-req tok/s':>14}{'TTFT p50 ms':>12}{'p90 ms':>9}")
-        for r in out["levels"]:
-            print(f"{r['concurrency']:>5}{r['requests']:>6}{r['errors']:>7}{r['total_tok_s']:>12.1f}"
-                  f"{r['per_request_tok_s']:>14.1f}{r['ttft_ms_median']:>12.1f}{r['ttft_ms_p90']:>9.1f}")
+        out = serving.bench_url(args)
     elif args.target and args.drafter:
         out = _engine_bench(args)
     else:

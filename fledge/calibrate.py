@@ -1,7 +1,7 @@
 """`fledge tune calibrate`: fit the hardware model's free constants to a live server.
 
 For each server (`--url`, repeatable: a plain one, one that speculates, or both) and each
-concurrency level, fledge's server bench (fledge.bench.run_level) measures the decode time per
+concurrency level, fledge's server bench (fledge.serving.run_level) measures the decode time per
 token of each request; a speculating vLLM's Prometheus counters, read before and after the level,
 give the drafts, the draft tokens per draft (k, a chain) and the tokens accepted at each
 position. A point then predicts, with fledge.hwmodel at batch = concurrency,
@@ -33,12 +33,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fledge import hwmodel
-from fledge.bench import ServerBench, run_level
 from fledge.openai_client import Client, metrics_url
+from fledge.serving import PROMPTS, ServerBench, run_level
 from fledge.util import FledgeError, atomic_write_json
 
-PROMPTS = ["Explain speculative decoding in three paragraphs.", "Write a Python function that merges two sorted lists.",
-           "List the planets of the solar system with one fact each.", "Describe how a hash map works."]
 _SAMPLE = re.compile(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos)_total)"
                      r"(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 

@@ -30,7 +30,7 @@ def probe_checks(drafter, target: str, prompts: str = "mtbench", n: int = 8, max
     from fledge.engine.generate import SamplingParams
     from fledge.engine.spec import generate_spec
     from fledge.engine.stats import SpecStats
-    from fledge.tune import Shape
+    from fledge.acceptance import Shape
 
     try:
         rig = load_rig(target, str(drafter), device, None)

@@ -4,37 +4,10 @@ The cost model, per verify round of one request at a given batch size:
 
     tok/s = E[accept length] / (num_steps * t_draft(topk) + t_verify(num_draft_tokens) + overhead)
 
-against plain decoding at 1 / t_ar. Accept length is SGLang's (accepted drafts + 1 bonus per
-verify step, fledge.conventions.accept_length), so speculation pays iff
-E[accept length] > t_iter / t_ar — the break-even accept length this module reports.
-
-The acceptance profile is the probability that, once the accepted path has reached a node at
-depth d-1, its rank-r child (rank 0 = the drafter's top guess) is the one the target accepts, in
-two tables by the node reached: `spine[d][r]` where every node on its path is a top guess (the
-root included: the spine, which a chain drafts), `ranks[d][r]` elsewhere. Agreement is
-correlated along the greedy path, so the spine accepts more than the tree's other nodes at the
-same depth, and one table over both under-predicts chains. A chain only uses the spine's
-rank 0: `spine[d][0]` is the per-depth conditional acceptance p_d. Approximations, stated once:
-  * acceptance at (depth, rank) depends on the path that led there only through whether that
-    path is the spine;
-  * trees are built by the engine's EAGLE-2 rule (grow the topk best beams per depth, keep the
-    num_draft_tokens-1 best candidates by cumulative score) with the profile's mean rank
-    probabilities standing in for the drafter's scores — a calibrated drafter. The real tree
-    is re-chosen every round from that round's scores, so it adapts where this fixed shape
-    cannot; expect the model to be slightly pessimistic for wide trees;
-  * the probe's rounds stand for every shape's. A round starts where the last one ended, so a
-    shape that accepts less than the probe's full tree starts relatively more of its rounds in
-    the stretches where the drafter agrees at length: predictions for shapes far from the
-    probe's read slightly low.
-Under the first two assumptions `expected_accept_length` is exact (tests check it against
-Monte Carlo).
-
-Where only an accept length is known (`--accept-length`, measured at `--accept-shape`), the
-profile is one table for the spine and the rest: one p per depth for the top guess and
-p((1-p)/2)^r for the rank-r sibling — a prior that lets trees be ranked at all, shaped after
-the shipped SmolLM2 drafter's probe on an H200 (depth 1: 0.301, 0.107, 0.041, 0.027 by rank;
-the prior gives 0.301, 0.105, 0.037, 0.013). `fledge bench --probe` measures the real one.
-Acceptance is taken not to depend on the batch size.
+against plain decoding at 1 / t_ar. Accept length is SGLang's (fledge.acceptance models it), so
+speculation pays iff E[accept length] > t_iter / t_ar — the break-even accept length this module
+reports. Where only an accept length is known (`--accept-length`, measured at `--accept-shape`),
+the profile is fledge.acceptance's sibling prior fitted to it.
 
 Timings come from the user (--what-if), from fledge.hwmodel (--model: the configs and the
 hardware, optionally calibrated from a live server), or from the engine (--target). A shape
@@ -45,17 +18,20 @@ speculation.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
-import random
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fledge import bench, hwmodel
+from fledge.acceptance import (Profile, Shape, expected_accept_length, max_nodes, parse_shapes, profile_from_args,
+                               profile_from_json)
+from fledge.calibrate import cmd_calibrate, parse_levels
 from fledge.util import FledgeError, atomic_write_json, save_figure
 
 
-# --------------------------------------------------------------------------- inputs
 @dataclass
 class Timings:
     """Milliseconds per step of one batch. `verify_ms` maps tokens verified per request (the
@@ -91,172 +67,22 @@ def _interp(table: dict[int, float], x: float) -> float:
     xs = sorted(table)
     if x <= xs[0] or len(xs) == 1:
         return table[xs[0]]
-    a, b = xs[-2], xs[-1]
-    for lo, hi in zip(xs, xs[1:]):
-        if x <= hi:
-            a, b = lo, hi
-            break
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    a, b = xs[i - 1], xs[i]
     return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
 
 
-@dataclass
-class Profile:
-    """ranks[d-1][r]: P(rank-r child at depth d is accepted | the path reached a node at depth
-    d-1 off the spine); spine[d-1][r] the same for a node on it (module doc). Without `spine`
-    one table serves both. Depths past a table's last row repeat it; ranks past a row's end are
-    never accepted."""
-
-    ranks: list[list[float]]
-    spine: list[list[float]] | None = None
-
-    def __post_init__(self):
-        self.spine = self.ranks if self.spine is None else self.spine
-        for name, table in (("spine", self.spine), ("off-spine", self.ranks)):
-            if not table or any(not row for row in table):
-                raise FledgeError(f"acceptance profile ({name}) is empty")
-            for d, row in enumerate(table, 1):
-                if any(not 0 <= p <= 1 for p in row) or sum(row) > 1 + 1e-6:
-                    raise FledgeError(f"acceptance profile ({name}) depth {d}: {row} — each value in [0, 1], sum <= 1")
-
-    @classmethod
-    def chain(cls, p: list[float]) -> "Profile":
-        return cls([[float(x)] for x in p])
-
-    @classmethod
-    def geometric(cls, accept_length: float, num_steps: int) -> "Profile":
-        """The constant p with 1 + p + p^2 + ... + p^num_steps = accept_length, chains only."""
-        return cls.chain([cls.fit(accept_length, Shape(num_steps, 1, num_steps + 1)).spine[0][0]])
-
-    @classmethod
-    def sibling_prior(cls, p: float, width: int = 8) -> "Profile":
-        return cls([[p * ((1 - p) / 2) ** r for r in range(width)]])
-
-    @classmethod
-    def fit(cls, accept_length: float, shape: "Shape") -> "Profile":
-        """The sibling prior (module doc) whose expected accept length at `shape` is
-        `accept_length`, by bisection on p (the expectation grows with p)."""
-        top = min(shape.num_steps, shape.num_draft_tokens - 1) + 1
-        if not 1 <= accept_length <= top:
-            raise FledgeError(f"--accept-length {accept_length}: at steps {shape.num_steps} / topk {shape.topk} / "
-                              f"{shape.num_draft_tokens} tokens it must be in [1, {top}] (set --accept-shape to where you measured it)")
-        lo, hi = 0.0, 1.0
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if expected_accept_length(cls.sibling_prior(mid), shape) < accept_length else (lo, mid)
-        return cls.sibling_prior((lo + hi) / 2)
-
-    def at(self, depth: int, rank: int, spine: bool) -> float:
-        """P(the rank-r child at `depth` is accepted | its parent was reached), the parent on
-        the spine or not."""
-        table = self.spine if spine else self.ranks
-        row = table[min(depth, len(table)) - 1]
-        return row[rank] if rank < len(row) else 0.0
-
-    @property
-    def width(self) -> int:
-        return max(len(r) for r in self.ranks + self.spine)
-
-    def tables(self) -> dict[str, list[list[float]]]:
-        return {"spine": self.spine, "ranks": self.ranks}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """SGLang's three knobs (same meaning as fledge.engine.drafters.SpecConfig, kept separate so
-    the cost model runs without the engine)."""
-
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
-
-    def __post_init__(self):
-        cap = 1 + self.topk + (self.num_steps - 1) * self.topk ** 2
-        chain_ok = self.topk > 1 or self.num_draft_tokens == self.num_steps + 1
-        if self.num_steps < 1 or self.topk < 1 or not 2 <= self.num_draft_tokens <= cap or not chain_ok:
-            raise FledgeError(f"speculative shape steps={self.num_steps} topk={self.topk} "
-                              f"draft_tokens={self.num_draft_tokens} is impossible (2..{cap} nodes; chains: steps+1)")
-
-    @property
-    def label(self) -> str:
-        return f"s{self.num_steps} k{self.topk} n{self.num_draft_tokens}"
-
-    def sglang_flags(self) -> str:
-        return (f"--speculative-algorithm EAGLE3 --speculative-num-steps {self.num_steps} "
-                f"--speculative-eagle-topk {self.topk} --speculative-num-draft-tokens {self.num_draft_tokens}")
-
-    def vllm_flags(self, drafter: str) -> str | None:
-        """vLLM's EAGLE-3 drafts a chain only: no flag set reproduces a topk > 1 tree."""
-        if self.topk != 1:
-            return None
-        cfg = {"method": "eagle3", "model": drafter, "num_speculative_tokens": self.num_steps}
-        return f"--speculative-config '{json.dumps(cfg)}'"
-
-
-# --------------------------------------------------------------------------- acceptance
-def chain_accept_length(p: list[float]) -> float:
-    """1 + sum_d prod_{j<=d} p_j: the chain's expected accept length (bonus included)."""
-    total, reach = 1.0, 1.0
-    for x in p:
-        reach *= x
-        total += reach
-    return total
-
-
-@dataclass
-class Node:
-    depth: int
-    rank: int
-    parent: int  # index into the node list, -1 = the root
-    prob: float  # P(this node is accepted) = product of rank probabilities along its path
-    spine: bool  # every node on its path, itself included, is rank 0
-
-
-def build_tree(profile: Profile, shape: Shape) -> list[Node]:
-    """The kept nodes of the engine's EAGLE-2 tree, parents before children (see module doc)."""
-    K = shape.topk
-    cands = [Node(1, r, -1, profile.at(1, r, True), r == 0) for r in range(K)]
-    beams = list(range(K))
-    for depth in range(2, shape.num_steps + 1):
-        children = []
-        for b in beams:
-            up = cands[b]
-            for r in range(K):
-                children.append(len(cands))
-                cands.append(Node(depth, r, b, up.prob * profile.at(depth, r, up.spine), up.spine and r == 0))
-        beams = sorted(children, key=lambda i: -cands[i].prob)[:K]  # stable: earlier wins ties
-    # Ties go to the shallower, earlier candidate, so a parent is never dropped before its child.
-    keep = sorted(sorted(range(len(cands)), key=lambda i: (-cands[i].prob, cands[i].depth, i))[:shape.num_draft_tokens - 1])
-    index = {c: i for i, c in enumerate(keep)}
-    return [Node(cands[c].depth, cands[c].rank, index[cands[c].parent] if cands[c].parent >= 0 else -1,
-                 cands[c].prob, cands[c].spine) for c in keep]
-
-
-def expected_accept_length(profile: Profile, shape: Shape) -> float:
-    """Accepted nodes form one root path, so E[accept length] = 1 + sum of P(node accepted)."""
-    return 1.0 + sum(n.prob for n in build_tree(profile, shape))
-
-
-def simulate_accept_length(profile: Profile, shape: Shape, rounds: int, seed: int = 0) -> float:
-    """Monte Carlo of the same model: at each reached node the target picks at most one child
-    rank (probabilities from the spine's table while the walk is on it, the other after); the
-    walk stops when that child is not in the tree."""
-    tree, rng = build_tree(profile, shape), random.Random(seed)
-    children: dict[tuple[int, int], int] = {(n.parent, n.rank): i for i, n in enumerate(tree)}
-    total = 0
-    for _ in range(rounds):
-        node, depth, gained, spine = -1, 1, 1, True
-        while True:
-            u, acc, pick = rng.random(), 0.0, None
-            for r in range(profile.width):
-                acc += profile.at(depth, r, spine)
-                if u < acc:
-                    pick = r
-                    break
-            if pick is None or (node, pick) not in children:
-                break
-            node, depth, gained, spine = children[(node, pick)], depth + 1, gained + 1, spine and pick == 0
-        total += gained
-    return total / rounds
+def parse_ms_table(text: str, arg: str) -> dict[int, float]:
+    """"1:11.6,8:30" → {1: 11.6, 8: 30.0}; a bare "1.5" means the same time for every key."""
+    try:
+        if ":" not in text:
+            return {1: float(text)}
+        table = {int(k): float(v) for k, v in (item.split(":") for item in text.split(",") if item.strip())}
+    except ValueError:
+        raise FledgeError(f"{arg} {text!r}: expected N:MS pairs like '1:11.6,8:30'") from None
+    if not table:
+        raise FledgeError(f"{arg} {text!r}: no N:MS pairs")
+    return table
 
 
 # --------------------------------------------------------------------------- predictions
@@ -278,12 +104,9 @@ def predict(profile: Profile, timings: Timings, shape: Shape) -> Prediction:
 
 def grid(max_steps: int = 8, topks=(1, 2, 4, 8), draft_tokens=(4, 8, 16, 32, 64)) -> list[Shape]:
     """Chains of 1..max_steps, and trees of every (steps, topk > 1, draft tokens) that fits."""
-    out = [Shape(s, 1, s + 1) for s in range(1, max_steps + 1)]
-    for s in range(2, max_steps + 1):
-        for k in topks:
-            cap = 1 + k + (s - 1) * k * k
-            out += [Shape(s, k, n) for n in draft_tokens if k > 1 and n <= cap and n > s + 1]
-    return out
+    return [Shape(s, 1, s + 1) for s in range(1, max_steps + 1)] + [
+        Shape(s, k, n) for s in range(2, max_steps + 1) for k in topks for n in draft_tokens
+        if k > 1 and s + 1 < n <= max_nodes(s, k)]
 
 
 def rank_all(profile: Profile, timings: Timings, shapes: list[Shape]) -> list[Prediction]:
@@ -293,63 +116,6 @@ def rank_all(profile: Profile, timings: Timings, shapes: list[Shape]) -> list[Pr
     return sorted((predict(profile, timings, s) for s in usable), key=lambda p: -p.tok_s)
 
 
-# --------------------------------------------------------------------------- parsing
-def parse_ms_table(text: str, arg: str) -> dict[int, float]:
-    """"1:11.6,8:30" → {1: 11.6, 8: 30.0}; a bare "1.5" means the same time for every key."""
-    try:
-        if ":" not in text:
-            return {1: float(text)}
-        pairs = [item.split(":") for item in text.split(",") if item.strip()]
-        table = {int(k): float(v) for k, v in pairs}
-    except ValueError:
-        raise FledgeError(f"{arg} {text!r}: expected N:MS pairs like '1:11.6,8:30'") from None
-    if not table:
-        raise FledgeError(f"{arg} {text!r}: no N:MS pairs")
-    return table
-
-
-def parse_profile(text: str) -> Profile:
-    """Depths separated by commas, ranks within a depth by '/': "0.7/0.1,0.6/0.12,0.5"."""
-    try:
-        return Profile([[float(x) for x in depth.split("/")] for depth in text.split(",") if depth.strip()])
-    except ValueError:
-        raise FledgeError(f"--accept-profile {text!r}: expected numbers like '0.7/0.1,0.6/0.12,0.5'") from None
-
-
-# --------------------------------------------------------------------------- verdict
-@dataclass
-class Verdict:
-    pays: bool
-    line: str
-    change: str  # what would make the reference shape pay (or keep paying), one line
-
-
-def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Prediction | None = None) -> Verdict:
-    """One line: speculate with the best shape only if it beats plain decoding by more than
-    `margin`; and for `ref` (default the best shape) the verify time or the accept length at
-    which it would clear that bar."""
-    best, ar_tok_s, need = preds[0], 1e3 / timings.ar_ms, 1 + margin
-    gain = 100 * (best.speedup - 1)
-    if best.speedup > need:
-        line = (f"VERDICT: speculate with {best.shape.label}: {best.tok_s:.1f} tok/s per request against "
-                f"{ar_tok_s:.1f} without ({gain:+.1f}%)")
-    else:
-        why = "every shape loses" if best.speedup <= 1 else f"the best gain, {gain:+.1f}% ({best.shape.label}), is inside the {100 * margin:.0f}% margin"
-        line = f"VERDICT: serve without speculation — {why}; plain decoding {ar_tok_s:.1f} tok/s per request"
-    ref = ref or best
-    s = ref.shape
-    rest = s.num_steps * timings.draft(s.topk) + timings.overhead_ms
-    verify_now = timings.verify(s.num_draft_tokens)
-    verify_max = ref.accept_length * timings.ar_ms / need - rest
-    accept_min = need * ref.iter_ms / timings.ar_ms
-    top = min(s.num_steps, s.num_draft_tokens - 1) + 1
-    v = (f"verify <= {verify_max:.2f} ms (predicted {verify_now:.2f})" if verify_max > 0 else
-         f"no verify time is enough (drafting and the rest of a round take {rest:.2f} ms)")
-    a = f"accept length >= {accept_min:.2f} (now {ref.accept_length:.2f})" + (f", more than {s.label} can accept ({top})" if accept_min > top else "")
-    return Verdict(best.speedup > need, line, f"{s.label} beats plain decoding by {100 * margin:.0f}% at: {v}, or {a}")
-
-
-# --------------------------------------------------------------------------- concurrency
 def sweep(profile: Profile, timings_at, shapes: list[Shape], levels, margin: float) -> list[dict]:
     """Best shape and speed-up at each concurrency; `timings_at(c)` gives the Timings of batch c."""
     rows = []
@@ -367,11 +133,40 @@ def stops_paying(rows: list[dict]) -> int | None:
     return next((r["concurrency"] for r in rows if not r["pays"]), None)
 
 
-def _runs(levels: list[int]) -> str:
-    return ", ".join(str(c) for c in levels) if levels else "none"
+# --------------------------------------------------------------------------- verdict and report
+@dataclass
+class Verdict:
+    pays: bool
+    line: str
+    change: str  # what would make the reference shape pay (or keep paying), one line
 
 
-# --------------------------------------------------------------------------- reporting
+def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Prediction | None = None) -> Verdict:
+    """One line: speculate with the best shape only if it beats plain decoding by more than
+    `margin`; and for `ref` (default the best shape) the verify time or the accept length at
+    which it would clear that bar."""
+    best, ar_tok_s, need = preds[0], 1e3 / timings.ar_ms, 1 + margin
+    gain = 100 * (best.speedup - 1)
+    if best.speedup > need:
+        line = (f"VERDICT: speculate with {best.shape.label}: {best.tok_s:.1f} tok/s per request against "
+                f"{ar_tok_s:.1f} without ({gain:+.1f}%)")
+    else:
+        why = ("every shape loses" if best.speedup <= 1 else
+               f"the best gain, {gain:+.1f}% ({best.shape.label}), is inside the {100 * margin:.0f}% margin")
+        line = f"VERDICT: serve without speculation — {why}; plain decoding {ar_tok_s:.1f} tok/s per request"
+    ref = ref or best
+    s = ref.shape
+    rest = s.num_steps * timings.draft(s.topk) + timings.overhead_ms
+    verify_max = ref.accept_length * timings.ar_ms / need - rest
+    accept_min = need * ref.iter_ms / timings.ar_ms
+    top = min(s.num_steps, s.num_draft_tokens - 1) + 1
+    v = (f"verify <= {verify_max:.2f} ms (predicted {timings.verify(s.num_draft_tokens):.2f})" if verify_max > 0 else
+         f"no verify time is enough (drafting and the rest of a round take {rest:.2f} ms)")
+    a = (f"accept length >= {accept_min:.2f} (now {ref.accept_length:.2f})"
+         + (f", more than {s.label} can accept ({top})" if accept_min > top else ""))
+    return Verdict(best.speedup > need, line, f"{s.label} beats plain decoding by {100 * margin:.0f}% at: {v}, or {a}")
+
+
 def report(preds: list[Prediction], timings: Timings, drafter: str, margin: float = 0.05, ref: Prediction | None = None,
            notes: tuple[str, ...] = (), conc: list[dict] | None = None, top: int = 12) -> tuple[str, dict]:
     """One screen: where the figures come from, the table, the verdict, flags only if it pays,
@@ -381,7 +176,8 @@ def report(preds: list[Prediction], timings: Timings, drafter: str, margin: floa
     v = verdict(preds, timings, margin, ref)
     lines = [*notes, f"plain decoding: {ar:.1f} tok/s per request ({timings.ar_ms:.2f} ms a step, batch {timings.batch}); "
              "accept length = SGLang's (accepted + bonus per verify step)",
-             f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept':>7} {'iter ms':>8} {'tok/s':>8} {'speedup':>8} {'break-even':>10}"]
+             f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept':>7} {'iter ms':>8} {'tok/s':>8} {'speedup':>8} "
+             f"{'break-even':>10}"]
     for p in preds[:top]:
         s = p.shape
         lines.append(f"{s.num_steps:>5} {s.topk:>4} {s.num_draft_tokens:>6} {p.accept_length:>7.2f} {p.iter_ms:>8.2f} "
@@ -401,18 +197,17 @@ def report(preds: list[Prediction], timings: Timings, drafter: str, margin: floa
     ref = ref or best
     lines.append(f"break-even accept length at {ref.shape.label}: {ref.break_even:.2f} (predicted {ref.accept_length:.2f})")
     lines.append(("to keep paying" if ref.speedup > 1 + margin else "to pay") + f": {v.change}")
-    if conc:
-        lines.append(f"{'concurrency':>11} {'plain tok/s':>11} {'best shape':>12} {'speedup':>8}")
-        lines += [f"{r['concurrency']:>11} {r['ar_tok_s_total']:>11.1f} {r['label']:>12} {r['speedup']:>7.2f}x" for r in conc]
-        stop = stops_paying(conc)
-        lines.append(f"speculation pays at concurrency {_runs([r['concurrency'] for r in conc if r['pays']])}; "
-                     + (f"it stops paying at {stop}" if stop else "at every level shown"))
     data = {"ar_tok_s": ar, "timings": asdict(timings), "margin": margin, "pays": v.pays, "verdict": v.line,
             "verdict_short": "WINS" if v.pays else "LOSES", "gain_percent": 100 * (best.speedup - 1), "change": v.change,
             "best": _pred_dict(best, drafter), "reference": _pred_dict(ref, drafter), "notes": list(notes),
             "predictions": [_pred_dict(p, drafter) for p in preds]}
     if conc:
-        data.update(concurrency=conc, stops_paying_at=stops_paying(conc))
+        stop = stops_paying(conc)
+        lines.append(f"{'concurrency':>11} {'plain tok/s':>11} {'best shape':>12} {'speedup':>8}")
+        lines += [f"{r['concurrency']:>11} {r['ar_tok_s_total']:>11.1f} {r['label']:>12} {r['speedup']:>7.2f}x" for r in conc]
+        lines.append("speculation pays at concurrency " + (", ".join(str(r["concurrency"]) for r in conc if r["pays"]) or "none")
+                     + "; " + (f"it stops paying at {stop}" if stop else "at every level shown"))
+        data.update(concurrency=conc, stops_paying_at=stop)
     return "\n".join(line for line in lines if line), data
 
 
@@ -454,62 +249,9 @@ def plot(preds: list[Prediction], ar_tok_s: float, path, measured: dict | None =
     save_figure(fig, path)
 
 
-def write_outputs(text: str, data: dict, preds, timings: Timings, args, measured=None) -> None:
-    print(text)
-    if args.json:
-        atomic_write_json(args.json, data)
-    if args.png:
-        plot(preds, 1e3 / timings.ar_ms, args.png, measured, data.get("concurrency"))
-
-
 # --------------------------------------------------------------------------- inputs from the CLI
-def profile_from_json(path) -> Profile:
-    """A profile from `fledge bench --json` or `fledge tune --json` output: engine probe
-    ({"profile": {"spine": ..., "ranks": ...}}), vLLM log ({"profile": [[p], ...]}), a bare
-    {"ranks": ...} (and "spine"). A table alone serves the spine and the rest."""
-    try:
-        obj = json.loads(open(path).read())
-        prof = obj if obj.get("ranks") else obj["profile"]
-        return Profile(prof["ranks"], prof.get("spine")) if isinstance(prof, dict) else Profile(prof)
-    except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
-        raise FledgeError(f"{path}: no acceptance profile ('ranks' or 'profile') in it ({e})") from None
-
-
-def acceptance(args) -> tuple[Profile, Shape | None, str]:
-    """The acceptance profile the user gave, the shape an --accept-length was measured at (the
-    reference for "what would have to change"), and a line saying what was assumed."""
-    given = [a for a in (args.accept_profile, args.accept_length, args.profile_json) if a is not None]
-    if len(given) != 1:
-        raise FledgeError("give exactly one of --accept-length (with --accept-shape), --accept-profile, --profile-json")
-    if args.profile_json:
-        return profile_from_json(args.profile_json), None, f"acceptance: the profile in {args.profile_json}"
-    if args.accept_profile:
-        return parse_profile(args.accept_profile), None, "acceptance: the --accept-profile given"
-    shape = parse_shape(args.accept_shape) if args.accept_shape else Shape(args.accept_steps, 1, args.accept_steps + 1)
-    prof = Profile.fit(args.accept_length, shape)
-    p = prof.spine[0][0]
-    return prof, shape, (f"acceptance: accept length {args.accept_length:.2f} taken as measured at {shape.label} "
-                         f"(--accept-shape); fitted top-guess acceptance {p:.3f} per depth, rank-r siblings p((1-p)/2)^r "
-                         "(a prior: `fledge bench --probe` measures them)")
-
-
-def parse_shape(text: str) -> Shape:
-    try:
-        return Shape(*(int(x) for x in text.split(",")))
-    except (ValueError, TypeError):
-        raise FledgeError(f"shape {text!r}: expected STEPS,TOPK,TOKENS like '3,4,16'") from None
-
-
-def model_specs(args):
-    from fledge import hwmodel
-
-    return hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
-
-
-def machine(args):
+def machine(args) -> tuple[hwmodel.Hardware, str]:
     """Hardware from --profile (a `tune calibrate` output), then the CLI's table names and overrides."""
-    from fledge import hwmodel
-
     base = {}
     if args.profile:
         try:
@@ -531,101 +273,79 @@ def machine(args):
 
 
 def model_timings(target, drafter, hw, batch: int, context: int) -> Timings:
-    from fledge import hwmodel
-
     st = hwmodel.step_times(target, drafter, hw, batch, context)
     return Timings(st.ar_ms, st.verify_ms, st.draft_ms, st.overhead_ms, batch)
 
 
-def _levels(text: str) -> list[int]:
-    from fledge.calibrate import parse_levels
-
-    return parse_levels(text, "--concurrency")
-
-
 # --------------------------------------------------------------------------- modes
-def _check_grid_args(args) -> None:
+def run_tune(args) -> int:
+    if args.action == "calibrate":
+        return cmd_calibrate(args)
+    mode = (_what_if if args.what_if else _hardware_model if args.model else
+            measured_tune if args.target and args.drafter else None)
+    if mode is None:
+        raise FledgeError("tune needs --model CONFIG --gpu NAME (hardware model), --target T --drafter D (measure the engine), "
+                          "--what-if with your own timings, or `tune calibrate --url URL`")
     if args.max_steps < 1:
         raise FledgeError(f"--max-steps {args.max_steps}: must be >= 1")
     if not 0 <= args.margin < 1:
         raise FledgeError(f"--margin {args.margin}: a fraction in [0, 1), e.g. 0.05")
+    text, data, preds, timings, measured = mode(args)
+    print(text)
+    if args.json:
+        atomic_write_json(args.json, data)
+    if args.png:
+        plot(preds, 1e3 / timings.ar_ms, args.png, measured, data.get("concurrency"))
+    return 0
 
 
-def _ref(profile, timings, ref_shape):
-    return predict(profile, timings, ref_shape) if ref_shape else None
+def _ranked(args, profile: Profile, timings: Timings, shapes, ref_shape: Shape | None, notes, conc=None):
+    preds = rank_all(profile, timings, shapes)
+    ref = predict(profile, timings, ref_shape) if ref_shape else None
+    text, data = report(preds, timings, args.drafter or "<drafter dir>", args.margin, ref, notes, conc)
+    data["profile"] = profile.tables()
+    return text, data, preds
 
 
-def _what_if(args) -> int:
-    _check_grid_args(args)
-    for name in ("ar_ms", "verify_ms"):
-        if getattr(args, name) is None:
-            raise FledgeError(f"--what-if needs --{name.replace('_', '-')}")
+def _what_if(args):
+    if args.ar_ms is None or args.verify_ms is None:
+        raise FledgeError(f"--what-if needs --{'ar-ms' if args.ar_ms is None else 'verify-ms'}")
     notes = ["timings: as given (--what-if)"]
     if args.draft_ms is not None:
         draft = parse_ms_table(args.draft_ms, "--draft-ms")
     elif args.model:
-        predicted = model_timings(*model_specs(args), machine(args)[0], args.batch, args.context)
-        draft = predicted.draft_ms
+        target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
+        draft = model_timings(target, drafter, machine(args)[0], args.batch, args.context).draft_ms
         notes.append("draft step predicted from the drafter's config (--model/--drafter, --gpu): "
                      + ", ".join(f"topk {k}: {v:.3f} ms" for k, v in draft.items()))
     else:
         raise FledgeError("--what-if needs --draft-ms (ms per draft step, by topk '1:0.4,4:0.5'), or --model CONFIG "
                           "--gpu NAME to predict it from the drafter's size (one decoder layer and its LM head)")
     timings = Timings(args.ar_ms, parse_ms_table(args.verify_ms, "--verify-ms"), draft, args.overhead_ms, args.batch)
-    profile, ref_shape, note = acceptance(args)
-    preds = rank_all(profile, timings, grid(args.max_steps))
-    text, data = report(preds, timings, args.drafter or "<drafter dir>", args.margin, _ref(profile, timings, ref_shape),
-                        (*notes, note))
-    data["profile"] = profile.tables()
-    write_outputs(text, data, preds, timings, args)
-    return 0
+    profile, ref_shape, note = profile_from_args(args)
+    text, data, preds = _ranked(args, profile, timings, grid(args.max_steps), ref_shape, (*notes, note))
+    return text, data, preds, timings, None
 
 
-def _hardware_model(args) -> int:
-    _check_grid_args(args)
-    target, drafter = model_specs(args)
+def _hardware_model(args):
+    target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
     hw, label = machine(args)
-    profile, ref_shape, note = acceptance(args)
+    profile, ref_shape, note = profile_from_args(args)
     timings = model_timings(target, drafter, hw, args.batch, args.context)
     shapes = grid(args.max_steps)
-    preds = rank_all(profile, timings, shapes)
     moe = f", MoE {target.active}/{target.experts} experts" if target.experts else ""
     src = (f"hardware model: {args.model} ({target.layers} layers{moe}, {target.quant} weights) on {label}, "
            f"batch {args.batch}, context {args.context}, CUDA graphs {'on' if hw.cuda_graphs else 'off'}")
-    conc = sweep(profile, lambda c: model_timings(target, drafter, hw, c, args.context), shapes, _levels(args.concurrency),
-                 args.margin)
-    text, data = report(preds, timings, args.drafter or "<drafter dir>", args.margin, _ref(profile, timings, ref_shape),
-                        (src, note), conc)
-    from fledge import hwmodel
-
-    data.update(profile=profile.tables(), hardware=asdict(hw),
-                breakdown=hwmodel.step_times(target, drafter, hw, args.batch, args.context).breakdown)
-    write_outputs(text, data, preds, timings, args)
-    return 0
+    conc = sweep(profile, lambda c: model_timings(target, drafter, hw, c, args.context), shapes,
+                 parse_levels(args.concurrency, "--concurrency"), args.margin)
+    text, data, preds = _ranked(args, profile, timings, shapes, ref_shape, (src, note), conc)
+    data.update(hardware=asdict(hw), breakdown=hwmodel.step_times(target, drafter, hw, args.batch, args.context).breakdown)
+    return text, data, preds, timings, None
 
 
-def run_tune(args) -> int:
-    if args.action == "calibrate":
-        from fledge.calibrate import cmd_calibrate
-
-        return cmd_calibrate(args)
-    if args.what_if:
-        return _what_if(args)
-    if args.model:
-        return _hardware_model(args)
-    if args.target and args.drafter:
-        return measured_tune(args)
-    raise FledgeError("tune needs --model CONFIG --gpu NAME (hardware model), --target T --drafter D (measure the engine), "
-                      "--what-if with your own timings, or `tune calibrate --url URL`")
-
-
-# --------------------------------------------------------------------------- the engine, measured
-def measured_tune(args) -> int:
+def measured_tune(args):
     """`fledge tune --target T --drafter D`: time the engine as `fledge generate` runs it, measure
     acceptance, predict every shape; with --validate, also run shapes for real and compare."""
-    from fledge import bench
-
-    _check_grid_args(args)
     rig = bench.load_rig(args.target, args.drafter, args.device, args.dtype)
     prompts = bench.load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
     ar = bench.run_ar(rig, prompts, args.max_new_tokens)
@@ -645,19 +365,17 @@ def measured_tune(args) -> int:
     else:
         probed = bench.probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)
         profile = Profile(probed["ranks"], probed["spine"])
-    preds = rank_all(profile, timings, shapes)
     note = f"timings: measured on fledge's engine ({bench.engine_path(rig)}), batch 1"
-    text, data = report(preds, timings, args.drafter, args.margin, notes=(note,))
-    data.update(profile=profile.tables(), ar_measured_tok_s=ar["tok_s"])
+    text, data, preds = _ranked(args, profile, timings, shapes, None, (note,))
+    data["ar_measured_tok_s"] = ar["tok_s"]
     measured = None
     if args.validate:
-        picks = [parse_shape(x) for x in args.shapes.split(";")] if args.shapes else validation_shapes(preds)
+        picks = parse_shapes(args.shapes) if args.shapes else validation_shapes(preds)
         rows, measured = validate(rig, prompts, [predict(profile, timings, s) for s in picks], args.max_new_tokens,
                                   ar["tok_s"])
         text += "\n" + validation_table(rows)
         data["validation"] = rows
-    write_outputs(text, data, preds, timings, args, measured)
-    return 0
+    return text, data, preds, timings, measured
 
 
 def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
@@ -675,14 +393,11 @@ def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
     return picks
 
 
-def _error_percent(predicted: float, measured: float) -> float:
-    return 100 * (predicted - measured) / measured
-
-
 def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> tuple[list[dict], dict]:
     """Run each predicted shape on the engine: measured against predicted tok/s, and its two
     factors apart — accept length (the profile) and round time (the timings)."""
-    from fledge import bench
+    def err(predicted, measured):
+        return 100 * (predicted - measured) / measured
 
     rows, measured = [], {}
     for p in preds:
@@ -690,11 +405,11 @@ def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_
         measured[p.shape] = tok_s
         accept, round_ms = stats.accept_length(), stats.summary()["round_ms_per_step"]
         rows.append({**asdict(p.shape), "accept_predicted": p.accept_length, "accept_measured": accept,
-                     "accept_error_percent": _error_percent(p.accept_length, accept),
+                     "accept_error_percent": err(p.accept_length, accept),
                      "round_ms_predicted": p.iter_ms, "round_ms_measured": round_ms,
-                     "round_error_percent": _error_percent(p.iter_ms, round_ms),
+                     "round_error_percent": err(p.iter_ms, round_ms),
                      "tok_s_predicted": p.tok_s, "tok_s_measured": tok_s, "speedup_measured": tok_s / ar_tok_s,
-                     "error_percent": _error_percent(p.tok_s, tok_s)})
+                     "error_percent": err(p.tok_s, tok_s)})
     return rows, measured
 
 
@@ -711,15 +426,14 @@ def validation_table(rows: list[dict]) -> str:
         errs = [abs(r[key]) for r in rows]
         return f"{statistics.mean(errs):.1f}%  max {max(errs):.1f}%"
 
+    def label(r):
+        return f"s{r['num_steps']} k{r['topk']} n{r['num_draft_tokens']}"
+
     best_pred = max(rows, key=lambda r: r["tok_s_predicted"])
     best_meas = max(rows, key=lambda r: r["tok_s_measured"])
-    same = best_pred is best_meas
     lines.append(f"tok/s mean |error| {spread('error_percent')} over {len(rows)} shapes; best shape "
-                 + ("the same" if same else "differs") + f" (predicted s{best_pred['num_steps']} k{best_pred['topk']} "
-                 f"n{best_pred['num_draft_tokens']}, measured s{best_meas['num_steps']} k{best_meas['topk']} n{best_meas['num_draft_tokens']})")
+                 f"{'the same' if best_pred is best_meas else 'differs'} "
+                 f"(predicted {label(best_pred)}, measured {label(best_meas)})")
     lines.append(f"accept length mean |error| {spread('accept_error_percent')}; round time mean |error| "
                  f"{spread('round_error_percent')}")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- CLI

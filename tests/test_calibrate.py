@@ -15,7 +15,8 @@ import pytest
 
 from fledge import calibrate, hwmodel
 from fledge.cli import main
-from fledge.tune import Shape, Timings, predict, profile_from_json
+from fledge.acceptance import Shape, profile_from_json
+from fledge.tune import Timings, predict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tune"
 TARGET = FIXTURES / "llama31_8b_config.json"

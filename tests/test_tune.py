@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fledge.acceptance import Profile, Shape, build_tree, chain_accept_length, expected_accept_length, profile_from_json
 from fledge.cli import main
-from fledge.tune import (Profile, Shape, Timings, build_tree, chain_accept_length, expected_accept_length, grid,
-                         parse_ms_table, predict, profile_from_json, rank_all, report, simulate_accept_length,
-                         stops_paying, sweep, verdict)
+from fledge.tune import Timings, grid, parse_ms_table, predict, rank_all, report, stops_paying, sweep, verdict
 from fledge.util import FledgeError
 
 
@@ -39,7 +38,7 @@ def test_chain_formula_matches_bernoulli_simulation():
         mean = sum(lengths) / len(lengths)
         want = chain_accept_length(p)
         assert abs(mean - want) < _mc_tolerance(lengths), (p, mean, want)
-        assert expected_accept_length(Profile.chain(p), Shape(len(p), 1, len(p) + 1)) == pytest.approx(want)
+        assert expected_accept_length(Profile([[x] for x in p]), Shape(len(p), 1, len(p) + 1)) == pytest.approx(want)
 
 
 def random_table(rng, depth: int, width: int) -> list[list[float]]:
@@ -87,7 +86,6 @@ def test_tree_expectation_matches_independent_monte_carlo():
         mean = sum(lengths) / len(lengths)
         exact = expected_accept_length(prof, shape)
         assert abs(mean - exact) < _mc_tolerance(lengths), (shape, mean, exact)
-        assert abs(simulate_accept_length(prof, shape, 20000, seed=1) - exact) < _mc_tolerance(lengths)
 
 
 def test_a_chain_reads_the_spine_and_one_table_serves_both(tmp_path):
@@ -133,7 +131,7 @@ def test_tree_shape_follows_the_engine_rule():
 
 def test_geometric_fit_and_interpolation():
     for L, s in [(2.1, 3), (1.5, 7), (3.9, 4)]:
-        p = Profile.geometric(L, s).ranks[0][0]
+        p = Profile.fit(L, Shape(s, 1, s + 1)).ranks[0][0]
         assert chain_accept_length([p] * s) == pytest.approx(L, abs=1e-9)
     t = Timings(10, {1: 10, 8: 24, 16: 40}, {1: 1.0, 4: 2.5})
     assert [t.verify(n) for n in (1, 8, 16)] == [10, 24, 40]
@@ -176,7 +174,7 @@ def test_predictions_rank_and_flags():
                              "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"]
     assert Shape(5, 4, 16).vllm_flags("d") is None
     assert json.loads(Shape(3, 1, 4).vllm_flags("d").split("'")[1]) == {"method": "eagle3", "model": "d",
-                                                                         "num_speculative_tokens": 3}
+                                                                        "num_speculative_tokens": 3}
 
 
 def test_bad_input(capsys):
@@ -197,7 +195,7 @@ def test_bad_input(capsys):
 def test_verdict_needs_a_margin_and_flags_only_when_it_pays(tmp_path):
     """A 3% gain on these timings is inside the 5% margin: serve without speculation, no flags;
     the same timings with --margin 0 speculate and print the flags."""
-    prof = Profile.chain([0.5] * 3)
+    prof = Profile([[0.5]] * 3)
     L = chain_accept_length([0.5])  # the 1-step chain: 1.5
     ar = 10.0
     verify = L * ar / 1.03 - 0.5  # the 1-step chain gains exactly 3%
@@ -213,7 +211,7 @@ def test_verdict_needs_a_margin_and_flags_only_when_it_pays(tmp_path):
 
 def test_what_would_have_to_change_is_the_break_even_point():
     """Plugging the printed verify bound (or accept length) back in gives exactly 1 + margin."""
-    prof = Profile.geometric(2.1, 3)
+    prof = Profile.fit(2.1, Shape(3, 1, 4))
     t = Timings(1000 / 86, {1: 11.6, 4: 30.0, 8: 34.0}, {1: 1.5}, 0.4)
     preds = rank_all(prof, t, grid(4, (1,)))
     ref = predict(prof, t, Shape(3, 1, 4))
@@ -277,13 +275,13 @@ def test_hardware_model_cli_writes_table_json_png(tmp_path):
 
 
 def test_no_import_cycle_between_bench_and_tune():
-    """bench, calibrate and the hardware model sit below tune: none of them imports it."""
+    """bench, serving, calibrate, the acceptance and hardware models sit below tune: none of them imports it."""
     import ast
 
     import fledge
 
     root = Path(fledge.__file__).parent
-    for name in ("bench.py", "calibrate.py", "hwmodel.py"):
+    for name in ("bench.py", "serving.py", "calibrate.py", "acceptance.py", "hwmodel.py"):
         tree = ast.parse((root / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
@@ -311,7 +309,6 @@ def test_measured_tune_validates_on_the_shipped_engine_path(tmp_path):
             ratio * (r["accept_measured"] * 1e3 / r["round_ms_measured"]) / r["tok_s_measured"], rel=1e-9)
     assert {"spine", "ranks"} <= set(data["profile"])
     assert "fused greedy rounds" in data["notes"][0]
-
 
 
 def test_spine_table_predicts_a_chain_where_one_table_falls_short():

@@ -174,7 +174,8 @@ class DoneWatch:
         return bool(buf.all())
 
 
-def _now(device) -> float:
+def now(device) -> float:
+    """The host clock once `device` has run everything queued on it: the clock fledge's step timings read."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -231,7 +232,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     groups = row_groups(B, row_group) if getattr(model, "row_groups_ok", False) else [(0, B)]
     longest = [slens[r1 - 1] for _, r1 in groups]  # sorted: a group's last row is its longest
 
-    t0 = _now(device)
+    t0 = now(device)
     ids = torch.zeros(B, max(lens), dtype=torch.long)
     for r, b in enumerate(order):
         ids[r, :lens[b]] = torch.tensor(prompts[b])
@@ -242,7 +243,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
         logits = torch.cat([model.prefill(ids[r0:r1, :w], cache, logits_idx=(lengths[r0:r1] - 1)[:, None], rows=(r0, r1))[0]
                             for (r0, r1), w in zip(groups, longest)])
     tok = sample_token(logits[:, 0], params, gen)
-    t1 = _now(device)
+    t1 = now(device)
 
     # Static buffers of the decode step. Greedy, the step also takes its argmax, records it in
     # column `col` of `new`, marks rows that ended and advances the row lengths: one graph
@@ -281,7 +282,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
 
     for spans in dict.fromkeys(spans_at(s) for s in range(params.max_new_tokens)):
         step_for(spans)  # every capture before the clock: none is decode time
-    t2 = _now(device)
+    t2 = now(device)
 
     steps, watch = 0, DoneWatch(done)
     watch.queued()  # the prefill's token may be an eos
@@ -297,7 +298,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
             lengths.add_(1)
         watch.queued()
         steps += 1
-    t3 = _now(device)
+    t3 = now(device)
 
     sorted_rows = [cut_at_eos(r, eos_ids) for r in new[:, :steps + 1].tolist()]
     rows = [None] * B
@@ -327,10 +328,10 @@ def cut_at_eos(row: list[int], eos_ids) -> list[int]:
 # --------------------------------------------------------------------------- GPU self-test
 def _hf_generate(hf, ids, new_tokens: int, **kw):
     """HF greedy generation of exactly `new_tokens` tokens; returns (tokens [B, new], seconds)."""
-    t0 = _now(hf.device)
+    t0 = now(hf.device)
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                       min_new_tokens=new_tokens, do_sample=False, disable_compile=True, **kw)
-    return out[:, ids.shape[1]:], _now(hf.device) - t0
+    return out[:, ids.shape[1]:], now(hf.device) - t0
 
 
 def selftest(hf, prompt: list[int], dtype, device, batches=(1,), new_tokens=128, compile=False):

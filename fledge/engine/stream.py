@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from fledge.engine.generate import (ROW_GROUP, SamplingParams, _now, capture_cuda_graph, cut_at_eos, decode_logits,
-                                    decode_spans, row_groups, sample_token)
+from fledge.engine.generate import (ROW_GROUP, SamplingParams, capture_cuda_graph, cut_at_eos, decode_logits, decode_spans,
+                                    now, row_groups, sample_token)
 from fledge.util import FledgeError
 
 
@@ -112,7 +112,7 @@ def generate_stream(model, prompts: list[list[int]], params: SamplingParams, eos
                 steps_by_span[spans] = step
         return steps_by_span[spans]
 
-    t0 = _now(device)
+    t0 = now(device)
     refill(list(range(R)))
     steps = 0
     while True:
@@ -132,7 +132,7 @@ def generate_stream(model, prompts: list[list[int]], params: SamplingParams, eos
             if host_live[r]:
                 host_len[r] = min(host_len[r] + 1, cache_len - 1)
         steps += 1
-    t1 = _now(device)
+    t1 = now(device)
     n_new = sum(map(len, results))
     return results, {"prompts": len(prompts), "rows": R, "prompt_tokens": sum(map(len, prompts)),
                      "generated_tokens": n_new, "decode_steps": steps, "graphs": len(steps_by_span),
