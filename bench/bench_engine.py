@@ -30,7 +30,7 @@ from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load
 from fledge.engine.generate import SamplingParams, generate_ar
 from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
 from fledge.engine.resident import Resident
-from fledge.engine.spec import oracle_text
+from fledge.engine.spec import generate_spec, oracle_text
 from fledge.engine.stats import SpecStats
 from fledge.target import eos_ids, load_target
 from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype

@@ -353,7 +353,11 @@ def add_tune(sub) -> None:
     m.add_argument("--gpu", help="GPU from fledge.hwmodel.GPUS: h100, h200, a100, l40s, rtx-pro-6000, cpu")
     m.add_argument("--tp", type=int, help="tensor-parallel GPUs (default 1)")
     m.add_argument("--interconnect", choices=["pcie", "nvlink"], help="link between the TP GPUs (default nvlink)")
-    m.add_argument("--context", type=int, default=2048, help="tokens in each sequence's KV cache")
+    m.add_argument("--context", type=int, default=2048, help="tokens in each sequence's KV cache (and the prompt "
+                                                                "prefilled, with --output-len)")
+    m.add_argument("--output-len", type=int, help="new tokens a request generates: rates of whole requests, their "
+                                                  "prefill included, as serving benchmarks count them (default: "
+                                                  "decode rounds only)")
     m.add_argument("--quant", choices=["bf16", "fp16", "fp8", "int4", "fp32"], help="MLP/expert weights (default: from the config)")
     m.add_argument("--draft-vocab", type=int, help="drafter LM head rows (default: its config, else 32000)")
     m.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="levels of the speed-up-by-concurrency sweep")

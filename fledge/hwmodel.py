@@ -30,6 +30,8 @@ stated once:
     forward, and the drafter's pass over the accepted tokens (taken as 2 rows per sequence) with
     the fc; the host's step time once, plus `round_host_ms`. vLLM drafts one forward fewer per
     round than SGLang (its first draft step is that pass); the model counts SGLang's.
+  * Whole requests (`tune --output-len`): a request's prefill is one forward of its prompt, and
+    the batch's decode waits for it (no overlap of prefill and decode).
   * The efficiencies, host times and kernel counts are estimates, not measurements: they are the
     constants `fledge tune calibrate` fits to a live server.
 """
@@ -312,6 +314,12 @@ def forward(m: ModelSpec, hw: Hardware, tokens: int, batch: int, context: int) -
     return StepTime(memory_ms=1e3 * (weights / tp + kv) / (hw.gpu.hbm_gbs * 1e9 * hw.bw_efficiency),
                     compute_ms=1e3 * flops / (peak * 1e12 * hw.flops_efficiency),
                     comm_ms=1e3 * comm, launch_ms=hw.forward_ms + 1e-3 * kernels * hw.launch_us)
+
+
+def prefill_ms(target: ModelSpec, hw: Hardware, prompt: int) -> float:
+    """One request's prefill: the host step and a forward of its `prompt` tokens, each attending
+    to half the prompt on average (causal)."""
+    return hw.host_ms + forward(target, hw, prompt, 1, prompt // 2).total_ms
 
 
 @dataclass

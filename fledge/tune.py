@@ -35,13 +35,21 @@ from fledge.util import FledgeError, atomic_write_json, save_figure
 @dataclass
 class Timings:
     """Milliseconds per step of one batch. `verify_ms` maps tokens verified per request (the
-    tree size n) to the target forward time; `draft_ms` maps topk to one draft step."""
+    tree size n) to the target forward time; `draft_ms` maps topk to one draft step.
+
+    With `output_len` > 0, rates are of whole requests, as a serving benchmark's output
+    throughput counts them: each request's prefill (`prefill_ms`, which the whole batch waits
+    for) is spread over its `output_len` new tokens. Speculation shortens only the decode part,
+    so its speed-up shrinks as prefill's share grows (batch x prefill against output_len steps).
+    With 0, rates are of decode rounds alone."""
 
     ar_ms: float
     verify_ms: dict[int, float]
     draft_ms: dict[int, float]
     overhead_ms: float = 0.0
     batch: int = 1
+    prefill_ms: float = 0.0
+    output_len: int = 0
 
     def __post_init__(self):
         self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
@@ -50,11 +58,27 @@ class Timings:
             raise FledgeError(f"--ar-ms {self.ar_ms}: must be > 0")
         if not self.verify_ms or min(self.verify_ms) < 1 or min(self.verify_ms.values()) <= 0:
             raise FledgeError(f"--verify-ms {self.verify_ms}: need n >= 1 tokens and times > 0")
+        if self.output_len < 0 or self.prefill_ms < 0:
+            raise FledgeError(f"--output-len {self.output_len}: must be >= 1 (or unset for decode rounds only)")
         if not self.draft_ms or min(self.draft_ms.values()) < 0 or self.overhead_ms < 0:
             raise FledgeError("--draft-ms and --overhead-ms must be >= 0")
 
     def verify(self, n: int) -> float:
         return _interp(self.verify_ms, n)
+
+    @property
+    def prefill_per_token_ms(self) -> float:
+        """Prefill time a request's stream pays per new token (0 for decode-only rates)."""
+        return self.batch * self.prefill_ms / self.output_len if self.output_len else 0.0
+
+    @property
+    def plain_ms(self) -> float:
+        """Milliseconds per token of a request without speculation."""
+        return self.ar_ms + self.prefill_per_token_ms
+
+    def spec_ms(self, accept_length: float, round_ms: float) -> float:
+        """Milliseconds per token of a request whose rounds take `round_ms` and accept `accept_length`."""
+        return round_ms / accept_length + self.prefill_per_token_ms
 
     def draft(self, topk: int) -> float:
         return _interp(self.draft_ms, topk)
@@ -99,7 +123,8 @@ class Prediction:
 def predict(profile: Profile, timings: Timings, shape: Shape) -> Prediction:
     L = expected_accept_length(profile, shape)
     t = shape.num_steps * timings.draft(shape.topk) + timings.verify(shape.num_draft_tokens) + timings.overhead_ms
-    return Prediction(shape, L, t, 1e3 * L / t, L * timings.ar_ms / t, t / timings.ar_ms)
+    ms = timings.spec_ms(L, t)
+    return Prediction(shape, L, t, 1e3 / ms, timings.plain_ms / ms, t / timings.ar_ms)
 
 
 def grid(max_steps: int = 8, topks=(1, 2, 4, 8), draft_tokens=(4, 8, 16, 32, 64)) -> list[Shape]:
@@ -145,7 +170,7 @@ def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Predi
     """One line: speculate with the best shape only if it beats plain decoding by more than
     `margin`; and for `ref` (default the best shape) the verify time or the accept length at
     which it would clear that bar."""
-    best, ar_tok_s, need = preds[0], 1e3 / timings.ar_ms, 1 + margin
+    best, ar_tok_s, need = preds[0], 1e3 / timings.plain_ms, 1 + margin
     gain = 100 * (best.speedup - 1)
     if best.speedup > need:
         line = (f"VERDICT: speculate with {best.shape.label}: {best.tok_s:.1f} tok/s per request against "
@@ -157,8 +182,9 @@ def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Predi
     ref = ref or best
     s = ref.shape
     rest = s.num_steps * timings.draft(s.topk) + timings.overhead_ms
-    verify_max = ref.accept_length * timings.ar_ms / need - rest
-    accept_min = need * ref.iter_ms / timings.ar_ms
+    round_ms_per_token = timings.plain_ms / need - timings.prefill_per_token_ms  # what beats plain by `margin`
+    verify_max = ref.accept_length * round_ms_per_token - rest
+    accept_min = ref.iter_ms / round_ms_per_token if round_ms_per_token > 0 else float("inf")
     top = min(s.num_steps, s.num_draft_tokens - 1) + 1
     v = (f"verify <= {verify_max:.2f} ms (predicted {timings.verify(s.num_draft_tokens):.2f})" if verify_max > 0 else
          f"no verify time is enough (drafting and the rest of a round take {rest:.2f} ms)")
@@ -272,9 +298,11 @@ def machine(args) -> tuple[hwmodel.Hardware, str]:
     return hw, label
 
 
-def model_timings(target, drafter, hw, batch: int, context: int) -> Timings:
+def model_timings(target, drafter, hw, batch: int, context: int, output_len: int = 0) -> Timings:
+    """The hardware model's Timings; with `output_len`, of whole requests whose prompt is `context` tokens."""
     st = hwmodel.step_times(target, drafter, hw, batch, context)
-    return Timings(st.ar_ms, st.verify_ms, st.draft_ms, st.overhead_ms, batch)
+    prefill = hwmodel.prefill_ms(target, hw, context) if output_len else 0.0
+    return Timings(st.ar_ms, st.verify_ms, st.draft_ms, st.overhead_ms, batch, prefill, output_len or 0)
 
 
 # --------------------------------------------------------------------------- modes
@@ -331,12 +359,14 @@ def _hardware_model(args):
     target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
     hw, label = machine(args)
     profile, ref_shape, note = profile_from_args(args)
-    timings = model_timings(target, drafter, hw, args.batch, args.context)
+    timings = model_timings(target, drafter, hw, args.batch, args.context, args.output_len)
     shapes = grid(args.max_steps)
     moe = f", MoE {target.active}/{target.experts} experts" if target.experts else ""
     src = (f"hardware model: {args.model} ({target.layers} layers{moe}, {target.quant} weights) on {label}, "
-           f"batch {args.batch}, context {args.context}, CUDA graphs {'on' if hw.cuda_graphs else 'off'}")
-    conc = sweep(profile, lambda c: model_timings(target, drafter, hw, c, args.context), shapes,
+           f"batch {args.batch}, context {args.context}, CUDA graphs {'on' if hw.cuda_graphs else 'off'}"
+           + (f"; whole requests: a {args.context}-token prompt's prefill ({timings.prefill_ms:.1f} ms, the batch waits) "
+              f"and {args.output_len} new tokens" if args.output_len else "; decode rounds only"))
+    conc = sweep(profile, lambda c: model_timings(target, drafter, hw, c, args.context, args.output_len), shapes,
                  parse_levels(args.concurrency, "--concurrency"), args.margin)
     text, data, preds = _ranked(args, profile, timings, shapes, ref_shape, (src, note), conc)
     data.update(hardware=asdict(hw), breakdown=hwmodel.step_times(target, drafter, hw, args.batch, args.context).breakdown)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import shlex
 from pathlib import Path
 
@@ -90,6 +91,14 @@ def test_links_in_the_docs_name_files_that_exist():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
             if "://" not in target:
                 assert (doc.parent / target).exists(), f"{doc.name}: link to {target}"
-        # bench/results/ files named in the text (not only links) must exist too
-        for name in re.findall(r"\b(\w+_(?:h200\w*|cpu)\.json)\b", doc.read_text()):
-            assert (root / "bench/results" / name).exists(), f"{doc.name}: names {name}"
+        # bench/results/ files named in the text (not only links) must exist too, or, named with
+        # a commit ("NAME at REV", "git show REV:bench/results/NAME"), exist in that commit
+        text = doc.read_text()
+        past = {(m[1] or m[2], m[0] or m[3]) for m in re.findall(
+            r"git show ([0-9a-f]{7,}):bench/results/(\w+\.json)|(\w+\.json)`? at (?:commit )?([0-9a-f]{7,})", text)}
+        for name, rev in past:
+            if subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{rev}^{{commit}}"]).returncode == 0:  # not in a shallow clone
+                got = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{rev}:bench/results/{name}"])
+                assert got.returncode == 0, f"{doc.name}: names {name} at {rev}, which that commit does not hold"
+        for name in re.findall(r"\b(\w+_(?:h200\w*|cpu)\.json)\b", text):
+            assert (root / "bench/results" / name).exists() or name in {n for n, _ in past}, f"{doc.name}: names {name}"
