@@ -83,7 +83,8 @@ def oracle_runner(target, eos, graphs: bool, spec, resident=None):
 
     def run(prompt, params, ar):
         own, passes = oracle_text(target, spec, prompt, ar, params, eos, use_cuda_graph=graphs, resident=resident)
-        out, st = spec_request(target, OracleDrafter(spec, [prompt + own], device), prompt, params, eos, graphs, resident)
+        out, st = generate_spec(target, OracleDrafter(spec, [prompt + own], device), prompt, params, eos,
+                                use_cuda_graph=graphs, resident=resident)
         if out != own:
             print(f"oracle: no fixed point after {passes} passes; this request accepts less than every draft",
                   file=sys.stderr)
