@@ -24,7 +24,8 @@ writing files under --workdir, so a step can be rerun on its own:
                 (bench/peer/hf_backend.py); its checkpoint is read back with `fledge import`.
   measure       the trained drafters in fledge's engine, batch 1, greedy: plain decoding and the
                 --shapes (default (7,1,8) (5,4,16) (8,8,64)) on all MT-Bench first turns and all
-                held-out prompts.
+                held-out prompts. `--drafters NAME=DIR ...` measures any drafters side by side,
+                with no other step run (--target, --heldout-prompts, --out).
   vllm          bench/bench_vllm_accept.py on each drafter (vLLM's CPU build beside fledge's engine,
                 a chain of 3).
   report        the tables, and bench/results/peer_compare_<machine>.json (`_quick` with --quick).
@@ -339,7 +340,7 @@ def train_peer(args, plan: Plan, w: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- measuring
-def measure(args, plan: Plan, w: Path) -> dict:
+def measure(args, plan: Plan | None, w: Path) -> dict:
     """Every drafter in --drafters (default: all trained here) at every --shapes, shape by shape,
     on both prompt sets, against the engine's plain decoding in the same process. measure.json
     is rewritten after each row, so a run cut short keeps the rows it finished."""
@@ -348,16 +349,15 @@ def measure(args, plan: Plan, w: Path) -> dict:
     from fledge.util import pick_dtype
     from fledge.engine.drafters import SpecConfig
 
-    runs = trained(w)
-    names = args.drafters or list(runs)
-    if unknown := [n for n in names if n not in runs]:
-        raise FledgeError(f"--drafters {' '.join(unknown)}: not trained in {w} (trained: {', '.join(runs) or 'none'})")
-    rig = load_rig(plan.target_dir, runs[names[0]]["drafter"], args.device, args.dtype)
+    dirs = drafter_dirs(args.drafters, w)
+    names = list(dirs)
+    rig = load_rig(plan.target_dir if plan else args.target, dirs[names[0]], args.device, args.dtype)
     dtype = pick_dtype(args.dtype, rig.device)
-    rigs = {n: dataclasses.replace(rig, draft=load_checkpoint(runs[n]["drafter"], embed_from=rig.hf).eval()
-                                   .cast(rig.device, dtype)) for n in names}
+    rigs = {n: dataclasses.replace(rig, draft=load_checkpoint(d, embed_from=rig.hf).eval().cast(rig.device, dtype))
+            for n, d in dirs.items()}
+    heldout = args.heldout_prompts or str(w / "data" / "heldout_prompts.jsonl")
     sets = {"mtbench": ("mtbench", args.num_prompts, args.max_new_tokens),
-            "heldout": (str(w / "data" / "heldout_prompts.jsonl"), args.num_prompts, args.heldout_new_tokens)}
+            "heldout": (heldout, args.num_prompts, args.heldout_new_tokens)}
     out = {"machine": machine_name(rig.device), "device": str(rig.device), "dtype": str(dtype).removeprefix("torch."),
            "engine": engine_path(rig), "drafters": names, "sets": {}}
     prompts = {}
@@ -379,8 +379,24 @@ def measure(args, plan: Plan, w: Path) -> dict:
                                   "generated_tokens": sm["generated_tokens"]})
                 print(f"{name:<8} {who:<20} {str(shape):<12} accept {sm['accept_length']:.3f}  {tok_s:8.1f} tok/s "
                       f"({tok_s / s['ar']['tok_s']:.2f}x plain)", flush=True)
-                atomic_write_json(w / "measure.json", out)
+                atomic_write_json(args.out or w / "measure.json", out)
     return out
+
+
+def drafter_dirs(drafters: list[str] | None, w: Path) -> dict[str, str]:
+    """--drafters as name -> checkpoint directory: NAME=DIR as given, a bare NAME trained in `w`
+    (default: every drafter trained there)."""
+    runs = trained(w)
+    dirs = {}
+    for d in drafters or list(runs):
+        name, _, path = d.partition("=")
+        if not path and name not in runs:
+            raise FledgeError(f"--drafters {name}: not trained in {w} (trained: {', '.join(runs) or 'none'}); "
+                              "NAME=DIR measures any drafter directory")
+        dirs[name] = path or runs[name]["drafter"]
+    if not dirs:
+        raise FledgeError(f"measure: no drafter trained in {w}; pass --drafters NAME=DIR ...")
+    return dirs
 
 
 def vllm(args, plan: Plan, w: Path) -> dict:
@@ -578,7 +594,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                       f"{FULL['max_new_tokens']}, quick {QUICK['max_new_tokens']})")
     m.add_argument("--heldout-new-tokens", type=int, help=f"a held-out answer's tokens (default full "
                                                           f"{FULL['heldout_new_tokens']}, quick {QUICK['heldout_new_tokens']})")
-    m.add_argument("--drafters", nargs="+", help="measure, vllm: which trained drafters (default: all)")
+    m.add_argument("--drafters", nargs="+", help="measure, vllm: which trained drafters (default: all); measure "
+                                                 "also takes NAME=DIR, any drafter directory (no `prepare` needed)")
+    m.add_argument("--heldout-prompts", help="measure: held-out conversations (default: prepare's)")
+    m.add_argument("--out", type=Path, help="measure: where measure.json goes (default: in --workdir)")
     m.add_argument("--shapes", nargs="+", type=shape_arg, default=list(SHAPES),
                    help="measure: (steps,topk,tokens) as S,K,N, in order (default 7,1,8 5,4,16 8,8,64)")
     m.add_argument("--dtype", help="engine dtype (default bfloat16 on cuda, float32 on cpu)")
@@ -600,6 +619,8 @@ def main(argv=None) -> int:
             if not args.data:
                 raise FledgeError("prepare needs --data FILE ...")
             plan = prepare(args, w)
+        elif args.step == "measure" and not (w / "plan.json").is_file():
+            plan = None  # drafters given as NAME=DIR, the target as --target
         else:
             plan = Plan.load(w)
         steps = {"train-fledge": train_fledge, "train-peer": train_peer, "measure": measure, "vllm": vllm, "report": report}

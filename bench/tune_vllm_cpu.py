@@ -1,6 +1,6 @@
 """`fledge tune calibrate` against real vLLM (CPU build): SmolLM2-135M and the shipped drafter.
 
-    python bench/tune_vllm_cpu.py [--ks 1,2,3,4,5] [--calibrate-ks 1,5] [--levels 1,2] [--max-new-tokens 48]
+    python bench/tune_vllm_cpu.py [--ks 1,2,3,4,5] [--calibrate-ks 1,5] [--levels 1,2] [--max-new-tokens 64] [--requests 12]
 
 Starts vLLM without speculation and with an EAGLE-3 chain of each k, one server at a time
 (scripts/vllm_serve.py, 127.0.0.1 only). Calibrates the hardware model on the plain server and
@@ -114,8 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="1,2,3,4,5")
     ap.add_argument("--calibrate-ks", default="1,5", help="chains the calibration measures (with the plain server)")
     ap.add_argument("--levels", default="1,2", help="concurrency levels the calibration measures")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tune_vllm_cpu.json")
     args = ap.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
