@@ -18,15 +18,23 @@ the same gradient: two ranks with batch b equal one rank with batch 2b.
 SIGINT or SIGTERM pauses a run after its current optimizer step, checkpoint saved (exit 130);
 the same command resumes it exactly, as it resumes one killed outright from its last save.
 
-`--time-budget SECONDS` plans the step count instead of `--max-steps`: a warm-up (one pass,
-then three timed forward/backward passes over training batches, and one timed eval, none of
-which changes the run) measures what a step and an eval cost, and the plan is the most steps
-that fit what is left of the budget (`budget_steps`). The LR schedule is built for that count,
-which `metrics.jsonl` records (a `plan` record) and every checkpoint keeps (`total_steps` in its
-meta.json), so a resumed run continues the same plan and never plans again (its budget is then
-only a deadline). A run still short of its plan when the budget runs out pauses as on SIGINT,
-exit 75 (EX_TEMPFAIL). The budget counts from before the target loads to the last step; the
-export after it comes on top.
+`--time-budget SECONDS` plans the step count instead of `--max-steps`. On CUDA the first batch
+of each padded length costs a one-time warm-up (kernel selection, compilation, allocation): on
+an H200 a first pass took ~1 s, a warm one ~0.23 s, so timing first passes alone plans for a
+run ~4x slower than the real one. The warm-up (`measure`; none of it changes the run: grads
+dropped, RNG put back) runs global batch 0 untimed, then three batches twice each (the first
+ones of epoch 0 to bring a new padded length): the second pass is a warm step
+(`seconds_per_step`), the first minus the second the one-time cost of a new length
+(`seconds_per_new_shape`); then the eval twice (the run's evals are all warm: the eval set is
+the same each time). The batch plan is a function of the data, so the lengths the planned
+steps meet for the first time are counted in advance (`first_shapes`, `new_shapes`): planned =
+spent + steps x seconds_per_step + new_shapes x seconds_per_new_shape + evals, and the plan is
+the most steps that fit the budget (`budget_steps`). The LR schedule is built for that count,
+which `metrics.jsonl` records (a `plan` record, with the figures above) and every checkpoint
+keeps (`total_steps` in its meta.json), so a resumed run continues the same plan and never
+plans again (its budget is then only a deadline). A run still short of its plan when the
+budget runs out pauses as on SIGINT, exit 75 (EX_TEMPFAIL). The budget counts from before the
+target loads to the last step; the export after it comes on top.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import random
 import signal
 import sys
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -314,20 +322,30 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, int]:
     return stats, ntok
 
 
+def global_batch(run: Run, step: int) -> list[int]:
+    """The sample indices of global batch `step` (one epoch's batches cached in `run.plan`)."""
+    epoch, k = divmod(step, run.per_epoch)
+    if epoch not in run.plan:
+        gb = run.cfg.batch_size * run.world * run.cfg.grad_accum
+        run.plan = {epoch: epoch_batches([len(s.input_ids) for s in run.train], gb, run.cfg.seed, epoch)}
+    return run.plan[epoch][k]
+
+
+def micro_batch(run: Run, batch: list[int], rank: int, m: int) -> list[int]:
+    """Rank `rank`'s accumulation micro-batch `m` of a global batch."""
+    return batch[(m * run.world + rank) * run.cfg.batch_size:][:run.cfg.batch_size]
+
+
 def accumulate(run: Run, step: int) -> tuple[torch.Tensor, int]:
     """The forward and backward passes of global batch `step`, gradients summed into `.grad`;
     returns the all-reduced stats [3, k] and the target tokens of the global batch."""
     cfg = run.cfg
-    epoch, k = divmod(step, run.per_epoch)
-    if epoch not in run.plan:
-        gb = cfg.batch_size * run.world * cfg.grad_accum
-        run.plan = {epoch: epoch_batches([len(s.input_ids) for s in run.train], gb, cfg.seed, epoch)}
-    batch = run.plan[epoch][k]
+    batch = global_batch(run, step)
     norm = sum(run.train[i].step_counts(cfg.ttt_steps) for i in batch).clamp_min(1).to(run.device) / run.world
     stats = torch.zeros(3, cfg.ttt_steps, device=run.device)
     for m in range(cfg.grad_accum):
-        idx = batch[(m * run.world + run.rank) * cfg.batch_size:][:cfg.batch_size]
-        ids, mask, aux, probs, top = batch_tensors(run, [run.train[i] for i in idx], True)
+        mine = [run.train[i] for i in micro_batch(run, batch, run.rank, m)]
+        ids, mask, aux, probs, top = batch_tensors(run, mine, True)
         with grad_sync(run.model, m == cfg.grad_accum - 1), autocast(run):
             loss, s = run.model(ids, aux, probs, top, mask, norm)
         loss.backward()
@@ -528,61 +546,96 @@ def rank_max(x: torch.Tensor, device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the time budget
-def planned_seconds(steps: int, step_s: float, eval_s: float, eval_every: int | None) -> float:
+def planned_seconds(steps: int, step_s: float, eval_s: float, eval_every: int | None, first_s: float = 0.0,
+                    new_at: list[int] = ()) -> float:
     """Seconds `steps` optimizer steps take with their evals (every `eval_every` steps and at
-    the last; `eval_every` None: no eval)."""
-    return steps * step_s + (-(-steps // eval_every) * eval_s if eval_every else 0.0)
+    the last; `eval_every` None: no eval) and the one-time cost `first_s` of each new padded
+    length they meet (`new_at`: the steps meeting one, ascending, one entry per length)."""
+    evals = -(-steps // eval_every) * eval_s if eval_every else 0.0
+    return steps * step_s + bisect_left(new_at, steps) * first_s + evals
 
 
-def budget_steps(budget: float, spent: float, step_s: float, eval_s: float, eval_every: int | None) -> int:
+def budget_steps(budget: float, spent: float, step_s: float, eval_s: float, eval_every: int | None,
+                 first_s: float = 0.0, new_at: list[int] = ()) -> int:
     """The most optimizer steps whose `planned_seconds` fit in `budget` after `spent`; FledgeError
     if not even one does."""
     left = budget - spent
     most = int(left / max(step_s, 1e-9)) + 1
-    steps = bisect_right(range(most + 1), left, key=lambda n: planned_seconds(n, step_s, eval_s, eval_every)) - 1
+    cost = lambda n: planned_seconds(n, step_s, eval_s, eval_every, first_s, new_at)  # noqa: E731
+    steps = bisect_right(range(most + 1), left, key=cost) - 1
     if steps < 1:
-        need = spent + planned_seconds(1, step_s, eval_s, eval_every)
         raise FledgeError(f"--time-budget {budget:g}: no optimizer step fits (setting up and measuring took "
                           f"{spent:.1f} s, a step takes {step_s:.2g} s, an eval {eval_s:.2g} s): give at least "
-                          f"{math.ceil(need)} s")
+                          f"{math.ceil(spent + cost(1))} s")
     return steps
 
 
-def measure(run: Run, clock) -> tuple[float, float]:
-    """(seconds per optimizer step, seconds per eval) for a time budget's plan: global batch 0's
-    forward and backward once untimed (caches, compilation), then those of batches 1-3 timed,
-    then one eval timed. Gradients are dropped and RNG states put back, so the run goes on as if
-    none of it happened; the optimizer's own step is not timed (it is small beside the passes)."""
+def first_shapes(run: Run, steps) -> list[int]:
+    """Positions in `steps` (optimizer steps, in the order they run) at which a rank meets a
+    padded micro-batch length for the first time, one entry per length, as many as the rank
+    meeting most (ranks wait for each other). Stops early once every rank has met every length."""
+    cfg, lengths = run.cfg, [len(s.input_ids) for s in run.train]
+    pad = lambda n: -(-n // cfg.pad_multiple) * cfg.pad_multiple  # noqa: E731  as features.pad_batch pads
+    every = {pad(n) for n in lengths}
+    seen, out = [set() for _ in range(run.world)], []
+    for pos, step in enumerate(steps):
+        if all(s == every for s in seen):
+            break
+        batch, new = global_batch(run, step), 0
+        for r, s in enumerate(seen):
+            mine = {pad(max(lengths[i] for i in micro_batch(run, batch, r, m))) for m in range(cfg.grad_accum)}
+            new = max(new, len(mine - s))
+            s |= mine
+        out += [pos] * new
+    return out
+
+
+def measure(run: Run, clock) -> tuple[float, float, float, list[int]]:
+    """(seconds per warm step, one-time seconds of a new padded length, seconds per warm eval,
+    the steps the warm-up ran) for a time budget's plan (see the module doc): batch 0 untimed,
+    then each of three batches twice, then the eval twice. Gradients are dropped and RNG states
+    put back, so the run goes on as if none of it happened; the optimizer's own step is not
+    timed (it is small beside the passes)."""
     rng = (torch.get_rng_state(), random.getstate(),
            torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None)
-    times = []
-    for step in range(4):
-        t = clock()
-        accumulate(run, step % run.per_epoch)[0].cpu()  # the copy waits for the GPU
-        times.append(clock() - t)
-        run.opt.zero_grad(set_to_none=True)
-    t = clock()
-    if run.evals:
-        evaluate(run)
-    eval_s = clock() - t
+    fresh = [s for s in dict.fromkeys(first_shapes(run, range(run.per_epoch))) if s > 0]
+    warm = [0] + [s % run.per_epoch for s in (fresh + [1, 2, 3])[:3]]
+    new = first_shapes(run, warm)
+    reads = []
+    for i, step in enumerate(warm):
+        for _ in range(2 if i else 1):
+            accumulate(run, step)[0].cpu()  # the copy waits for the GPU
+            run.opt.zero_grad(set_to_none=True)
+            reads.append(clock())
+    for _ in range(2):
+        if run.evals:
+            evaluate(run)
+        reads.append(clock())
+    took = [b - a for a, b in zip(reads, reads[1:])]  # batch 1 cold, warm, ..., batch 3 warm, eval cold, warm
+    step_s = sum(took[1:6:2]) / 3
+    first = sum(c - w for i, (c, w) in enumerate(zip(took[0:6:2], took[1:6:2]), 1) if i in new)
+    first_s = max(0.0, first / max(1, len(new) - new.count(0)))
     torch.set_rng_state(rng[0])
     random.setstate(rng[1])
     if rng[2] is not None:
         torch.cuda.set_rng_state_all(rng[2])
-    step_s, eval_s = rank_max(torch.tensor([sum(times[1:]) / 3, eval_s], dtype=torch.float64), run.device).tolist()
-    return step_s, eval_s
+    figures = rank_max(torch.tensor([step_s, first_s, took[-1]], dtype=torch.float64), run.device).tolist()
+    return *figures, warm
 
 
 def plan_budget(run: Run, begun: float, clock) -> dict:
     """The `plan` record of a time-budget run: its step count and what it was planned from.
     Every rank plans from the slowest rank's figures, so all plan the same count."""
-    step_s, eval_s = measure(run, clock)
+    step_s, first_s, eval_s, warm = measure(run, clock)
+    horizon = int(run.cfg.time_budget / max(step_s, 1e-9)) + 1  # no plan gets further
+    new_at = [p - len(warm) for p in first_shapes(run, warm + list(range(horizon))) if p >= len(warm)]
     spent = float(rank_max(torch.tensor([clock() - begun], dtype=torch.float64), run.device))
     eval_every = run.cfg.eval_every if run.evals else None
-    steps = budget_steps(run.cfg.time_budget, spent, step_s, eval_s, eval_every)
+    steps = budget_steps(run.cfg.time_budget, spent, step_s, eval_s, eval_every, first_s, new_at)
     return {"kind": "plan", "step": 0, "time_budget": run.cfg.time_budget, "total_steps": steps,
-            "seconds_per_step": step_s, "seconds_per_eval": eval_s if eval_every else None, "spent_s": spent,
-            "planned_s": spent + planned_seconds(steps, step_s, eval_s, eval_every)}
+            "seconds_per_step": step_s, "seconds_per_new_shape": first_s, "new_shapes": bisect_left(new_at, steps),
+            "seconds_per_eval": eval_s if eval_every else None, "spent_s": spent,
+            "planned_s": spent + planned_seconds(steps, step_s, eval_s, eval_every, first_s, new_at)}
 
 
 # --------------------------------------------------------------------------- logging
@@ -657,8 +710,9 @@ def train(cfg: TrainConfig, target, clock=time.monotonic, begun: float | None = 
         atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in history))
         if plan:
             print(f"fledge train: {plan['total_steps']} steps fit the time budget of {cfg.time_budget:g} s "
-                  f"({plan['seconds_per_step']:.3g} s a step; {plan['spent_s']:.1f} s spent setting up and "
-                  "measuring)", file=sys.stderr)
+                  f"({plan['seconds_per_step']:.3g} s a step, {plan['seconds_per_new_shape']:.2g} s once for each of "
+                  f"{plan['new_shapes']} new batch lengths; {plan['spent_s']:.1f} s spent setting up and measuring)",
+                  file=sys.stderr)
     last = {}
     t0, tokens, window = time.perf_counter(), 0, torch.zeros(3, cfg.ttt_steps)
     # The bar closes however the loop ends, so an error's one line starts a line of its own.
