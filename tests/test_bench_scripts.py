@@ -223,3 +223,18 @@ def test_peer_compare_report_spells_paths_portably():
                                  "me": sys.executable, "peer": "/opt/w/bin/python", "n": 3}, "/opt/w/bin/python", "/srv/run")
     assert got == {"a": ["WORKDIR/tok/t.jsonl"], "g": "M.Q4_1.gguf", "p": "python", "me": "python",
                    "peer": "PEER_PYTHON", "n": 3}
+
+
+def test_peer_compare_measures_named_drafter_directories(tmp_path):
+    """measure --drafters: NAME=DIR is taken as given, a bare NAME must be a drafter trained in
+    the workdir, and an empty workdir with no --drafters is refused in one line."""
+    import peer_compare
+    from fledge.util import FledgeError
+
+    (tmp_path / "train-fledge.json").write_text(json.dumps({"name": "fledge", "trainer": "fledge", "drafter": "/w/d"}))
+    assert peer_compare.drafter_dirs(["old=/x/a", "fledge"], tmp_path) == {"old": "/x/a", "fledge": "/w/d"}
+    assert peer_compare.drafter_dirs(None, tmp_path) == {"fledge": "/w/d"}
+    with pytest.raises(FledgeError, match="not trained in"):
+        peer_compare.drafter_dirs(["speculators"], tmp_path)
+    with pytest.raises(FledgeError, match="NAME=DIR"):
+        peer_compare.drafter_dirs(None, tmp_path / "empty")
