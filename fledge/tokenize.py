@@ -52,7 +52,8 @@ import jinja2
 from tqdm import tqdm
 
 from fledge.catalog import HELDOUT_SUFFIX
-from fledge.util import FledgeError, atomic_dir, atomic_write_json, check_no_overlap, read_jsonl
+from fledge.util import (FledgeError, atomic_dir, atomic_write_json, atomic_write_text, check_no_overlap, keeping,
+                         read_jsonl)
 
 SETS = ("train", "heldout")
 
@@ -157,20 +158,15 @@ def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict
     is written only when every conversation is done.
     """
     out_path = Path(out_path)
-    try:
+    with keeping(out_path, f"the finished part is kept in {out_path.name}.partial, a rerun continues it"):
         return _build_training_set(tokenizer, conversations_path, out_path, max_len)
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror or e}; the finished part is kept in {out_path.name}.partial, "
-                      f"a rerun continues it", str(out_path)) from None
 
 
 def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) -> dict:
     partial = out_path.with_name(out_path.name + ".partial")
     done = [rec for _, rec in read_jsonl(partial, on_bad=lambda *_: None)] if partial.exists() else []
     if partial.exists():  # rewrite without a torn last line before appending to it
-        tmp = partial.with_name(partial.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
-        os.replace(tmp, partial)
+        atomic_write_text(partial, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
     done_ids = {r["id"] for r in done}
     convs = [rec for _, rec in read_jsonl(conversations_path)]
     todo = [c for c in convs if c["id"] not in done_ids]

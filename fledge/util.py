@@ -40,6 +40,16 @@ def naming(path: str | os.PathLike, force: bool = False):
         raise type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path)) from None
 
 
+@contextlib.contextmanager
+def keeping(path: str | os.PathLike, kept: str):
+    """Re-raise an OSError from the block naming `path` (the output the user knows, not a
+    temporary file) and saying what is `kept`."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e}; {kept}", str(path)) from None
+
+
 def write_file(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` and fsync it (a plain write, for files inside an `atomic_dir`)."""
     with naming(path), open(path, "wb") as f:
@@ -224,6 +234,14 @@ def read_jsonl(path: str | os.PathLike, on_bad=None):
                 if on_bad is None:
                     raise FledgeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
                 on_bad(lineno, e)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def print_table(rows: list[list]) -> None:
