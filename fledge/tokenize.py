@@ -36,7 +36,6 @@ trailing user turns and scaffolding after the last trained token are not kept.
 from __future__ import annotations
 
 import concurrent.futures
-import gzip
 import hashlib
 import json
 import multiprocessing
@@ -217,25 +216,15 @@ def is_heldout(record: dict) -> bool:
 
 
 def read_lines(path: Path) -> list[tuple[str, dict]]:
-    """(line, record) of a conversations JSONL, .gz or plain. Lines are split at "\\n" only:
-    JSON strings may hold U+2028 and other breaks that str.splitlines() would cut at."""
-    opener = gzip.open if path.suffix == ".gz" else open
+    """(line, record) of a conversations JSONL, .gz or plain."""
+    rows = []
     try:
-        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
-            text = f.read()
+        for lineno, rec in read_jsonl(path):
+            if not isinstance(rec, dict) or "id" not in rec or "messages" not in rec:
+                raise FledgeError(f"{path}:{lineno}: not a conversation (needs `id` and `messages`)")
+            rows.append((json.dumps(rec, ensure_ascii=False) + "\n", rec))
     except (OSError, EOFError) as e:
         raise FledgeError(f"{path}: cannot read ({e})") from None
-    rows = []
-    for lineno, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise FledgeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict) or "id" not in rec or "messages" not in rec:
-            raise FledgeError(f"{path}:{lineno}: not a conversation (needs `id` and `messages`)")
-        rows.append((line + "\n", rec))
     return rows
 
 

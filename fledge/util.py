@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import gzip
 import hashlib
 import json
 import os
@@ -222,9 +223,10 @@ def append_jsonl(f, record: dict) -> None:
 
 
 def read_jsonl(path: str | os.PathLike, on_bad=None):
-    """Yield (line_number, record). A malformed line is passed to `on_bad(lineno, err)` and
-    skipped; with no handler it raises a FledgeError naming the file and line."""
-    with open(path, encoding="utf-8") as f:
+    """Yield (line_number, record) of a JSONL file, plain or .gz. A malformed line is passed to
+    `on_bad(lineno, err)` and skipped; with no handler it raises a FledgeError naming the file
+    and line."""
+    with (gzip.open if Path(path).suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
