@@ -304,15 +304,12 @@ def check_prep_args(args) -> None:
 
 
 def _write_split(out: Path, train, held, summary, overwrite: bool) -> None:
-    try:
-        with atomic_dir(out, overwrite=overwrite) as tmp:
-            for name, recs in (("train", train), ("heldout", held)):
-                (tmp / f"{name}.jsonl").write_text(
-                    "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
-            atomic_write_json(tmp / "summary.json", summary)
-    except OSError as e:
-        kept = "the previous folder is left as it was" if out.exists() else "nothing was written"
-        raise OSError(e.errno, f"{e.strerror or e}; {kept}", str(out)) from None
+    kept = "the previous folder is left as it was" if out.exists() else "nothing was written"
+    with keeping(out, kept), atomic_dir(out, overwrite=overwrite) as tmp:
+        for name, recs in (("train", train), ("heldout", held)):
+            (tmp / f"{name}.jsonl").write_text(
+                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+        atomic_write_json(tmp / "summary.json", summary)
 
 
 def run_prep(args) -> int:
