@@ -42,7 +42,11 @@ from fledge.util import FledgeError
 
 
 def max_nodes(num_steps: int, topk: int) -> int:
-    """The nodes of a full tree, root included: topk at depth 1, topk^2 at each depth after."""
+    """The nodes of a full tree, root included: topk at depth 1, topk^2 at each depth after.
+
+    Also SGLang's largest useful --speculative-num-draft-tokens: step 0 proposes topk children
+    of the root, each later step expands the topk kept beams by topk each, and the verify set
+    is the root plus the best num_draft_tokens - 1 of those candidates. A chain: steps + 1."""
     return 1 + topk + (num_steps - 1) * topk ** 2
 
 

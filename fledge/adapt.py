@@ -198,7 +198,7 @@ def adapt(cfg: AdaptConfig, target) -> dict:
         print(f"fledge adapt: warning: {w}", file=sys.stderr)
     draft, report = adapt_draft(old, model, ids)
     report["vocab"].update(vocab_note)
-    archs = list(getattr(model.config, "architectures", None) or [])
+    archs = list(model.config.architectures or [])
     draft.cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
     # Deterministic, so a rerun (resuming the fine-tune) rewrites it identically.
     export_checkpoint(draft, out / "init", dtype=torch.float32, overwrite=True)

@@ -87,12 +87,17 @@ def measure(url: str, metrics: str, levels, requests: int, max_tokens: int, time
 FREE = ("hbm_gbs", "tflops", "host_ms", "forward_ms", "launch_us", "round_host_ms")
 
 
-def _hardware(base: str, tp: int, link: str, graphs: bool, x: dict) -> hwmodel.Hardware:
+def _overrides(x: dict) -> dict:
+    """The fitted constants as `hwmodel.hardware` overrides: effective figures, efficiencies 1."""
     tf = x["tflops"]
-    return hwmodel.hardware(base, tp, link, cuda_graphs=graphs, hbm_gbs=x["hbm_gbs"],
-                            tflops={"bf16": tf, "fp16": tf, "fp8": tf, "fp32": tf}, host_ms=x["host_ms"],
-                            forward_ms=x["forward_ms"], launch_us=x["launch_us"], graph_launch_us=x["launch_us"], round_host_ms=x["round_host_ms"],
-                            bw_efficiency=1.0, flops_efficiency=1.0)
+    return {"hbm_gbs": x["hbm_gbs"], "tflops": {"bf16": tf, "fp16": tf, "fp8": tf, "fp32": tf},
+            "host_ms": x["host_ms"], "forward_ms": x["forward_ms"], "launch_us": x["launch_us"],
+            "graph_launch_us": x["launch_us"], "round_host_ms": x["round_host_ms"],
+            "bw_efficiency": 1.0, "flops_efficiency": 1.0}
+
+
+def _hardware(base: str, tp: int, link: str, graphs: bool, x: dict) -> hwmodel.Hardware:
+    return hwmodel.hardware(base, tp, link, cuda_graphs=graphs, **_overrides(x))
 
 
 def predict_point(p: dict, target, drafter, hw: hwmodel.Hardware, context: int) -> float:
@@ -180,14 +185,9 @@ def cmd_calibrate(args) -> int:
         p["predicted_ms_per_token"] = predict_point(p, target, drafter, hw, args.context)
         p["error_percent"] = 100 * (p["predicted_ms_per_token"] / p["ms_per_token"] - 1)
     errs = [abs(p["error_percent"]) for p in points]
-    tf = x["tflops"]
     profile = {"kind": "fledge tune calibrate profile", "model": args.model, "context": args.context, "points": points,
                "hardware": {"gpu": args.gpu, "tp": tp, "interconnect": link, "cuda_graphs": graphs,
-                            "overrides": {"hbm_gbs": x["hbm_gbs"], "tflops": {"bf16": tf, "fp16": tf, "fp8": tf, "fp32": tf},
-                                          "host_ms": x["host_ms"], "forward_ms": x["forward_ms"],
-                                          "launch_us": x["launch_us"],
-                                          "graph_launch_us": x["launch_us"], "round_host_ms": x["round_host_ms"],
-                                          "bw_efficiency": 1.0, "flops_efficiency": 1.0}},
+                            "overrides": _overrides(x)},
                "fit": {"mean_abs_error_percent": sum(errs) / len(errs), "max_abs_error_percent": max(errs),
                        "constants": x, "hardware": asdict(hw)}}
     ranks = chain_ranks(points)
@@ -199,7 +199,7 @@ def cmd_calibrate(args) -> int:
     for p in points:
         print(f"{p['url'][:31]:<32}{p['concurrency']:>5}{p['k']:>3}{p['accept_length']:>8.2f}{p['ms_per_token']:>10.2f}"
               f"{p['predicted_ms_per_token']:>9.2f}{p['error_percent']:>+7.1f}%")
-    print(f"fitted: {x['hbm_gbs']:.1f} GB/s, {tf:.3f} TFLOP/s, host {x['host_ms']:.2f} ms a step, "
+    print(f"fitted: {x['hbm_gbs']:.1f} GB/s, {x['tflops']:.3f} TFLOP/s, host {x['host_ms']:.2f} ms a step, "
           f"{x['forward_ms']:.2f} ms a forward, {x['launch_us']:.1f} us a kernel, round extra {x['round_host_ms']:.2f} ms; mean |error| "
           f"{profile['fit']['mean_abs_error_percent']:.1f}%, max {profile['fit']['max_abs_error_percent']:.1f}%")
     print(f"wrote {out}: `fledge tune --model {args.model} --profile {out} ...` reads it"

@@ -188,15 +188,9 @@ def validate_checkpoint(path, target_layers: int | None = None) -> list[str]:
     return _inspect(path, target_layers)[1]
 
 
-def _hf_model(model_or_target):
-    """An HF causal LM, given one or a fledge Target."""
-    return model_or_target if hasattr(model_or_target, "get_input_embeddings") else model_or_target.model
-
-
 def _load(path, target_layers=None, embed_from=None) -> tuple[Eagle3Draft, _Read]:
     if target_layers is None and embed_from is not None:
-        tcfg = _hf_model(embed_from).config
-        target_layers = (getattr(tcfg, "text_config", None) or tcfg).num_hidden_layers
+        target_layers = embed_from.config.get_text_config().num_hidden_layers
     r, problems = _inspect(path, target_layers)
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
@@ -210,7 +204,7 @@ def _load(path, target_layers=None, embed_from=None) -> tuple[Eagle3Draft, _Read
                 # NaN, not random: a drafter run without the target's embeddings must fail loudly.
                 draft.embed_tokens.weight.fill_(float("nan"))
             else:
-                emb = _hf_model(embed_from).get_input_embeddings().weight
+                emb = embed_from.get_input_embeddings().weight
                 if tuple(emb.shape) != tuple(draft.embed_tokens.weight.shape):
                     raise FledgeError(f"target embeddings {list(emb.shape)} do not fit the drafter "
                                       f"{list(draft.embed_tokens.weight.shape)}")
@@ -220,8 +214,8 @@ def _load(path, target_layers=None, embed_from=None) -> tuple[Eagle3Draft, _Read
 
 def load_checkpoint(path, target_layers: int | None = None, embed_from=None) -> Eagle3Draft:
     """An Eagle3Draft from any supported layout (fp32 weights). A checkpoint without
-    `embed_tokens` gets `embed_from`'s (an HF model or a fledge Target; it also supplies the
-    target's layer count), else NaN embeddings that make any forward visibly wrong.
+    `embed_tokens` gets `embed_from`'s (an HF model; it also supplies the target's layer
+    count), else NaN embeddings that make any forward visibly wrong.
     Raises FledgeError naming the first problem `validate_checkpoint` finds."""
     return _load(path, target_layers, embed_from)[0]
 
@@ -288,7 +282,7 @@ def export_checkpoint(draft: Eagle3Draft, out_dir, layout="eagle3", dtype=torch.
 
 # --------------------------------------------------------------------------- CLI
 def _target_layers_arg(args) -> int | None:
-    if getattr(args, "target_config", None):
+    if args.target_config:
         p = Path(args.target_config)
         p = p / "config.json" if p.is_dir() else p
         try:
@@ -309,7 +303,7 @@ def _summary(out: Path, layout: str, draft: Eagle3Draft) -> None:
           f"(canonical), draft vocab {c.draft_vocab_size}/{c.vocab_size}")
 
 
-def _target_arg(args):
+def _target(args):
     if not args.target:
         return None
     from fledge.target import load_target  # pulls in model code; only needed when a target is named
@@ -324,7 +318,8 @@ def _check_out(args) -> None:
 
 def run_export(args) -> int:
     _check_out(args)
-    draft, _ = _load(args.src, _target_layers_arg(args), embed_from=_target_arg(args))
+    target = _target(args)
+    draft, _ = _load(args.src, _target_layers_arg(args), embed_from=target and target.model)
     out = export_checkpoint(draft, args.out, layout=args.layout, dtype=parse_dtype(args.dtype),
                             shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
                             verifier=args.verifier, overwrite=args.overwrite)
@@ -335,7 +330,8 @@ def run_export(args) -> int:
 def run_import(args) -> int:
     """Into fledge's own (eagle3) layout, keeping the source's dtype, and its embeddings if it has them."""
     _check_out(args)
-    draft, r = _load(args.src, _target_layers_arg(args), embed_from=_target_arg(args))
+    target = _target(args)
+    draft, r = _load(args.src, _target_layers_arg(args), embed_from=target and target.model)
     out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(r.cfg.torch_dtype),
                             with_embed="embed_tokens.weight" in r.tensors, overwrite=args.overwrite)
     print(f"read {args.src} ({r.layout} layout)")
@@ -345,9 +341,9 @@ def run_import(args) -> int:
 
 def run_init_draft(args) -> int:
     check_no_overlap(args.out, {"--target": args.target if Path(args.target).exists() else None})
-    target = _target_arg(args)
+    target = _target(args)
     cfg = DraftConfig.from_target(target.model.config, draft_vocab_size=args.draft_vocab)
-    archs = list(getattr(target.model.config, "architectures", None) or [])
+    archs = list(target.model.config.architectures or [])
     cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
     draft = Eagle3Draft.from_target(cfg, target.model)
     out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(args.dtype), overwrite=args.overwrite)

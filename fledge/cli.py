@@ -22,28 +22,8 @@ import errno
 import os
 import sys
 
-from fledge.cli_args import (add_adapt, add_bench, add_checkpoint, add_demo, add_doctor, add_features, add_generate,
-                              add_prep, add_regen, add_target, add_tokenize, add_train, add_tune, add_vocab)
+from fledge.cli_args import COMMANDS
 from fledge.util import FledgeError
-
-
-# Subcommands in pipeline order, each a function adding its parser(s) (fledge.cli_args).
-COMMANDS = [
-    add_target,
-    add_prep,
-    add_regen,
-    add_tokenize,
-    add_vocab,
-    add_features,
-    add_train,
-    add_checkpoint,
-    add_doctor,
-    add_demo,
-    add_generate,
-    add_bench,
-    add_tune,
-    add_adapt,
-]
 
 
 def build_parser() -> argparse.ArgumentParser:

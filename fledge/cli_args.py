@@ -218,13 +218,6 @@ def add_checkpoint(sub) -> None:
     p.set_defaults(func=handler("fledge.checkpoint:run_init_draft"))
 
 
-def add_spec_args(p) -> None:
-    p.add_argument("--num-steps", type=int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
-    p.add_argument("--topk", type=int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="tree nodes verified per round, root included (default num-steps+1 for a chain)")
-
-
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate with the engine: AR, or speculative with a drafter / oracle / n-gram")
     p.add_argument("--target", required=True, help="built-in name, GGUF file or HF directory")
@@ -232,7 +225,10 @@ def add_generate(sub) -> None:
     src.add_argument("--drafter", help="EAGLE-3 checkpoint directory")
     src.add_argument("--oracle", action="store_true", help="draft the target's own greedy continuation (the ceiling)")
     src.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
-    add_spec_args(p)
+    p.add_argument("--num-steps", type=int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
+    p.add_argument("--topk", type=int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="tree nodes verified per round, root included (default num-steps+1 for a chain)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -389,3 +385,8 @@ def add_tune(sub) -> None:
     p.add_argument("--json", help="write the predictions here")
     p.add_argument("--png", help="plot speed-up by shape (and by concurrency) here")
     p.set_defaults(func=handler("fledge.tune:run_tune"))
+
+
+# Subcommands in pipeline order, each a function adding its parser(s).
+COMMANDS = [add_target, add_prep, add_regen, add_tokenize, add_vocab, add_features, add_train, add_checkpoint,
+            add_doctor, add_demo, add_generate, add_bench, add_tune, add_adapt]

@@ -121,6 +121,20 @@ def t2d_from_target_ids(target_ids: torch.Tensor, target_vocab: int) -> torch.Te
     return mask
 
 
+def diff_vocab(a_target_ids, b_target_ids) -> dict:
+    """How two draft vocabs (their target ids) differ: d2t entries that differ position by
+    position (what the K2 vs K2.5 comparison counted) and the overlap of the target-id sets."""
+    import numpy as np
+
+    a, b = (np.asarray(x, dtype=np.int64).ravel() for x in (a_target_ids, b_target_ids))
+    n = min(a.size, b.size)
+    sa, sb = set(a.tolist()), set(b.tolist())
+    both = len(sa & sb)
+    return {"size_a": a.size, "size_b": b.size, "entries_differ": int((a[:n] != b[:n]).sum()) + abs(a.size - b.size),
+            "overlap": both, "only_a": len(sa - sb), "only_b": len(sb - sa),
+            "overlap_share_a": both / max(len(sa), 1), "jaccard": both / max(len(sa | sb), 1)}
+
+
 # --------------------------------------------------------------------------- acceptance
 def accept_length(accepted_draft_tokens: int, verify_steps: int) -> float:
     """SGLang's accept length: (accepted draft tokens + one bonus token) per verify step.

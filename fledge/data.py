@@ -18,8 +18,8 @@ from pathlib import Path
 
 from fledge.catalog import DATASETS, FORMATS
 from fledge.tokenize import build_training_set, load_tokenizer, render_sample, tokenize_with_status
-from fledge.util import (FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, print_table,
-                         read_jsonl, wheel_member)
+from fledge.util import (FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, keeping,
+                         print_table, read_jsonl, wheel_member)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
@@ -304,15 +304,12 @@ def check_prep_args(args) -> None:
 
 
 def _write_split(out: Path, train, held, summary, overwrite: bool) -> None:
-    try:
-        with atomic_dir(out, overwrite=overwrite) as tmp:
-            for name, recs in (("train", train), ("heldout", held)):
-                (tmp / f"{name}.jsonl").write_text(
-                    "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
-            atomic_write_json(tmp / "summary.json", summary)
-    except OSError as e:
-        kept = "the previous folder is left as it was" if out.exists() else "nothing was written"
-        raise OSError(e.errno, f"{e.strerror or e}; {kept}", str(out)) from None
+    kept = "the previous folder is left as it was" if out.exists() else "nothing was written"
+    with keeping(out, kept), atomic_dir(out, overwrite=overwrite) as tmp:
+        for name, recs in (("train", train), ("heldout", held)):
+            (tmp / f"{name}.jsonl").write_text(
+                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+        atomic_write_json(tmp / "summary.json", summary)
 
 
 def run_prep(args) -> int:
@@ -340,10 +337,8 @@ def run_prep(args) -> int:
         for name in ("train", "heldout"):
             summary[f"tokenized_{name}"] = build_training_set(
                 tok, out / f"{name}.jsonl", out / f"{name}.tok.jsonl", args.max_len)
-        try:
+        with keeping(out / "summary.json", "the previous one is kept"):
             atomic_write_json(out / "summary.json", summary)
-        except OSError as e:
-            raise OSError(e.errno, f"{e.strerror or e}; the previous one is kept", str(out / "summary.json")) from None
         keys = sorted({k for n in ("train", "heldout") for k in summary[f"tokenized_{n}"]})
         print_table([["tokenized", "train", "heldout"]] +
                     [[k, summary["tokenized_train"].get(k, 0), summary["tokenized_heldout"].get(k, 0)] for k in keys])

@@ -42,7 +42,7 @@ def _step(rows: list, name: str, t0: float, what: str) -> float:
     return now
 
 
-def _compare(target_spec, drafter_dir, prompts, tok, model, new_tokens):
+def _compare(drafter_dir, prompts, tok, model, new_tokens):
     """Greedy AR vs EAGLE-3 chain vs n-gram on the same prompts, one engine, fp32."""
     engine = build_engine_target(model, torch.float32, "cpu")
     params, eos = SamplingParams(max_new_tokens=new_tokens), eos_ids(tok, model.generation_config)
@@ -119,7 +119,7 @@ def run_demo(args) -> int:
     shipped = SHIPPED / args.target
     drafter_dir = shipped if (shipped / "config.json").exists() else exported
     prompts = [encode_chat(target.tokenizer, c["messages"]) for c in held]
-    cmp, same = _compare(args.target, str(drafter_dir), prompts, target.tokenizer, target.model, args.new_tokens)
+    cmp, same = _compare(str(drafter_dir), prompts, target.tokenizer, target.model, args.new_tokens)
     ar_tps = cmp["AR"][0] / cmp["AR"][1]
     print(f"\nspeed on this CPU (fp32, batch 1, {len(prompts)} held-out prompts, {args.new_tokens} new tokens, "
           f"drafter: {'shipped ' + str(shipped) if drafter_dir == shipped else 'the miniature one just trained'})")

@@ -24,7 +24,7 @@ import numpy as np
 from fledge.catalog import BUILTINS
 from fledge.checks import Check, DraftFacts, draft_facts, fail, ok, report, warn
 from fledge.config import DraftConfig
-from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, rope_fields, target_ids_from_d2t
+from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, diff_vocab, rope_fields, target_ids_from_d2t
 from fledge.layout import aux_ids_of, canonical_name, checkpoint_keys, draft_config_from_json
 from fledge.lint import launch_checks
 from fledge.util import FledgeError
@@ -419,12 +419,10 @@ def against_check(drafter, other) -> Check:
         except Exception as e:
             return warn("against", f"{p}: invalid d2t ({e})")
     a, b = maps
-    n = min(a.size, b.size)
-    differ = int((a[:n] != b[:n]).sum()) + abs(a.size - b.size)
-    shared = len(set(a.tolist()) & set(b.tolist()))
-    why = (f"{differ:,} of {max(a.size, b.size):,} d2t entries differ; the target-id sets share {shared:,} "
-           f"({shared / max(1, a.size):.1%} of this drafter's {a.size:,})")
-    if differ:
+    d = diff_vocab(a, b)
+    why = (f"{d['entries_differ']:,} of {max(a.size, b.size):,} d2t entries differ; the target-id sets share "
+           f"{d['overlap']:,} ({d['overlap'] / max(1, a.size):.1%} of this drafter's {a.size:,})")
+    if d["entries_differ"]:
         return warn("against", why, "expected across target versions; retarget with `fledge adapt` rather than reuse")
     return ok("against", why)
 

@@ -14,7 +14,6 @@ training see identical numbers when the shards hold fp32.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ from tqdm import tqdm
 
 from fledge.conventions import default_aux_layer_ids, validate_aux_layer_ids
 from fledge.target import capture, load_target
-from fledge.util import FledgeError, atomic_write_bytes, atomic_write_json, parse_dtype, pick_device, read_jsonl
+from fledge.util import (FledgeError, atomic_write_bytes, atomic_write_json, parse_dtype, pick_device, read_jsonl,
+                         sha256_file)
 
 
 # --------------------------------------------------------------------------- samples
@@ -60,14 +60,6 @@ def load_samples(path, max_len: int, vocab_size: int) -> list[Sample]:
     if not samples:
         raise FledgeError(f"{path}: no sample has a loss-masked token after position 1 (max_len {max_len})")
     return samples
-
-
-def file_digest(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
 
 
 def pad_batch(samples: list[Sample], multiple: int = 1):
@@ -240,7 +232,7 @@ class FeatureStore:
 
 def features_meta(target_name: str, data_path, max_len: int) -> dict:
     """What makes two feature directories interchangeable: the target, the data, the cut."""
-    return {"target": target_name, "data_sha": file_digest(data_path), "max_len": max_len}
+    return {"target": target_name, "data_sha": sha256_file(data_path)[:16], "max_len": max_len}
 
 
 def run_features(args) -> int:

@@ -66,11 +66,6 @@ def aux_ids_from_serving(ids, num_layers: int) -> tuple[int, int, int]:
     return aux_ids_from_sglang(ids, num_layers)
 
 
-def _specforge_default_aux(num_layers: int) -> tuple[int, int, int]:
-    # SpecForge writes no ids and captures its default, "outputs of layers [1, N//2-1, N-4]".
-    return aux_ids_from_sglang([1, num_layers // 2 - 1, num_layers - 4], num_layers)
-
-
 # --------------------------------------------------------------------------- config.json
 def detect_layout(cj: dict) -> str | None:
     if cj.get("speculators_model_type") is not None:
@@ -95,8 +90,8 @@ def aux_ids_of(top, nested, n: int) -> tuple[int, int, int]:
     """Canonical ids from a config's top-level list (canonical, what vLLM reads) and its
     eagle_config list (the serving spelling, what SGLang reads), which must name the same
     layers; SpecForge's default when neither is written."""
-    if nested is None:
-        return validate_aux_layer_ids(top, n) if top else _specforge_default_aux(n)
+    if nested is None:  # SpecForge writes no ids and captures its default, "outputs of layers [1, N//2-1, N-4]"
+        return validate_aux_layer_ids(top, n) if top else aux_ids_from_sglang([1, n // 2 - 1, n - 4], n)
     from_nested = aux_ids_from_serving(nested, n)
     if top and tuple(validate_aux_layer_ids(top, n)) != from_nested:
         raise FledgeError(f"aux ids disagree: top-level {list(top)} (vLLM reads) vs eagle_config {list(nested)} "

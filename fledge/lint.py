@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from fledge.acceptance import max_nodes as sglang_tree_bound  # SGLang's verify-set bound (see max_nodes)
 from fledge.checks import Check, DraftFacts, fail, ok, warn
 
 # Deeper than the training-time-test unroll (7 in SpecForge/EAGLE), extra draft tokens are
@@ -94,18 +95,6 @@ def _path_check(name: str, given: str | None, drafter: Path, flag: str) -> Check
     if p.resolve() != drafter.resolve():
         return fail(name, f"{flag} {given} is not the drafter checked here ({drafter})", f"use {flag} {drafter}")
     return ok(name, f"{flag} is the checked drafter")
-
-
-def sglang_tree_bound(steps: int, topk: int) -> int:
-    """Largest useful --speculative-num-draft-tokens for SGLang's EAGLE tree.
-
-    Step 0 proposes `topk` children of the root; each later step expands the `topk` kept
-    beams by `topk` each, adding topk² scored candidates. The verify set is the root plus the
-    best (num_draft_tokens − 1) of all topk + (steps − 1)·topk² candidates (a torch.topk over
-    them), so num_draft_tokens ≤ 1 + topk + (steps − 1)·topk². For a chain (topk = 1) this is
-    steps + 1, the value SGLang forces.
-    """
-    return 1 + topk + (steps - 1) * topk * topk
 
 
 def _sglang_steps(o: dict) -> Check:

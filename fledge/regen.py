@@ -40,7 +40,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from fledge.openai_client import Client, ServerError, with_retries
-from fledge.util import FledgeError, append_jsonl, atomic_write_json, check_no_overlap, parse_dtype, read_jsonl
+from fledge.util import (FledgeError, append_jsonl, atomic_write_json, check_no_overlap, keeping, parse_dtype,
+                         read_jsonl)
 
 
 @dataclass
@@ -353,9 +354,7 @@ def _read_done(out: Path) -> set[str]:
     return have
 
 
-def _cannot_write(path: Path, e: OSError) -> OSError:
-    """The OS error, naming the output (not a temporary file) and what is kept."""
-    return OSError(e.errno, f"{e.strerror or e}; the samples already written are kept, a rerun resumes", str(path))
+_KEPT = "the samples already written are kept, a rerun resumes"  # what a failed write leaves
 
 
 def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend, cfg: RegenConfig,
@@ -369,14 +368,12 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
         raise FledgeError(f"{conversations}: no conversations")
     todo = [Sample(f"{c['id']}#{k}" if cfg.n > 1 else str(c["id"]), c.get("source", ""), list(c["messages"]))
             for c in convs for k in range(cfg.n)]
-    try:
+    with keeping(out, _KEPT):
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             _repair_tail(out)
         have = _read_done(out) if out.exists() else set()
         f = open(out, "a", encoding="utf-8")
-    except OSError as e:
-        raise _cannot_write(out, e) from None
     pending = [s for s in todo if s.id not in have]
     counts = {"total": len(todo), "already_done": len(todo) - len(pending), "written": 0, "failed": 0,
               "skipped_no_turn": 0, "skipped_context": 0, "finish": {}}
@@ -408,20 +405,16 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
                 counts["finish"][s.finish] = counts["finish"].get(s.finish, 0) + 1
                 while s.done[-1]["role"] != "assistant":  # an unanswered user turn trains nothing
                     s.done.pop()
-                try:
+                with keeping(out, _KEPT):
                     append_jsonl(f, {"id": s.id, "source": s.source, "messages": s.done, "finish": s.finish})
-                except OSError as e:
-                    raise _cannot_write(out, e) from None
                 counts["written"] += 1
     counts["seconds"] = round(time.time() - t0, 1)
     if isinstance(backend, ServerBackend):
         counts["request_errors"] = dict(backend.failures)
     counts["failed_samples"] = failed_ids
     summary = out.with_suffix(".summary.json")
-    try:
+    with keeping(summary, _KEPT):
         atomic_write_json(summary, counts)
-    except OSError as e:
-        raise _cannot_write(summary, e) from None
     return counts
 
 

@@ -21,7 +21,7 @@ import transformers
 
 from fledge.catalog import BUILTINS, Builtin
 from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, validate_aux_layer_ids
-from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, wheel_member
+from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, sha256_file, wheel_member
 
 GGUF_MAGIC = b"GGUF"
 
@@ -96,14 +96,6 @@ def _gguf_cache_key(path: Path) -> str:
     return f"{path.stem}-{key}"
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @contextlib.contextmanager
 def _lock(path: Path):
     """Exclusive lock so racing tests/CLI calls convert a GGUF once, the others then reuse it."""
@@ -122,7 +114,7 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, sha256: str | 
     with open(gguf, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise FledgeError(f"{gguf}: not a GGUF file (no GGUF magic bytes)")
-    if sha256 is not None and (digest := _sha256_file(gguf)) != sha256:
+    if sha256 is not None and (digest := sha256_file(gguf)) != sha256:
         raise FledgeError(f"{gguf}: sha256 {digest}, expected {sha256}")
     with _lock(out.with_name(f".{out.name}.lock")):
         if out.is_dir():  # another process converted it while we waited

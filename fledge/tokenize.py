@@ -36,7 +36,6 @@ trailing user turns and scaffolding after the last trained token are not kept.
 from __future__ import annotations
 
 import concurrent.futures
-import gzip
 import hashlib
 import json
 import multiprocessing
@@ -52,7 +51,8 @@ import jinja2
 from tqdm import tqdm
 
 from fledge.catalog import HELDOUT_SUFFIX
-from fledge.util import FledgeError, atomic_dir, atomic_write_json, check_no_overlap, read_jsonl
+from fledge.util import (FledgeError, atomic_dir, atomic_write_json, atomic_write_text, check_no_overlap, keeping,
+                         read_jsonl)
 
 SETS = ("train", "heldout")
 
@@ -157,20 +157,15 @@ def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict
     is written only when every conversation is done.
     """
     out_path = Path(out_path)
-    try:
+    with keeping(out_path, f"the finished part is kept in {out_path.name}.partial, a rerun continues it"):
         return _build_training_set(tokenizer, conversations_path, out_path, max_len)
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror or e}; the finished part is kept in {out_path.name}.partial, "
-                      f"a rerun continues it", str(out_path)) from None
 
 
 def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) -> dict:
     partial = out_path.with_name(out_path.name + ".partial")
     done = [rec for _, rec in read_jsonl(partial, on_bad=lambda *_: None)] if partial.exists() else []
     if partial.exists():  # rewrite without a torn last line before appending to it
-        tmp = partial.with_name(partial.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
-        os.replace(tmp, partial)
+        atomic_write_text(partial, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
     done_ids = {r["id"] for r in done}
     convs = [rec for _, rec in read_jsonl(conversations_path)]
     todo = [c for c in convs if c["id"] not in done_ids]
@@ -221,25 +216,15 @@ def is_heldout(record: dict) -> bool:
 
 
 def read_lines(path: Path) -> list[tuple[str, dict]]:
-    """(line, record) of a conversations JSONL, .gz or plain. Lines are split at "\\n" only:
-    JSON strings may hold U+2028 and other breaks that str.splitlines() would cut at."""
-    opener = gzip.open if path.suffix == ".gz" else open
+    """(line, record) of a conversations JSONL, .gz or plain."""
+    rows = []
     try:
-        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
-            text = f.read()
+        for lineno, rec in read_jsonl(path):
+            if not isinstance(rec, dict) or "id" not in rec or "messages" not in rec:
+                raise FledgeError(f"{path}:{lineno}: not a conversation (needs `id` and `messages`)")
+            rows.append((json.dumps(rec, ensure_ascii=False) + "\n", rec))
     except (OSError, EOFError) as e:
         raise FledgeError(f"{path}: cannot read ({e})") from None
-    rows = []
-    for lineno, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise FledgeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict) or "id" not in rec or "messages" not in rec:
-            raise FledgeError(f"{path}:{lineno}: not a conversation (needs `id` and `messages`)")
-        rows.append((line + "\n", rec))
     return rows
 
 

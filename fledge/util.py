@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import gzip
 import hashlib
 import json
 import os
@@ -38,6 +39,16 @@ def naming(path: str | os.PathLike, force: bool = False):
         if (e.filename is not None and not force) or e.errno is None:
             raise
         raise type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path)) from None
+
+
+@contextlib.contextmanager
+def keeping(path: str | os.PathLike, kept: str):
+    """Re-raise an OSError from the block naming `path` (the output the user knows, not a
+    temporary file) and saying what is `kept`."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e}; {kept}", str(path)) from None
 
 
 def write_file(path: str | os.PathLike, data: bytes) -> None:
@@ -212,9 +223,10 @@ def append_jsonl(f, record: dict) -> None:
 
 
 def read_jsonl(path: str | os.PathLike, on_bad=None):
-    """Yield (line_number, record). A malformed line is passed to `on_bad(lineno, err)` and
-    skipped; with no handler it raises a FledgeError naming the file and line."""
-    with open(path, encoding="utf-8") as f:
+    """Yield (line_number, record) of a JSONL file, plain or .gz. A malformed line is passed to
+    `on_bad(lineno, err)` and skipped; with no handler it raises a FledgeError naming the file
+    and line."""
+    with (gzip.open if Path(path).suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -224,6 +236,14 @@ def read_jsonl(path: str | os.PathLike, on_bad=None):
                 if on_bad is None:
                     raise FledgeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
                 on_bad(lineno, e)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def print_table(rows: list[list]) -> None:

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save as st_save
 from tqdm import tqdm
 
-from fledge.conventions import d2t_from_target_ids, t2d_from_target_ids, target_ids_from_d2t
-from fledge.util import (FledgeError, atomic_write_bytes, atomic_write_json, check_no_overlap, print_table,
+from fledge.conventions import d2t_from_target_ids, diff_vocab, t2d_from_target_ids, target_ids_from_d2t
+from fledge.util import (FledgeError, atomic_write_bytes, atomic_write_json, check_no_overlap, keeping, print_table,
                          read_jsonl)
 from fledge.weights import open_checkpoint, scan_files
 
@@ -137,20 +137,6 @@ def coverage(target_ids, dataset_path) -> float:
     return hit / total
 
 
-def diff_vocab(a_target_ids, b_target_ids) -> dict:
-    """How two draft vocabs differ: d2t entries that differ position by position (what the
-    K2 vs K2.5 comparison counted) and the overlap of the target-id sets."""
-    a = torch.as_tensor(a_target_ids, dtype=torch.int64).flatten()
-    b = torch.as_tensor(b_target_ids, dtype=torch.int64).flatten()
-    n = min(a.numel(), b.numel())
-    differ = int((a[:n] != b[:n]).sum()) + abs(a.numel() - b.numel())
-    sa, sb = set(a.tolist()), set(b.tolist())
-    both = len(sa & sb)
-    return {"size_a": a.numel(), "size_b": b.numel(), "entries_differ": differ, "overlap": both,
-            "only_a": len(sa - sb), "only_b": len(sb - sa),
-            "overlap_share_a": both / max(len(sa), 1), "jaccard": both / max(len(sa | sb), 1)}
-
-
 # --------------------------------------------------------------------------- files
 def save_vocab(path, target_ids: torch.Tensor, target_vocab: int, stats: dict) -> None:
     """safetensors {d2t, t2d} plus `<path>.json` with the stats."""
@@ -242,10 +228,8 @@ def run_build(args) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     if args.heldout:
         stats["heldout_coverage"] = coverage(ids, args.heldout)
-    try:
+    with keeping(args.out, "a previous vocab there is left as it was"):
         save_vocab(args.out, ids, target_vocab, stats)
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror or e}; a previous vocab there is left as it was", str(args.out)) from None
     _print_rows(stats.items())
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")
     return 0
