@@ -107,7 +107,8 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, c
     fused reductions up to GEMV_ROWS rows, the few-rows kernel for verify-sized forwards), eager
     on the CPU."""
     from fledge.checkpoint import load_checkpoint
-    from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
+    from fledge.engine.hf import build_engine_target
+    from fledge.engine.model import GEMV_ROWS, LayerFns
     from fledge.target import eos_ids, load_target
 
     dev = pick_device(device)
