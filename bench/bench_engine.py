@@ -28,7 +28,8 @@ from transformers import StaticCache
 from fledge.bench import load_prompts
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
-from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
+from fledge.engine.hf import build_engine_target
+from fledge.engine.model import GEMV_ROWS, LayerFns
 from fledge.engine.resident import Resident
 from fledge.engine.spec import generate_spec, oracle_text
 from fledge.engine.stats import SpecStats

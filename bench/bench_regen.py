@@ -22,7 +22,7 @@ import torch
 
 from fledge.bench import load_prompts
 from fledge.engine.generate import ROW_GROUP, SamplingParams, cut_at_eos, generate_ar
-from fledge.engine.model import build_engine_target
+from fledge.engine.hf import build_engine_target
 from fledge.engine.stream import generate_stream
 from fledge.target import eos_ids, load_target
 from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype

@@ -25,7 +25,7 @@ from fledge.conventions import accept_length
 from fledge.bench import first_user_turns
 from fledge.engine.drafters import SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams
-from fledge.engine.model import build_engine_target
+from fledge.engine.hf import build_engine_target
 from fledge.engine.spec import generate_spec
 from fledge.engine.stats import SpecStats
 from fledge.target import load_target

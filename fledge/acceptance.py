@@ -71,6 +71,11 @@ class Shape:
         return cls(num_steps, topk, max_nodes(num_steps, topk))
 
     @property
+    def max_accept(self) -> int:
+        """The most one round can accept: its deepest draft token's depth, plus the bonus."""
+        return min(self.num_steps, self.num_draft_tokens - 1) + 1
+
+    @property
     def label(self) -> str:
         return f"s{self.num_steps} k{self.topk} n{self.num_draft_tokens}"
 
@@ -125,7 +130,7 @@ class Profile:
     def fit(cls, accept_length: float, shape: Shape) -> "Profile":
         """The sibling prior (module doc) whose expected accept length at `shape` is
         `accept_length`, by bisection on p (the expectation grows with p)."""
-        top = min(shape.num_steps, shape.num_draft_tokens - 1) + 1
+        top = shape.max_accept
         if not 1 <= accept_length <= top:
             raise FledgeError(f"--accept-length {accept_length}: at steps {shape.num_steps} / topk {shape.topk} / "
                               f"{shape.num_draft_tokens} tokens it must be in [1, {top}] "

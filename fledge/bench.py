@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from fledge import serving
 from fledge.acceptance import Shape, max_nodes, parse_shapes
-from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, save_figure
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, save_figure, subplots
 
 
 class RankProbe:
@@ -107,7 +107,8 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, c
     fused reductions up to GEMV_ROWS rows, the few-rows kernel for verify-sized forwards), eager
     on the CPU."""
     from fledge.checkpoint import load_checkpoint
-    from fledge.engine.model import GEMV_ROWS, LayerFns, build_engine_target
+    from fledge.engine.hf import build_engine_target
+    from fledge.engine.model import GEMV_ROWS, LayerFns
     from fledge.target import eos_ids, load_target
 
     dev = pick_device(device)
@@ -241,11 +242,7 @@ def probe_profile(rig: EngineRig, prompts, num_steps: int, topk: int, max_new_to
 
 def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
     """Two panels: P(reached depth d) per shape, and measured tok/s per shape vs plain decoding."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = subplots(1, 2, figsize=(11, 4))
     for r in results:
         a.plot(range(1, len(r["depth_acceptance"]) + 1), r["depth_acceptance"], marker="o", label=r["shape"])
     a.set_xlabel("depth")

@@ -23,7 +23,7 @@ from fledge.data import load_conversations
 from fledge.doctor import doctor
 from fledge.engine.drafters import NgramDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
-from fledge.engine.model import build_engine_target
+from fledge.engine.hf import build_engine_target
 from fledge.engine.spec import generate_spec
 from fledge.regen import EngineBackend, RegenConfig, regenerate
 from fledge.target import encode_chat, eos_ids, load_target

@@ -87,10 +87,11 @@ def feature_model(model):
     (flash attention, a few kernels a layer: the target pass of a training step costs a
     fraction of HF eager's), else the HF model itself, read through hooks. Same dtype and
     device as `model`. Online training and `fledge features` both use it, so they agree."""
-    from fledge.engine.model import COMPACT_FAMILIES, Transformer
+    from fledge.engine.hf import COMPACT_FAMILIES, transformer_from_hf
+    from fledge.engine.model import Transformer
     if not isinstance(model, Transformer) and model.config.get_text_config().model_type in COMPACT_FAMILIES:
         w = model.get_input_embeddings().weight
-        return Transformer.from_hf(model, w.dtype, w.device)
+        return transformer_from_hf(model, w.dtype, w.device)
     return model
 
 

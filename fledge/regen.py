@@ -104,7 +104,7 @@ class EngineBackend:
     rows_independent = False
 
     def __init__(self, target, cfg: RegenConfig, batch_size: int, device: str, dtype, compile: bool = False):
-        from fledge.engine.model import build_engine_target
+        from fledge.engine.hf import build_engine_target
         from fledge.target import eos_ids
         self.tok, self.cfg, self.batch_size = target.tokenizer, cfg, batch_size
         self.model = build_engine_target(target.model, dtype, device, compile=compile)

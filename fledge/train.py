@@ -65,7 +65,7 @@ from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, feature_model, features_meta,
                              load_samples, online_features, pad_batch)
 from fledge.util import (FledgeError, atomic_dir, atomic_write_text, pick_device, read_jsonl,
-                         save_figure, settle_dir, write_file)
+                         save_figure, settle_dir, subplots, write_file)
 from fledge.vocab import load_vocab_ids
 
 # Fields that change nothing about the numbers, so a resume may differ in them (a resumed run
@@ -640,10 +640,7 @@ def plan_budget(run: Run, begun: float, clock) -> dict:
 
 # --------------------------------------------------------------------------- logging
 def write_curves(path: Path, history: list[dict]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = subplots(1, 3, figsize=(14, 4))
     for kind, style in (("train", "-"), ("eval", "o-")):
         rows = [r for r in history if r["kind"] == kind]
         if rows:

@@ -18,7 +18,6 @@ speculation.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 import statistics
@@ -29,7 +28,7 @@ from fledge import bench, hwmodel
 from fledge.acceptance import (Profile, Shape, expected_accept_length, max_nodes, parse_shapes, profile_from_args,
                                profile_from_json)
 from fledge.calibrate import cmd_calibrate, parse_levels
-from fledge.util import FledgeError, atomic_write_json, save_figure
+from fledge.util import FledgeError, atomic_write_json, save_figure, subplots
 
 
 @dataclass
@@ -91,8 +90,7 @@ def _interp(table: dict[int, float], x: float) -> float:
     xs = sorted(table)
     if x <= xs[0] or len(xs) == 1:
         return table[xs[0]]
-    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
-    a, b = xs[i - 1], xs[i]
+    a, b = next(((a, b) for a, b in zip(xs, xs[1:]) if x <= b), xs[-2:])
     return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
 
 
@@ -101,12 +99,9 @@ def parse_ms_table(text: str, arg: str) -> dict[int, float]:
     try:
         if ":" not in text:
             return {1: float(text)}
-        table = {int(k): float(v) for k, v in (item.split(":") for item in text.split(",") if item.strip())}
+        return {int(k): float(v) for k, v in (item.split(":") for item in text.split(",") if item.strip())}
     except ValueError:
         raise FledgeError(f"{arg} {text!r}: expected N:MS pairs like '1:11.6,8:30'") from None
-    if not table:
-        raise FledgeError(f"{arg} {text!r}: no N:MS pairs")
-    return table
 
 
 # --------------------------------------------------------------------------- predictions
@@ -185,11 +180,10 @@ def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Predi
     round_ms_per_token = timings.plain_ms / need - timings.prefill_per_token_ms  # what beats plain by `margin`
     verify_max = ref.accept_length * round_ms_per_token - rest
     accept_min = ref.iter_ms / round_ms_per_token if round_ms_per_token > 0 else float("inf")
-    top = min(s.num_steps, s.num_draft_tokens - 1) + 1
     v = (f"verify <= {verify_max:.2f} ms (predicted {timings.verify(s.num_draft_tokens):.2f})" if verify_max > 0 else
          f"no verify time is enough (drafting and the rest of a round take {rest:.2f} ms)")
     a = (f"accept length >= {accept_min:.2f} (now {ref.accept_length:.2f})"
-         + (f", more than {s.label} can accept ({top})" if accept_min > top else ""))
+         + (f", more than {s.label} can accept ({s.max_accept})" if accept_min > s.max_accept else ""))
     return Verdict(best.speedup > need, line, f"{s.label} beats plain decoding by {100 * margin:.0f}% at: {v}, or {a}")
 
 
@@ -247,12 +241,8 @@ def plot(preds: list[Prediction], ar_tok_s: float, path, measured: dict | None =
          top: int = 24) -> None:
     """Speed-up by shape (measured points on top when validating) and, given a sweep, the best
     speed-up by concurrency."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     shown = preds[:top]
-    fig, axes = plt.subplots(1, 2 if conc else 1, figsize=(max(6, 0.45 * len(shown)) + (5 if conc else 0), 4), squeeze=False)
+    fig, axes = subplots(1, 2 if conc else 1, figsize=(max(6, 0.45 * len(shown)) + (5 if conc else 0), 4), squeeze=False)
     ax = axes[0][0]
     ax.bar(range(len(shown)), [p.speedup for p in shown], color="#4c78a8", label="predicted")
     if measured:
@@ -269,8 +259,7 @@ def plot(preds: list[Prediction], ar_tok_s: float, path, measured: dict | None =
             bx.annotate(r["label"], (r["concurrency"], r["speedup"]), fontsize=6, rotation=30)
         bx.axhline(1.0, color="black", linestyle="--")
         bx.set_xscale("log", base=2)
-        bx.set_xlabel("concurrency")
-        bx.set_ylabel("best speed-up")
+        bx.set(xlabel="concurrency", ylabel="best speed-up")
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -318,12 +307,12 @@ def run_tune(args) -> int:
         raise FledgeError(f"--max-steps {args.max_steps}: must be >= 1")
     if not 0 <= args.margin < 1:
         raise FledgeError(f"--margin {args.margin}: a fraction in [0, 1), e.g. 0.05")
-    text, data, preds, timings, measured = mode(args)
+    text, data, preds, measured = mode(args)
     print(text)
     if args.json:
         atomic_write_json(args.json, data)
     if args.png:
-        plot(preds, 1e3 / timings.ar_ms, args.png, measured, data.get("concurrency"))
+        plot(preds, data["ar_tok_s"], args.png, measured, data.get("concurrency"))
     return 0
 
 
@@ -351,8 +340,7 @@ def _what_if(args):
                           "--gpu NAME to predict it from the drafter's size (one decoder layer and its LM head)")
     timings = Timings(args.ar_ms, parse_ms_table(args.verify_ms, "--verify-ms"), draft, args.overhead_ms, args.batch)
     profile, ref_shape, note = profile_from_args(args)
-    text, data, preds = _ranked(args, profile, timings, grid(args.max_steps), ref_shape, (*notes, note))
-    return text, data, preds, timings, None
+    return (*_ranked(args, profile, timings, grid(args.max_steps), ref_shape, (*notes, note)), None)
 
 
 def _hardware_model(args):
@@ -370,7 +358,7 @@ def _hardware_model(args):
                  parse_levels(args.concurrency, "--concurrency"), args.margin)
     text, data, preds = _ranked(args, profile, timings, shapes, ref_shape, (src, note), conc)
     data.update(hardware=asdict(hw), breakdown=hwmodel.step_times(target, drafter, hw, args.batch, args.context).breakdown)
-    return text, data, preds, timings, None
+    return text, data, preds, None
 
 
 def measured_tune(args):
@@ -405,22 +393,19 @@ def measured_tune(args):
                                   ar["tok_s"])
         text += "\n" + validation_table(rows)
         data["validation"] = rows
-    return text, data, preds, timings, measured
+    return text, data, preds, measured
 
 
 def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
-    """The predicted best chain and tree, fixed reference shapes, then the next best of each
-    kind in turn until `want` shapes (chains and trees both present when the grid has trees)."""
+    """The predicted best chain and tree, the fixed reference shapes the grid holds, then the
+    next best of each kind in turn: `want` shapes (chains and trees both present when the grid
+    has trees)."""
     chains = [p.shape for p in preds if p.shape.topk == 1]
     trees = [p.shape for p in preds if p.shape.topk > 1]
-    fixed = [Shape(2, 1, 3), Shape(4, 1, 5), Shape(6, 1, 7), Shape(4, 2, 8), Shape(5, 4, 16), Shape(6, 4, 32)]
-    picks = list(dict.fromkeys(chains[:1] + trees[:1] + [s for s in fixed if s in chains or s in trees]))
-    for s in itertools.chain.from_iterable(itertools.zip_longest(chains, trees)):
-        if len(picks) >= want:
-            break
-        if s is not None and s not in picks:
-            picks.append(s)
-    return picks
+    fixed = [s for s in (Shape(2, 1, 3), Shape(4, 1, 5), Shape(6, 1, 7), Shape(4, 2, 8), Shape(5, 4, 16), Shape(6, 4, 32))
+             if s in chains or s in trees]
+    turns = [s for pair in itertools.zip_longest(chains, trees) for s in pair if s is not None]
+    return list(dict.fromkeys(chains[:1] + trees[:1] + fixed + turns))[:want]
 
 
 def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> tuple[list[dict], dict]:
@@ -434,7 +419,8 @@ def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_
         stats, tok_s = bench.run_shape(rig, rig.drafter(p.shape), prompts, max_new_tokens, f"validate {p.shape.label}")
         measured[p.shape] = tok_s
         accept, round_ms = stats.accept_length(), stats.summary()["round_ms_per_step"]
-        rows.append({**asdict(p.shape), "accept_predicted": p.accept_length, "accept_measured": accept,
+        rows.append({**asdict(p.shape), "label": p.shape.label,
+                     "accept_predicted": p.accept_length, "accept_measured": accept,
                      "accept_error_percent": err(p.accept_length, accept),
                      "round_ms_predicted": p.iter_ms, "round_ms_measured": round_ms,
                      "round_error_percent": err(p.iter_ms, round_ms),
@@ -456,14 +442,9 @@ def validation_table(rows: list[dict]) -> str:
         errs = [abs(r[key]) for r in rows]
         return f"{statistics.mean(errs):.1f}%  max {max(errs):.1f}%"
 
-    def label(r):
-        return f"s{r['num_steps']} k{r['topk']} n{r['num_draft_tokens']}"
-
-    best_pred = max(rows, key=lambda r: r["tok_s_predicted"])
-    best_meas = max(rows, key=lambda r: r["tok_s_measured"])
+    pred, meas = (max(rows, key=lambda r: r[key])["label"] for key in ("tok_s_predicted", "tok_s_measured"))
     lines.append(f"tok/s mean |error| {spread('error_percent')} over {len(rows)} shapes; best shape "
-                 f"{'the same' if best_pred is best_meas else 'differs'} "
-                 f"(predicted {label(best_pred)}, measured {label(best_meas)})")
+                 f"{'the same' if pred == meas else 'differs'} (predicted {pred}, measured {meas})")
     lines.append(f"accept length mean |error| {spread('accept_error_percent')}; round time mean |error| "
                  f"{spread('round_error_percent')}")
     return "\n".join(lines)

@@ -298,6 +298,14 @@ def wheel_member(requirement: str, member: str, sha256: str, out: str | os.PathL
     return out
 
 
+def subplots(*args, **kwargs):
+    """plt.subplots on the Agg backend: figures here are only ever written to files (save_figure)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt.subplots(*args, **kwargs)
+
+
 def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> None:
     """Write a matplotlib figure as PNG atomically, then close it (figures hold memory)."""
     import io

@@ -38,7 +38,7 @@ def test_probe_on_smollm2_flags_a_random_drafter(tmp_path):
     from fledge.checkpoint import export_checkpoint
     from fledge.config import DraftConfig
     from fledge.engine.generate import SamplingParams, generate_ar
-    from fledge.engine.model import build_engine_target
+    from fledge.engine.hf import build_engine_target
     from fledge.target import eos_ids
     from fledge.draft import Eagle3Draft
     from fledge.probe import probe_checks

@@ -265,7 +265,7 @@ def test_wider_draft_mlp_trains_exports_and_drafts(tmp_path):
     from fledge.checkpoint import load_checkpoint
     from fledge.engine.drafters import Eagle3Drafter, SpecConfig
     from fledge.engine.generate import SamplingParams, generate_ar
-    from fledge.engine.model import build_engine_target
+    from fledge.engine.hf import build_engine_target
     from fledge.engine.spec import generate_spec
     write_data(tmp_path / "data.jsonl", n=24)
     target = Target(make_tiny("llama"), None, "tiny-alias", tmp_path / "tiny-hf-dir")

@@ -1,16 +1,18 @@
 """fledge's engine: the lab bench that runs a target and a drafter exactly.
 
-model.py: the target (compact Transformer, its layers as three compilable functions, or
-HFTarget) with an explicit, CUDA-graph-friendly forward and a flash prefill; generate.py:
-autoregressive baseline (length-sorted row groups, attention spans), sampling, masks, CUDA-graph
-capture; tree.py, spec.py: EAGLE-2 trees, verification in one forward, acceptance, KV compaction,
+model.py: the compact target Transformer, its layers as three compilable functions, with an
+explicit, CUDA-graph-friendly forward and a flash prefill; hf.py: a transformers model as the
+engine's target (the compact Transformer from its config and weights, else HFTarget, which runs
+it through transformers behind the same forward); generate.py: autoregressive baseline
+(length-sorted row groups, attention spans), sampling, masks, CUDA-graph capture; tree.py, spec.py: EAGLE-2 trees, verification in one forward, acceptance, KV compaction,
 greedy rounds fused into one graph; drafters.py: EAGLE-3, oracle and n-gram behind one
 interface; stats.py: what every run prints.
 """
 
 from fledge.engine.generate import (SamplingParams, capture_cuda_graph, generate_ar, logits_to_probs,
                                     make_causal_mask, sample_token)
-from fledge.engine.model import HFTarget, KVCache, ModelArgs, Transformer, build_engine_target
+from fledge.engine.hf import HFTarget, build_engine_target
+from fledge.engine.model import KVCache, ModelArgs, Transformer
 
 __all__ = ["HFTarget", "KVCache", "ModelArgs", "SamplingParams", "Transformer", "build_engine_target",
            "capture_cuda_graph", "generate_ar", "logits_to_probs", "make_causal_mask",

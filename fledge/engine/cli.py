@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
-from fledge.engine.model import build_engine_target
+from fledge.engine.hf import build_engine_target
 from fledge.engine.spec import generate_spec, oracle_text
 from fledge.target import encode_chat, eos_ids, load_target
 from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype

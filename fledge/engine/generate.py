@@ -337,7 +337,7 @@ def _hf_generate(hf, ids, new_tokens: int, **kw):
 def selftest(hf, prompt: list[int], dtype, device, batches=(1,), new_tokens=128, compile=False):
     """Engine (CUDA graph, eager) vs HF generate (static cache, dynamic cache), greedy, the same
     prompt repeated B times; prints tok/s per row and how many leading tokens agree with HF."""
-    from fledge.engine.model import build_engine_target
+    from fledge.engine.hf import build_engine_target
 
     hf = hf.to(device=device, dtype=dtype).eval()
     engine = build_engine_target(hf, dtype, device, compile=compile)

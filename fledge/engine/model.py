@@ -1,13 +1,13 @@
 """The target as fledge's engine runs it: one compact Transformer for the Llama family
-(SmolLM2, Llama), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm), and `HFTarget`, which runs
-any other supported family through transformers behind the same forward.
+(SmolLM2, Llama), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm), written against its own
+weight layout. fledge.engine.hf builds one from a transformers model (or, for other families,
+wraps that model behind the same forward).
 
 The forward is explicit about everything (gpt-fast style): the caller passes rope positions,
 the cache slot each new token is written to, and the attention mask over the whole static
 cache. Nothing in it depends on data (no `.item()`, no data-dependent shapes), so one decode
 step can be captured in a CUDA graph. Causal, padded and tree masks are all just masks.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -18,17 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from fledge.conventions import validate_aux_layer_ids
 from fledge.engine import few_rows as fr
 from fledge.engine.attention import Prefix, kernel_available, kernel_takes, prefix_attention
 from fledge.util import FledgeError
-
-COMPACT_FAMILIES = ("llama", "qwen2", "qwen3")
-HF_FAMILIES = ("gemma3", "gemma3_text", "deepseek_v3", "kimi_k2")
-# Rope types whose frequencies do not change with sequence length (dynamic/longrope do).
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -55,39 +49,6 @@ class ModelArgs:
             raise FledgeError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if 2 * len(self.rope_inv_freq) != self.head_dim:
             raise FledgeError(f"rope covers {2 * len(self.rope_inv_freq)} dims, head_dim is {self.head_dim}")
-
-    @classmethod
-    def from_hf_config(cls, cfg) -> "ModelArgs":
-        cfg = cfg.get_text_config()
-        family = cfg.model_type
-        if family not in COMPACT_FAMILIES:
-            raise FledgeError(f"model_type {family!r} has no compact engine implementation ({', '.join(COMPACT_FAMILIES)})")
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise FledgeError(f"hidden_act {cfg.hidden_act!r}: the compact engine implements SiLU MLPs only")
-        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
-            raise FledgeError(f"{family}: sliding-window layers are not supported by the compact engine")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rope = cfg.rope_parameters
-        rope_type = rope.get("rope_type", "default")
-        if rope_type not in STATIC_ROPE_TYPES:
-            raise FledgeError(f"rope_type {rope_type!r}: the compact engine supports {', '.join(STATIC_ROPE_TYPES)}")
-        if rope_type == "default":  # HF keeps this one on each model's rotary class; same formula
-            inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scale = 1.0
-        else:
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg)
-        bias = bool(getattr(cfg, "attention_bias", False))
-        return cls(
-            family=family, vocab_size=cfg.vocab_size, dim=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, n_layers=cfg.num_hidden_layers,
-            n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-            head_dim=head_dim, norm_eps=cfg.rms_norm_eps,
-            rope_inv_freq=tuple(inv_freq.float().tolist()), rope_scale=float(scale),
-            qkv_bias=bias or family == "qwen2", o_bias=bias,
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)), qk_norm=family == "qwen3",
-            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        )
-
 
 @dataclass
 class KVCache:
@@ -352,7 +313,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Persistent so that `from_hf` loads it (fp32) with the weights; never cast it.
+        # Persistent so that hf.transformer_from_hf loads it (fp32) with the weights; never cast it.
         self.register_buffer("inv_freq", torch.tensor(args.rope_inv_freq, dtype=torch.float32))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -471,152 +432,3 @@ class Transformer(nn.Module):
 
         with one_off_attention() if cache is not None else contextlib.nullcontext():
             return self._run(LayerFns(), x, cos, sin, attention, aux_ids, logits_idx, hidden_only)
-
-    @classmethod
-    def from_hf(cls, hf_model, dtype, device, compile: bool | str = False, fns: LayerFns | None = None) -> "Transformer":
-        """`compile`: the layer functions through torch.compile (see LayerFns); a string is
-        torch.compile's mode. `fns`, if given, are the layer functions (compile is then ignored)."""
-        args = ModelArgs.from_hf_config(hf_model.config)
-        if fns is None:
-            fns = LayerFns.compiled(compile if isinstance(compile, str) else None) if compile else LayerFns()
-        with torch.device("meta"):
-            model = cls(args, fns)
-        model.load_state_dict(_engine_state_dict(hf_model, args, dtype, device), strict=True, assign=True)
-        return model.eval()
-
-
-def _engine_state_dict(hf_model, args: ModelArgs, dtype, device) -> dict[str, torch.Tensor]:
-    """HF weight names → this module's (q/k/v and gate/up concatenated)."""
-    src = hf_model.state_dict()
-
-    def get(*names):
-        return torch.cat([src[n] for n in names]).to(device=device, dtype=dtype)
-
-    sd = {"tok_embeddings.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight"),
-          "inv_freq": torch.tensor(args.rope_inv_freq, dtype=torch.float32, device=device)}
-    # Tied: one tensor behind both parameters (load_state_dict(assign=True) keeps it shared).
-    sd["output.weight"] = sd["tok_embeddings.weight"] if args.tie_embeddings else \
-        hf_model.get_output_embeddings().weight.detach().to(device=device, dtype=dtype)
-    for i in range(args.n_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        sd[q + "attention.wqkv.weight"] = get(*(f"{attn}{x}_proj.weight" for x in "qkv"))
-        sd[q + "attention.wo.weight"] = get(attn + "o_proj.weight")
-        sd[q + "feed_forward.w13.weight"] = get(mlp + "gate_proj.weight", mlp + "up_proj.weight")
-        sd[q + "feed_forward.w2.weight"] = get(mlp + "down_proj.weight")
-        sd[q + "attention_norm.weight"] = get(p + "input_layernorm.weight")
-        sd[q + "ffn_norm.weight"] = get(p + "post_attention_layernorm.weight")
-        if args.qkv_bias:
-            sd[q + "attention.wqkv.bias"] = get(*(f"{attn}{x}_proj.bias" for x in "qkv"))
-        if args.o_bias:
-            sd[q + "attention.wo.bias"] = get(attn + "o_proj.bias")
-        if args.mlp_bias:
-            sd[q + "feed_forward.w13.bias"] = get(mlp + "gate_proj.bias", mlp + "up_proj.bias")
-            sd[q + "feed_forward.w2.bias"] = get(mlp + "down_proj.bias")
-        if args.qk_norm:
-            sd[q + "attention.q_norm.weight"] = get(attn + "q_norm.weight")
-            sd[q + "attention.k_norm.weight"] = get(attn + "k_norm.weight")
-    return sd
-
-
-# --------------------------------------------------------------------------- generic HF path
-@dataclass
-class HFCache:
-    """What HFTarget keeps per slot instead of K/V: the token, its rope position, and the mask
-    row it was written with. A forward recomputes every written slot from these, so each
-    token's K/V is exactly what an incremental forward would have cached."""
-
-    ids: torch.Tensor  # [B, max_len] long
-    positions: torch.Tensor  # [B, max_len] long
-    mask: torch.Tensor  # [B, max_len, max_len] bool; unwritten slots attend to themselves (no NaN rows)
-    used: int = 0  # slots [0, used) have been written in some row
-
-    @classmethod
-    def allocate(cls, batch: int, max_len: int, device) -> "HFCache":
-        eye = torch.eye(max_len, dtype=torch.bool, device=device).expand(batch, -1, -1).clone()
-        zeros = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        return cls(zeros, zeros.clone(), eye)
-
-
-class HFTarget(nn.Module):
-    """Any HF causal LM behind the engine's forward. Slow (every call recomputes all written
-    slots) but exact: it is the reference path for families without a compact implementation
-    (DeepSeek-V3/Kimi-K2, Gemma3). Not CUDA-graph capturable."""
-
-    cuda_graph_ok = False
-    row_groups_ok = False
-
-    def __init__(self, hf_model):
-        super().__init__()
-        self.hf = hf_model.eval()
-        self.config = hf_model.config.get_text_config()
-        impl = self.config._attn_implementation
-        if impl not in ("eager", "sdpa"):
-            raise FledgeError(f"attn_implementation {impl!r}: HFTarget needs 'eager' or 'sdpa' (custom 4D masks)")
-
-    def new_cache(self, batch: int, max_len: int) -> HFCache:
-        return HFCache.allocate(batch, max_len, self.hf.device)
-
-    def _hf_mask(self, mask, positions):
-        """bool [B, 1, n, n] → what the model's layers take: eager adds a float mask, sdpa takes
-        bool; sliding-window layers get their own mask (window measured in rope positions)."""
-
-        def convert(m):
-            if self.config._attn_implementation == "sdpa":
-                return m
-            return torch.zeros(m.shape, dtype=self.hf.dtype, device=m.device).masked_fill(~m, torch.finfo(self.hf.dtype).min)
-
-        layer_types = set(getattr(self.config, "layer_types", None) or ())
-        if "sliding_attention" not in layer_types:
-            return convert(mask)
-        near = (positions[:, :, None] - positions[:, None, :]) < self.config.sliding_window
-        return {"full_attention": convert(mask), "sliding_attention": convert(mask & near[:, None])}
-
-    def prefill(self, input_ids, cache: HFCache, aux_ids=None, logits_idx=None, rows=None):
-        """A fresh batch at slots and positions 0..T-1, causal (as Transformer.prefill; whole
-        batches only: `rows`, if given, must be all of the cache's)."""
-        B, T = input_ids.shape
-        if rows is not None and tuple(rows) != (0, cache.ids.shape[0]):
-            raise FledgeError("HFTarget prefills whole batches (row_groups_ok is False)")
-        pos = torch.arange(T, device=input_ids.device).expand(B, T)
-        cols = torch.arange(cache.ids.shape[1], device=input_ids.device)
-        mask = (cols <= torch.arange(T, device=input_ids.device)[:, None])[None, None].expand(B, 1, T, -1)
-        return self(input_ids, pos, pos, mask, cache, aux_ids, logits_idx)
-
-    def forward(self, input_ids, positions, slots, mask, cache: HFCache, aux_ids=None, logits_idx=None):
-        B = input_ids.shape[0]
-        if isinstance(mask, Prefix):
-            mask = mask.dense(cache.ids.shape[1])
-        rows = torch.arange(B, device=input_ids.device)[:, None]
-        cache.ids[rows, slots] = input_ids
-        cache.positions[rows, slots] = positions
-        cache.mask[rows, slots] = mask[:, 0]
-        cache.used = max(cache.used, int(slots.max()) + 1)
-        n = cache.used
-        pos = cache.positions[:, :n]
-        out = self.hf(input_ids=cache.ids[:, :n], position_ids=pos,
-                      attention_mask=self._hf_mask(cache.mask[:, None, :n, :n], pos),
-                      output_hidden_states=aux_ids is not None, use_cache=False)
-
-        def at(t, idx):  # rows of t [B, n, X] at slots idx [B, K]
-            return t.gather(1, idx[..., None].expand(-1, -1, t.shape[-1]))
-
-        out_slots = slots if logits_idx is None else slots.gather(1, logits_idx)
-        logits = at(out.logits, out_slots).float()
-        aux = None
-        if aux_ids is not None:
-            aux = torch.cat([at(out.hidden_states[i], slots) for i in aux_ids], dim=-1)
-        return logits, aux
-
-
-def build_engine_target(hf_model, dtype, device, compile: bool | str = False, fns: LayerFns | None = None):
-    """The engine's view of a loaded HF model: the compact Transformer where fledge has one
-    (`compile`, `fns`: see `Transformer.from_hf`), else HFTarget (which moves `hf_model` itself
-    to dtype/device)."""
-    family = hf_model.config.get_text_config().model_type
-    if family in COMPACT_FAMILIES:
-        return Transformer.from_hf(hf_model, dtype, device, compile, fns)
-    if family in HF_FAMILIES or hf_model.config.model_type in HF_FAMILIES:
-        return HFTarget(hf_model.to(device=device, dtype=dtype))
-    raise FledgeError(f"model_type {family!r}: no engine implementation "
-                      f"(compact: {', '.join(COMPACT_FAMILIES)}; via transformers: {', '.join(HF_FAMILIES)})")
