@@ -209,7 +209,7 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
         elif ask == "nochoices":
             reply = {"choices": []}
         elif ask == "slow":
-            time.sleep(1.5)
+            time.sleep(3.0)
         data = json.dumps(reply).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
@@ -236,7 +236,7 @@ def test_server_faults_are_counted_and_never_written(tmp_path, capsys):
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     srv, url = _serve_faults()
     cfg = RegenConfig(max_new_tokens=8)
-    backend = ServerBackend([url], "m", cfg, concurrency=9, timeout=0.5, retries=1, backoff=0.01)
+    backend = ServerBackend([url], "m", cfg, concurrency=9, timeout=1.0, retries=1, backoff=0.01)
     counts = regenerate(tmp_path / "c.jsonl", tmp_path / "r.jsonl", backend, cfg)
     srv.shutdown()
     assert counts["written"] == 1 and counts["failed"] == len(FAULTS)
