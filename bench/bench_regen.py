@@ -2,14 +2,11 @@
 
     python bench/bench_regen.py --target smollm2-135m --prompts FIRSTS.jsonl [--batch-sizes 64,256]
 
-For each batch size, the first B prompts, sorted by length as `fledge regen` batches them, are
-answered greedily by both, up to --max-new-tokens each; HF left-padded, eager, dynamic cache
-(the way a data pipeline calls it). A row's tokens count up to its first end-of-turn token;
-tok/s is those over the wall time of the whole call, prefill included. `decode_tok_s`: the
-engine's decode steps times the batch over decode time, the rate a refilled batch approaches;
-`--stream N` measures that (N prompts through B rows, each refilled when it ends, as `fledge
-regen` runs). `same_rows` counts token-identical answers: batched bf16 on two code paths need
-not agree exactly, so it is shown, not required. Prints a table; writes JSON.
+Each batch: the first B prompts, length-sorted as `fledge regen` batches them, answered greedily
+by both (HF left-padded, eager, dynamic cache: the way a data pipeline calls it). tok/s counts
+tokens up to the first end of turn over the whole call, prefill included; `decode_tok_s` is the
+rate a refilled batch approaches, which `--stream N` measures. `same_rows` is shown, not
+required: batched bf16 on two code paths need not agree exactly.
 """
 
 from __future__ import annotations
