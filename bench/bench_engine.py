@@ -16,6 +16,7 @@ keeping the others; the variant is rewritten after each row, so a run cut short 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -25,6 +26,7 @@ import torch
 from tqdm import tqdm
 from transformers import StaticCache
 
+from fledge.acceptance import parse_shape
 from fledge.bench import load_prompts
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
@@ -92,11 +94,7 @@ def oracle_runner(target, eos, graphs: bool, spec, resident=None):
 
 
 def parse_tree(text: str) -> SpecConfig:
-    try:
-        steps, topk, n = (int(x) for x in text.split(","))
-        return SpecConfig(steps, topk, n)
-    except ValueError:
-        raise FledgeError(f"--tree {text!r}: expected STEPS,TOPK,NUM_DRAFT_TOKENS") from None
+    return SpecConfig(*dataclasses.astuple(parse_shape(text, "--tree")))
 
 
 def results_writer(path: Path, variant: str):
