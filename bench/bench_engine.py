@@ -1,6 +1,6 @@
 """Engine bench: MT-Bench first turns, batch 1, greedy, every decoding method on one target.
 
-    python bench/bench_engine.py --target smollm2-135m [--drafter DIR [--tree S,K,N ...]] [--compile] [--quick]
+    python bench/bench_engine.py --target smollm2-135m [--drafter DIR [--tree S,K,N ...]] [--compile]
 
 Rows: engine AR, EAGLE-3 chain 7 and one per --tree (with --drafter), the oracle chain 7 (the
 engine's ceiling), n-gram, then the references: AR and oracle with an eager prefill per request,
@@ -16,6 +16,7 @@ keeping the others; the variant is rewritten after each row, so a run cut short 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -25,6 +26,7 @@ import torch
 from tqdm import tqdm
 from transformers import StaticCache
 
+from fledge.acceptance import parse_shape
 from fledge.bench import load_prompts
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
 from fledge.engine.generate import SamplingParams, generate_ar
@@ -34,7 +36,7 @@ from fledge.engine.resident import Resident
 from fledge.engine.spec import generate_spec, oracle_text
 from fledge.engine.stats import SpecStats
 from fledge.target import eos_ids, load_target
-from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, print_table as print_rows
 from machine import machine_name, result_path
 
 SPEC_KEYS = ("accept_length", "accept_rate", "round_ms_per_step", "draft_ms_per_step", "verify_ms_per_step",
@@ -76,10 +78,8 @@ def spec_runner(target, eos, graphs: bool, make_drafter, resident=None):
 
 
 def oracle_runner(target, eos, graphs: bool, spec, resident=None):
-    """The oracle drafts the greedy text the verify step itself computes (spec.oracle_text:
-    untimed passes, each fed the last one's output, from AR's). Fed AR's text it drafts wrong
-    for the rest of a request after a near-tie that a verify and a one-row step round apart in
-    bf16; in fp32 the text is AR's."""
+    """The oracle drafts the greedy text the verify step itself computes (spec.oracle_text,
+    untimed): fed AR's text it would draft wrong after a bf16 near-tie; in fp32 the two agree."""
     device = next(target.parameters()).device
 
     def run(prompt, params, ar):
@@ -94,16 +94,12 @@ def oracle_runner(target, eos, graphs: bool, spec, resident=None):
 
 
 def parse_tree(text: str) -> SpecConfig:
-    try:
-        steps, topk, n = (int(x) for x in text.split(","))
-        return SpecConfig(steps, topk, n)
-    except ValueError:
-        raise FledgeError(f"--tree {text!r}: expected STEPS,TOPK,NUM_DRAFT_TOKENS") from None
+    return SpecConfig(*dataclasses.astuple(parse_shape(text, "--tree")))
 
 
 def results_writer(path: Path, variant: str):
-    """A function that rewrites `variant` of the results file at `path` and keeps its other
-    variants (one run's report each). The file is read here, so a bad one stops the run first."""
+    """A function that rewrites `variant` of the results file at `path`, keeping the others; the
+    file is read now, so a bad one stops the run first."""
     try:
         variants = json.loads(path.read_text())["variants"] if path.exists() else {}
         if not isinstance(variants, dict):
@@ -179,7 +175,7 @@ def bench(args, device, write) -> dict:
               "cuda_graphs": graphs, "compiled_layers": args.compile, "gemv_rows": args.gemv_rows,
               "fast_topk": args.fast_topk, "few_rows": args.few_rows, "resident_prefill": res is not None,
               "hf_prompts": n_hf if hf_names else 0, "prompts": len(prompts), "only": args.only,
-              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "max_new_tokens": args.max_new_tokens, "repeats": 1,
               "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step"}
     params = SamplingParams(0.0, 1.0, args.max_new_tokens, 0)
     # Engine AR's outputs feed the oracle and are what every other output must match.
@@ -189,13 +185,12 @@ def bench(args, device, write) -> dict:
         run(prompts[0], SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0), ar_out[0][:16])  # untimed warm-up
         todo = list(zip(prompts, ar_out))[:n_hf if name in hf_names else None]
         timed, matches, stats, prefill = [], 0, [], []
-        for rep in range(args.repeats):
-            for i, (p, ar) in enumerate(tqdm(todo, desc=f"{name} [{rep + 1}/{args.repeats}]", leave=False)):
-                out, s, st, pre = run(p, params, ar)
-                timed.append((i, len(out), s))
-                prefill += [] if pre is None else [pre]
-                stats += [] if st is None else [st]
-                matches += rep == 0 and out == ar
+        for i, (p, ar) in enumerate(tqdm(todo, desc=name, leave=False)):
+            out, s, st, pre = run(p, params, ar)
+            timed.append((i, len(out), s))
+            prefill += [] if pre is None else [pre]
+            stats += [] if st is None else [st]
+            matches += out == ar
         per_prompt[name] = timed
         tokens, seconds = sum(x[1] for x in timed), sum(x[2] for x in timed)
         row = {"prompts": len(todo), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "match_ar": matches}
@@ -222,14 +217,12 @@ def with_ratios(results: dict, per_prompt: dict, n_hf: int, hf_names: set) -> No
 def print_table(report: dict) -> None:
     rows = [["config", "prompts", "tok/s", "vs AR", "match AR", "accept len", "round ms", "prefill ms"]]
     for name, r in report["results"].items():
-        rows.append([name, str(r["prompts"]), f"{r['tok_s']:.1f}", f"{r['vs_engine_ar']:.2f}x", f"{r['match_ar']}/{r['prompts']}",
+        rows.append([name, r["prompts"], f"{r['tok_s']:.1f}", f"{r['vs_engine_ar']:.2f}x", f"{r['match_ar']}/{r['prompts']}",
                      *(f"{r[k]:{f}}" if k in r else "-" for k, f in (("accept_length", ".2f"), ("round_ms_per_step", ".3f"),
                                                                   ("prefill_ms_per_prompt", ".1f")))])
-    widths = [max(map(len, col)) for col in zip(*rows)]
     print(f"{report['device']}  {report['target']}  {report['dtype']}  {report['prompts']} prompts x "
           f"{report['max_new_tokens']} new tokens, batch 1, greedy (HF rows: vs engine AR on the same prompts)")
-    for row in rows:
-        print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+    print_rows(rows)
 
 
 def main(argv=None) -> int:
@@ -242,8 +235,6 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default="mtbench", help="built-in data set or conversations file")
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="10 prompts, 1 repeat (about 3 minutes on an H200)")
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baselines")
     p.add_argument("--only", help="run these rows alone (names as printed, ';'-separated), engine AR always")
     p.add_argument("--hf-prompts", type=int, help="run the HF baselines on the first N prompts only (default all)")
@@ -263,8 +254,6 @@ def main(argv=None) -> int:
     p.add_argument("--variant", help="key of this run in the results file (default: the dtype, e.g. bfloat16)")
     p.add_argument("--out", type=Path, help="results file (default bench/results/engine_<machine>.json)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.num_prompts, args.repeats = min(args.num_prompts, 10), 1
     try:
         device = pick_device(args.device)
         out = args.out or result_path("engine", machine_name(device))

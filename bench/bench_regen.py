@@ -2,14 +2,11 @@
 
     python bench/bench_regen.py --target smollm2-135m --prompts FIRSTS.jsonl [--batch-sizes 64,256]
 
-For each batch size, the first B prompts, sorted by length as `fledge regen` batches them, are
-answered greedily by both, up to --max-new-tokens each; HF left-padded, eager, dynamic cache
-(the way a data pipeline calls it). A row's tokens count up to its first end-of-turn token;
-tok/s is those over the wall time of the whole call, prefill included. `decode_tok_s`: the
-engine's decode steps times the batch over decode time, the rate a refilled batch approaches;
-`--stream N` measures that (N prompts through B rows, each refilled when it ends, as `fledge
-regen` runs). `same_rows` counts token-identical answers: batched bf16 on two code paths need
-not agree exactly, so it is shown, not required. Prints a table; writes JSON.
+Each batch: the first B prompts, length-sorted as `fledge regen` batches them, answered greedily
+by both (HF left-padded, eager, dynamic cache: the way a data pipeline calls it). tok/s counts
+tokens up to the first end of turn over the whole call, prefill included; `decode_tok_s` is the
+rate a refilled batch approaches, which `--stream N` measures. `same_rows` is shown, not
+required: batched bf16 on two code paths need not agree exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from fledge.engine.generate import ROW_GROUP, SamplingParams, cut_at_eos, genera
 from fledge.engine.hf import build_engine_target
 from fledge.engine.stream import generate_stream
 from fledge.target import eos_ids, load_target
-from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, print_table as print_rows
 from machine import machine_name, result_path
 
 
@@ -120,14 +117,14 @@ def bench(args) -> dict:
 def print_table(report: dict) -> None:
     print(f"{report['device']}  {report['target']}  {report['dtype']}  greedy, up to {report['max_new_tokens']} new tokens"
           f"{'  (engine compiled)' if report.get('compiled_layers') else ''}")
-    nan = float("nan")
-    print(f"{'batch':>5} {'HF tok/s':>10} {'engine tok/s':>13} {'engine/HF':>10} {'same rows':>10} {'decode tok/s':>13}"
-          f" {'1-group tok/s':>14} {'stream tok/s':>13}")
+    rows = [["batch", "HF tok/s", "engine tok/s", "engine/HF", "same rows", "decode tok/s", "1-group tok/s", "stream tok/s"]]
     for r in report["results"]:
         hf, one, st = r.get("hf"), r.get("engine_one_group"), r.get("engine_stream")
-        print(f"{r['batch']:>5} {hf['tok_s'] if hf else nan:>10.1f} {r['engine']['tok_s']:>13.1f} "
-              f"{r.get('engine_vs_hf', nan):>9.2f}x {(str(r['same_rows']) if hf else '-'):>6}/{r['batch']} "
-              f"{r['engine']['decode_tok_s']:>13.1f} {one['tok_s'] if one else nan:>14.1f} {st['tok_s'] if st else nan:>13.1f}")
+        rows.append([r["batch"], f"{hf['tok_s']:.1f}" if hf else "-", f"{r['engine']['tok_s']:.1f}",
+                     f"{r['engine_vs_hf']:.2f}x" if hf else "-", f"{r['same_rows']}/{r['batch']}" if hf else "-",
+                     f"{r['engine']['decode_tok_s']:.1f}", f"{one['tok_s']:.1f}" if one else "-",
+                     f"{st['tok_s']:.1f}" if st else "-"])
+    print_rows(rows)
 
 
 def main(argv=None) -> int:

@@ -2,13 +2,11 @@
 
     python bench/bench_scale.py RUN_1GPU RUN_DDP RUN_FSDP --ranks N [--png scale.png]
 
-Each RUN is a `fledge train --out` directory of the same data, steps and GLOBAL batch
-(`fledge train` with `torchrun --nproc-per-node N ... --parallel ddp` and `fsdp` makes them). Throughput is the mean of the runs' logged
-`target_tok_s` (target tokens of the global batch per second, all ranks together), leaving out
-the first --skip windows (CUDA/NCCL start-up, allocator warm-up). Scaling efficiency =
-(tok/s on N GPUs / N) / (tok/s on 1 GPU). Loss agreement: the largest relative difference of
-the logged training objective at the same steps; bf16 autocast and a different reduction
-order make it small but not zero.
+Each RUN is a `fledge train --out` directory of the same data, steps and GLOBAL batch (`torchrun
+--nproc-per-node N ... --parallel ddp` / `fsdp`). Throughput: the mean logged `target_tok_s`
+after the first --skip windows (start-up, warm-up); efficiency = (tok/s on N GPUs / N) / (tok/s
+on 1). Loss agreement: the largest relative difference of the objective at the same steps (bf16
+and another reduction order make it small, not zero).
 """
 
 from __future__ import annotations

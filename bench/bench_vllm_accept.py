@@ -31,6 +31,7 @@ from fledge.engine.stats import SpecStats
 from fledge.target import load_target
 from fledge.util import atomic_write_json
 from fledge.vllm_cpu import venv_env, venv_python
+from machine import result_path
 
 RUNNER = Path(__file__).resolve().parents[1] / "scripts" / "vllm_run.py"
 
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (vLLM num_speculative_tokens)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "vllm_accept_cpu.json"))
+    p.add_argument("--out", default=str(result_path("vllm_accept", "cpu")))
     args = p.parse_args(argv)
 
     target = load_target(args.target)

@@ -6,33 +6,23 @@ vocabulary, same depth, one epoch each, both drafters then measured in fledge's 
 
 Each step is a subcommand (`all` runs them in order; `vllm` only with --vllm), reading and
 writing files under --workdir, so a step can be rerun on its own:
-  prepare       a deterministic subset of the conversations in --data (rows whose source is
-                `sharegpt` train, `sharegpt-heldout` rows are held out; each set ordered by a hash
-                of file name and id, the first --max-convs / --max-heldout taken), then `fledge
-                tokenize`; the samples fledge's loader keeps, the training ones cut to whole batches
-                of fledge's, become the one file both trainers read (as speculators' dataset:
-                bench/peer/dataset.py, in --peer-python); `fledge vocab build` on them, and its
-                d2t/t2d as the .npy files speculators reads.
-                The target is resolved to its HF directory (a GGUF is converted once into
-                $FLEDGE_CACHE/models): speculators loads it as its verifier. Writes plan.json.
-  train-fledge  `fledge train`, one epoch, evaluated on the held-out samples at the end; once per
-                --heads recipe (`fledge train --head`; the default `fresh` is the drafter `fledge`).
-  train-peer    speculators' trainer (bench/peer/train.py in --peer-python), one epoch
-                (`--epochs 1`: its --max-steps runs on across epoch boundaries), the layer fledge's
-                drafter has (--no-norm-before-residual --no-norm-before-fc --no-norm-output
-                --full-attention-indices 0), features from the target run in-process by HF
-                (bench/peer/hf_backend.py); its checkpoint is read back with `fledge import`.
-  measure       the trained drafters in fledge's engine, batch 1, greedy: plain decoding and the
-                --shapes (default (7,1,8) (5,4,16) (8,8,64)) on all MT-Bench first turns and all
-                held-out prompts. `--drafters NAME=DIR ...` measures any drafters side by side,
-                with no other step run (--target, --heldout-prompts, --out).
-  vllm          bench/bench_vllm_accept.py on each drafter (vLLM's CPU build beside fledge's engine,
-                a chain of 3).
+  prepare       a subset of --data fixed by file names and ids (`sharegpt` rows train,
+                `sharegpt-heldout` rows are held out), `fledge tokenize`d and cut to the samples
+                fledge's loader keeps in whole batches: the one file both trainers read; the
+                draft vocab from `fledge vocab build`, also as the d2t/t2d .npy speculators reads.
+  train-fledge  `fledge train`, one epoch, once per --heads recipe (default `fresh`: `fledge`).
+  train-peer    speculators' trainer (bench/peer/train.py in --peer-python), one epoch, with
+                fledge's drafter layer, the target's features from HF in-process
+                (bench/peer/hf_backend.py); read back with `fledge import`.
+  measure       the drafters in fledge's engine, batch 1, greedy: plain decoding and each of
+                --shapes on the MT-Bench first turns and the held-out prompts. `--drafters
+                NAME=DIR ...` measures any drafters side by side, with no other step run
+                (--target, --heldout-prompts, --out).
+  vllm          bench/bench_vllm_accept.py on each drafter (vLLM's CPU build, a chain of 3).
   report        the tables, and bench/results/peer_compare_<machine>.json (`_quick` with --quick).
 
-Each trainer's wall time is its whole command (start-up, target load, the epoch, the held-out
-evaluation, saving; not `fledge import`); its target tok/s is target tokens over the seconds of its training
-steps after the first --skip-steps (compilation and warm-up), from its own per-step log.
+A trainer's wall time is its whole command (not `fledge import`); its target tok/s counts its
+training steps after the first --skip-steps (compilation, warm-up), from its own per-step log.
 Accept length is SGLang's: (accepted drafts + 1 bonus) per verify step.
 """
 
@@ -40,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import hashlib
 import json
 import math
@@ -55,7 +44,8 @@ from pathlib import Path
 import torch
 
 from fledge.config import HEADS, TrainConfig
-from fledge.util import FledgeError, atomic_write_json
+from fledge.tokenize import read_lines
+from fledge.util import FledgeError, atomic_write_json, atomic_write_text, read_jsonl
 from machine import RESULTS, machine_name, result_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,24 +120,14 @@ def fledge_cmd(*args) -> list[str]:
     return [sys.executable, "-m", "fledge.cli", *map(str, args)]
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 # --------------------------------------------------------------------------- prepare
-def conversations(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
-        return [json.loads(line) for line in f.read().split("\n") if line.strip()]
-
-
 def pick_subset(files: list[Path], max_convs: int | None, max_heldout: int) -> tuple[list[dict], list[dict], int]:
     """(train, held-out, training rows available): each set ordered by sha256 of "<file
     name>:<id>", so the subset draws from every file and is the same on every machine; the
     first `max_*` of each."""
     rows = {"sharegpt": [], "sharegpt-heldout": []}
     for path in files:
-        for rec in conversations(path):
+        for _, rec in read_lines(path):
             if rec.get("source") in rows:
                 key = hashlib.sha256(f"{path.name}:{rec['id']}".encode()).hexdigest()
                 rows[rec["source"]].append((key, {**rec, "id": f"{path.name.split('.')[0]}:{rec['id']}"}))
@@ -158,8 +138,7 @@ def pick_subset(files: list[Path], max_convs: int | None, max_heldout: int) -> t
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def write_vocab_npy(vocab: Path, out: Path, size: int) -> tuple[Path, Path]:
@@ -197,9 +176,7 @@ def prepare(args, w: Path) -> Plan:
     from fledge.conventions import default_aux_layer_ids
     from fledge.target import resolve_target
 
-    sizes = QUICK if args.quick else FULL
-    pick = {k: sizes[k] if getattr(args, k) is None else getattr(args, k) for k in
-            ("max_convs", "max_heldout", "draft_vocab", "ttt_steps", "max_len", "batch_size")}
+    pick = {k: vars(args)[k] for k in ("max_convs", "max_heldout", "draft_vocab", "ttt_steps", "max_len", "batch_size")}
     target_dir = resolve_target(args.target)
     tcfg = AutoConfig.from_pretrained(target_dir).get_text_config()
     plan = Plan(args.target, str(target_dir), [str(p) for p in args.data], lr=args.lr, seed=args.seed, quick=args.quick,
@@ -210,7 +187,7 @@ def prepare(args, w: Path) -> Plan:
     write_jsonl(w / "data" / "subset.jsonl", train + held)
     first = Path(args.data[0])  # prompts for `measure`: the held-out first turns of one set, in its order
     write_jsonl(w / "data" / "heldout_prompts.jsonl",
-                [r for r in conversations(first) if r.get("source") == "sharegpt-heldout"])
+                [r for _, r in read_lines(first) if r.get("source") == "sharegpt-heldout"])
     run(fledge_cmd("tokenize", w / "data" / "subset.jsonl", "-o", w / "tok", "--tokenizer", target_dir,
                    "--max-len", plan.max_len, "--workers", args.workers), w / "logs" / "tokenize.log", fledge_env())
     plan.samples = {name: write_samples(w / "tok" / f"{name}.tok.jsonl", w / "tok" / f"{name}.used.jsonl", plan.max_len,
@@ -247,19 +224,13 @@ def step_times(steps: list[tuple[float, float]], skip: int, wall: float) -> dict
             "steps_s": sum(s for _, s in steps), "outside_steps_s": wall - sum(s for _, s in steps)}
 
 
-def fledge_name(head: str) -> str:
-    """The drafter's name in the results: `fledge` for fledge's default recipe, else the head it
-    was trained with."""
-    return "fledge" if head == "fresh" else f"fledge-{head}-head"
+def train_fledge(args, plan: Plan, w: Path) -> None:
+    for head in args.heads:
+        train_fledge_head(args, plan, w, head)
 
 
-def train_fledge(args, plan: Plan, w: Path) -> list[dict]:
-    """`fledge train` once per --heads, one epoch each, in order."""
-    return [train_fledge_head(args, plan, w, head) for head in args.heads]
-
-
-def train_fledge_head(args, plan: Plan, w: Path, head: str) -> dict:
-    name = fledge_name(head)
+def train_fledge_head(args, plan: Plan, w: Path, head: str) -> None:
+    name = "fledge" if head == "fresh" else f"fledge-{head}-head"
     out = w / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: `fledge train` would resume a checkpoint
     never = 10 ** 9  # eval and save only at the end (every run evaluates and saves its last step)
@@ -270,7 +241,7 @@ def train_fledge_head(args, plan: Plan, w: Path, head: str) -> dict:
                      "--seed", plan.seed, "--log-every", 1, "--eval-every", never, "--save-every", never,
                      "--head", head, *(["--device", args.device] if args.device else []))
     wall = run(cmd, w / "logs" / f"train-{name}.log", fledge_env())
-    recs = read_jsonl(out / "metrics.jsonl")
+    recs = [r for _, r in read_jsonl(out / "metrics.jsonl")]
     steps = [(r["target_tokens"], r["seconds"]) for r in recs if r["kind"] == "train"]
     ev = [r for r in recs if r["kind"] == "eval"][-1]
     res = {"trainer": "fledge", "name": name, "head": head, "wall_s": wall, "steps": len(steps),
@@ -280,7 +251,6 @@ def train_fledge_head(args, plan: Plan, w: Path, head: str) -> dict:
                        "replay_accept_len": ev.get("replay_accept_len")},
            "command": cmd}
     atomic_write_json(w / f"train-{name}.json", res)
-    return res
 
 
 def trained(w: Path) -> dict[str, dict]:
@@ -312,7 +282,7 @@ def peer_flags(plan: Plan, w: Path, workers: int, accelerator: bool) -> list[str
     return [str(f) for f in flags]
 
 
-def train_peer(args, plan: Plan, w: Path) -> dict:
+def train_peer(args, plan: Plan, w: Path) -> None:
     out = w / "peer"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -320,7 +290,7 @@ def train_peer(args, plan: Plan, w: Path) -> dict:
     cmd = [args.peer_python, str(PEER / "train.py"), "--metrics", str(metrics),
            *peer_flags(plan, w, args.peer_workers, torch.cuda.is_available())]
     wall = run(cmd, w / "logs" / "train-peer.log")
-    recs = read_jsonl(metrics)
+    recs = [r for _, r in read_jsonl(metrics)]
     steps = [(r["profile"]["tokens_per_s"] * r["profile"]["step_ms"] / 1e3, r["profile"]["step_ms"] / 1e3)
              for r in recs if "train" in r]
     val = [r["val"] for r in recs if "val" in r][-1]
@@ -336,11 +306,10 @@ def train_peer(args, plan: Plan, w: Path) -> dict:
                        "accept_len_simulated": 1 + sum(math.prod(cond[:j + 1]) for j in range(k))},
            "command": cmd}
     atomic_write_json(w / "train-speculators.json", res)
-    return res
 
 
 # --------------------------------------------------------------------------- measuring
-def measure(args, plan: Plan | None, w: Path) -> dict:
+def measure(args, plan: Plan | None, w: Path) -> None:
     """Every drafter in --drafters (default: all trained here) at every --shapes, shape by shape,
     on both prompt sets, against the engine's plain decoding in the same process. measure.json
     is rewritten after each row, so a run cut short keeps the rows it finished."""
@@ -380,7 +349,6 @@ def measure(args, plan: Plan | None, w: Path) -> dict:
                 print(f"{name:<8} {who:<20} {str(shape):<12} accept {sm['accept_length']:.3f}  {tok_s:8.1f} tok/s "
                       f"({tok_s / s['ar']['tok_s']:.2f}x plain)", flush=True)
                 atomic_write_json(args.out or w / "measure.json", out)
-    return out
 
 
 def drafter_dirs(drafters: list[str] | None, w: Path) -> dict[str, str]:
@@ -399,7 +367,7 @@ def drafter_dirs(drafters: list[str] | None, w: Path) -> dict[str, str]:
     return dirs
 
 
-def vllm(args, plan: Plan, w: Path) -> dict:
+def vllm(args, plan: Plan, w: Path) -> None:
     """bench/bench_vllm_accept.py on each drafter: vLLM's CPU build against fledge's engine."""
     out = {}
     for who, r in trained(w).items():
@@ -412,7 +380,6 @@ def vllm(args, plan: Plan, w: Path) -> dict:
         out[who] = {"vllm_accept_length": r["vllm"]["accept_length"], "engine_accept_length": r["fledge"]["accept_length"],
                     "identical_outputs": r["identical_outputs"], "prompts": r["prompts"], "k": r["k"]}
     atomic_write_json(w / "vllm.json", out)
-    return out
 
 
 # --------------------------------------------------------------------------- report
@@ -438,10 +405,9 @@ DIFFERENCES = [
 
 
 def feature_bytes(plan: Plan) -> dict:
-    """Bytes of target features a token needs when stored (offline training), from the config:
-    fledge's `fledge features` shards hold aux [T, 3H] and the final normed state [T, H];
-    speculators' files (vLLM's extraction) hold [T, len(aux)+1, H], the last one before the final
-    norm. Both in bf16 as each writes them by default; fledge trains online without them."""
+    """Bytes of target features a token needs when stored (offline training), bf16 as each
+    writes them: fledge's shards aux [T, 3H] + final normed state [T, H]; speculators' (vLLM's
+    extraction) [T, len(aux)+1, H]. fledge trains online without them."""
     h, k, bf16 = plan.hidden_size, len(plan.aux_layer_ids), 2
     tokens = plan.samples["train"]["tokens"]
     per = {"fledge": (k + 1) * h * bf16, "speculators": (k + 1) * h * bf16}
@@ -451,12 +417,10 @@ def feature_bytes(plan: Plan) -> dict:
 
 
 def sizing(train: dict, plan: Plan, machine: str, seconds: float) -> dict | None:
-    """The target tokens, and --max-convs (from this run's tokens a sample; not for --quick,
-    whose samples are cut short), that the slower trainer's steps get through in `seconds` on
-    one H200. Measured on a GPU, each trainer's own rate is used; measured on the CPU, fledge's
-    step rate on an H200 (bench/results/profile_train_h200.json, a random-weight step of the
-    full run's shape) is scaled by the speculators/fledge ratio measured here, an estimate:
-    speculators' per-sample HF target forwards cost a GPU relatively more than a CPU."""
+    """The target tokens, and --max-convs (not for --quick, whose samples are cut short), that
+    the slower trainer's steps get through in `seconds` on one H200. On the CPU this is an
+    estimate: profile_train_h200.json's step rate scaled by the speculators/fledge ratio
+    measured here (speculators' per-sample HF forwards cost a GPU relatively more)."""
     if not {"fledge", "speculators"} <= train.keys():
         return None
     rates = {who: r["target_tok_s"] for who, r in train.items()}
@@ -505,7 +469,7 @@ def git_commit() -> str | None:
     return r.stdout.strip() or None
 
 
-def report(args, plan: Plan, w: Path) -> dict:
+def report(args, plan: Plan, w: Path) -> None:
     def load(name):
         p = w / name
         return json.loads(p.read_text()) if p.is_file() else None
@@ -550,7 +514,6 @@ def report(args, plan: Plan, w: Path) -> dict:
     ran_in = str(Path(train["fledge"]["drafter"]).parents[1]) if "fledge" in train else str(w)  # where training ran
     atomic_write_json(path, portable(out, args.peer_python, ran_in))
     print(f"wrote {path}")
-    return out
 
 
 # --------------------------------------------------------------------------- CLI
@@ -562,6 +525,13 @@ def shape_arg(text: str) -> tuple[int, int, int]:
     return s, k, n
 
 
+def sized(group, flags) -> None:
+    """Integer flags whose default is FULL's or QUICK's size (applied in main)."""
+    for name, what in flags:
+        key = name.replace("-", "_")
+        group.add_argument(f"--{name}", type=int, help=f"{what} (default full {FULL[key] or 'all'}, quick {QUICK[key]})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step", choices=["prepare", "train-fledge", "train-peer", "measure", "vllm", "report", "all"])
@@ -570,11 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("prepare (fixed for the later steps in plan.json)")
     g.add_argument("--data", nargs="+", help="conversation files (.jsonl or .jsonl.gz), e.g. fledge regen's output")
     g.add_argument("--target", default="smollm2-135m", help="built-in name, GGUF file or HF directory")
-    for name, what in (("max-convs", "training conversations (full: all)"), ("max-heldout", "held-out conversations"),
-                       ("draft-vocab", "draft vocabulary size"), ("ttt-steps", "training-time-test depth"),
-                       ("max-len", "tokens a sample is cut to"), ("batch-size", "fledge's sequences a step")):
-        g.add_argument(f"--{name}", type=int, help=f"{what} (default full {FULL[name.replace('-', '_')]}, "
-                                                   f"quick {QUICK[name.replace('-', '_')]})")
+    sized(g, (("max-convs", "training conversations"), ("max-heldout", "held-out conversations"),
+              ("draft-vocab", "draft vocabulary size"), ("ttt-steps", "training-time-test depth"),
+              ("max-len", "tokens a sample is cut to"), ("batch-size", "fledge's sequences a step")))
     g.add_argument("--lr", type=float, default=5e-4, help="peak learning rate, both trainers (the shipped drafter's)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenize processes")
@@ -589,11 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report: size --max-convs for this many seconds of the slower trainer's steps on an H200")
     t.add_argument("--device", help="fledge's device (default cuda if available); speculators takes the accelerator")
     m = p.add_argument_group("measure, vllm")
-    m.add_argument("--num-prompts", type=int, help=f"prompts a set (default full: all, quick {QUICK['num_prompts']})")
-    m.add_argument("--max-new-tokens", type=int, help=f"a MT-Bench answer's tokens (default full "
-                                                      f"{FULL['max_new_tokens']}, quick {QUICK['max_new_tokens']})")
-    m.add_argument("--heldout-new-tokens", type=int, help=f"a held-out answer's tokens (default full "
-                                                          f"{FULL['heldout_new_tokens']}, quick {QUICK['heldout_new_tokens']})")
+    sized(m, (("num-prompts", "prompts a set"), ("max-new-tokens", "a MT-Bench answer's tokens"),
+              ("heldout-new-tokens", "a held-out answer's tokens")))
     m.add_argument("--drafters", nargs="+", help="measure, vllm: which trained drafters (default: all); measure "
                                                  "also takes NAME=DIR, any drafter directory (no `prepare` needed)")
     m.add_argument("--heldout-prompts", help="measure: held-out conversations (default: prepare's)")
@@ -608,10 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    sizes = QUICK if args.quick else FULL
-    args.num_prompts = args.num_prompts or sizes["num_prompts"]
-    args.max_new_tokens = args.max_new_tokens or sizes["max_new_tokens"]
-    args.heldout_new_tokens = args.heldout_new_tokens or sizes["heldout_new_tokens"]
+    vars(args).update({k: v for k, v in (QUICK if args.quick else FULL).items() if vars(args)[k] is None})
     w = Path(args.workdir).resolve()
     w.mkdir(parents=True, exist_ok=True)
     try:

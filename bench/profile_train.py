@@ -4,11 +4,9 @@ weights and random tokens, so no download is needed (kernel times depend on shap
 
     python bench/profile_train.py [--compare] [--batch 64 --seq 512 --ttt-steps 7] [--out JSON]
 
-Prints and writes: the step's wall time split into features / TTT forward+backward / optimizer
-(synchronised, medians), target tokens per second, and the GPU kernels of two steps grouped as
-attention, matmul, softmax and the rest, with the top kernels by time. `--compare` first runs a
-reference step (the head's draft columns gathered from the full logits, the soft CE eager), on
-the same model and inputs, so the two are measured in one call.
+The step's wall time split into features / TTT forward+backward / optimizer (medians), target
+tok/s, and on CUDA its kernels by category. `--compare` first runs the reference step (draft
+columns gathered from the full logits, eager soft CE) on the same model and inputs.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ def smollm2_random(dtype, device) -> transformers.LlamaForCausalLM:
 
 
 def kernels_ms(step, iters: int) -> dict[str, float]:
-    """GPU milliseconds per step of each kernel name, from torch.profiler (a kernel event's
-    range is its GPU interval)."""
+    """GPU milliseconds per step of each kernel name, from torch.profiler."""
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
@@ -69,8 +66,7 @@ def kernels_ms(step, iters: int) -> dict[str, float]:
 
 
 def gathered_view(head: TargetHead, hidden):
-    """TargetHead.view without the gathered draft rows: the draft vocab's columns gathered out of the
-    full logits, then cast and softmaxed (the reference `--compare` times against)."""
+    """TargetHead.view the reference way: the draft columns gathered out of the full logits."""
     logits = F.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
     return logits[..., head.draft_ids].float().softmax(-1), head.to_draft[logits.argmax(-1)]
 

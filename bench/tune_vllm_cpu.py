@@ -13,7 +13,6 @@ after the calibration). Prints a table and writes bench/results/tune_vllm_cpu.js
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
@@ -31,14 +30,8 @@ from fledge.util import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTER = ROOT / "drafters" / "smollm2-135m"
-
-
-def serve_module():
-    spec = importlib.util.spec_from_file_location("vllm_serve", ROOT / "scripts" / "vllm_serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(ROOT / "scripts"))
+import vllm_serve as serve  # noqa: E402
 
 
 # Run-to-run spread of one server's tok/s on this 2-core CPU (the same k measured twice has
@@ -55,7 +48,7 @@ def misranked(rows: list[dict], noise: float) -> list[tuple[int, int]]:
 
 def run(ks: list[int], calibrate_ks: list[int], levels: str, max_new_tokens: int, requests: int, out_dir: Path) -> dict:
     """vLLM's logs and the calibrated profile go to `out_dir`."""
-    serve, target = serve_module(), resolve_target("smollm2-135m")
+    target = resolve_target("smollm2-135m")
     profile_path = out_dir / "tune_vllm_cpu_profile.json"
     measured, starts = {}, {}
 
@@ -118,7 +111,6 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tune_vllm_cpu.json")
     args = ap.parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tune_vllm_cpu."))
     report = run(parse_levels(args.ks, "--ks"), parse_levels(args.calibrate_ks, "--calibrate-ks"), args.levels, args.max_new_tokens, args.requests, work)
     report["profile"] = json.loads((work / "tune_vllm_cpu_profile.json").read_text())

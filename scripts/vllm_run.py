@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import logging.handlers
 import os
 import re
 import time
@@ -25,15 +26,6 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
 
 AUX_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")
-
-
-class Collect(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def spec_counters(metrics) -> dict:
@@ -56,7 +48,7 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
 
-    log = Collect()
+    log = logging.handlers.BufferingHandler(capacity=1 << 30)  # keeps every record: never flushes
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().addHandler(log)
     from vllm import LLM, SamplingParams
@@ -75,7 +67,7 @@ def main():
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))
     t2 = time.perf_counter()
 
-    aux = [m.group(1) for line in log.lines if (m := AUX_LOG.search(line))]
+    aux = [m.group(1) for rec in log.buffer if (m := AUX_LOG.search(rec.getMessage()))]
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     result = {
         "target": args.target,

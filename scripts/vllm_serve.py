@@ -2,10 +2,9 @@
 
     python scripts/vllm_serve.py [--target smollm2-135m] [--port 0] [--max-model-len 1024]
 
-Runs in fledge's Python and starts vLLM from the venv built by scripts/setup_vllm.sh, bound to
-127.0.0.1 only. Prints the base URL once /health answers, then serves until Ctrl-C or SIGTERM.
-The server and its engine processes get a process group of their own, so stopping it (or a
-test killing it mid-run) leaves no orphaned engine behind. Tests import `start` from here.
+Runs in fledge's Python, vLLM from scripts/setup_vllm.sh's venv, bound to 127.0.0.1. Prints the
+base URL once /health answers; serves until Ctrl-C or SIGTERM. The server gets a process group
+of its own, so stopping it leaves no orphaned engine. Tests import `start` from here.
 """
 
 from __future__ import annotations
@@ -67,9 +66,8 @@ def healthy(url: str) -> bool:
 
 def start(target: Path, name: str, port: int = 0, max_model_len: int = 1024, dtype: str = "float32",
           log: Path | None = None, timeout: float = 300.0, venv: Path | None = None, extra: tuple = ()) -> Server:
-    """Start the server and wait (at most `timeout` s) until it answers /health.
-    `log` receives vLLM's output (None: this terminal); `extra`: more vLLM arguments
-    (e.g. --speculative-config JSON)."""
+    """Start the server, wait at most `timeout` s for /health. `log`: vLLM's output (None: this
+    terminal); `extra`: more vLLM arguments (e.g. --speculative-config JSON)."""
     venv = venv or venv_dir()
     env = venv_env(venv)
     port = port or free_port()

@@ -3,14 +3,11 @@ same ids and loss masks.
 
     python bench/peer/dataset.py TRAIN.jsonl HELDOUT.jsonl OUT_DIR
 
-The inputs are what `fledge tokenize` writes ({"input_ids", "loss_mask"} a line), every row
-taken: bench/peer_compare.py gives it the samples fledge's own loader keeps.
-
-OUT_DIR is what `speculators prepare-data` writes (`datasets` save_to_disk, torch format,
-columns input_ids, loss_mask, seq_len): the training rows first, then the held-out rows, each in
-file order. speculators' validation split is the dataset's tail, cut at int(rows *
-train_data_ratio); the last line printed (JSON) gives the ratio that makes that cut fall exactly
-between the two files, with the row counts. Runs in speculators' environment (needs `datasets`).
+The inputs are `fledge tokenize` rows ({"input_ids", "loss_mask"}), every row taken. OUT_DIR is
+what `speculators prepare-data` writes (columns input_ids, loss_mask, seq_len), the training rows
+then the held-out ones. speculators validates on the tail from int(rows * train_data_ratio): the
+last line printed (JSON) gives the ratio that cuts exactly between the files, with the row counts.
+Runs in speculators' environment (needs `datasets`).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import sys
 
 
 def samples(path: str):
-    """(input_ids, loss_mask) of every sample in a tokenized JSONL, in file order."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():

@@ -2,14 +2,10 @@
 transformers whenever the data loader asks for a sample, so training needs neither a vLLM
 server nor feature files on disk.
 
-For dataset row i it returns what vLLM's hidden-state extraction writes and speculators reads
-(`hs_connectors`' transfer API): `token_ids` [T] and `hidden_states` [T, len(aux)+1, H], the
-residual stream entering decoder layer L for each aux id L (HF `hidden_states[L]`), then the
-last layer's output before the final norm (speculators applies the verifier's norm and head
-itself). Captured by forward pre-hooks, as vLLM captures them, so no other layer is kept.
-
-Imported by bench/peer/train.py before speculators builds its config; `--hf-target-dtype`
-picks the target's dtype (default: bfloat16 with an accelerator, float32 without).
+Row i gives what vLLM's hidden-state extraction writes (`hs_connectors`' transfer API):
+`token_ids` [T] and `hidden_states` [T, len(aux)+1, H], the residual stream entering each aux
+layer, then the last layer's output before the final norm (speculators applies the norm and head
+itself), captured by forward pre-hooks as vLLM does. Imported by bench/peer/train.py.
 """
 
 from __future__ import annotations

@@ -2,15 +2,11 @@
 
     python bench/peer/train.py --metrics FILE.jsonl [speculators train flags ...]
 
-- the "hf" hidden-states backend (hf_backend.py beside this file) is registered, so
-  `--hidden-states-backend hf` computes the target's features in-process;
-- every metrics record the trainer logs (per step: losses, accuracies, the step's profile with
-  its token count and milliseconds; per epoch: validation) is appended to FILE as one JSON line
-  with its wall-clock time, and a last line {"done": true, "wall_s": ...} when training ends;
-- on a machine with no accelerator, the two places that assume one are redirected: the trainer
-  moves the model and each batch to `get_local_rank()` (an int, i.e. an accelerator index): here
-  "cpu"; its step timer calls torch.accelerator.synchronize() unconditionally: here a no-op.
-The rest is speculators' own code path, unchanged.
+- the "hf" hidden-states backend (hf_backend.py) is registered: `--hidden-states-backend hf`;
+- every metrics record it logs goes to FILE as a JSON line with its time, then a last line
+  {"done": true, "wall_s": ...};
+- with no accelerator, the model and batches go to "cpu" instead of `get_local_rank()` (an
+  accelerator index), and torch.accelerator.synchronize() is a no-op.
 """
 
 from __future__ import annotations
