@@ -60,10 +60,7 @@ class DraftInput:
 
 def target_dims(target) -> tuple[int, int, int]:
     """(hidden size, vocab size, layers) of an engine target (compact or HFTarget)."""
-    if hasattr(target, "args"):
-        return target.args.dim, target.args.vocab_size, target.args.n_layers
-    c = target.config
-    return c.hidden_size, c.vocab_size, c.num_hidden_layers
+    return target.dims()
 
 
 def _pad_chain(tokens: list[int], n: int, fill: int) -> list[int]:

@@ -98,7 +98,7 @@ def row_groups(batch: int, size: int = ROW_GROUP) -> list[tuple[int, int]]:
 def decode_spans(model, longest: list[int], cache_len: int) -> tuple[int, ...]:
     """The attention span of each row group whose longest row uses `longest[g]` slots; none (one
     graph for a whole run) when the model's prefix kernel reads each row's own length."""
-    if getattr(model, "prefix_kernel", False):
+    if model.prefix_kernel:
         return ()
     return tuple(attention_span(w, cache_len) for w in longest)
 
@@ -229,7 +229,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     # batch compute and read its length. Row b of the output is still prompts[b].
     order = sorted(range(B), key=lambda b: lens[b])
     slens = [lens[b] for b in order]
-    groups = row_groups(B, row_group) if getattr(model, "row_groups_ok", False) else [(0, B)]
+    groups = row_groups(B, row_group) if model.row_groups_ok else [(0, B)]
     longest = [slens[r1 - 1] for _, r1 in groups]  # sorted: a group's last row is its longest
 
     t0 = now(device)

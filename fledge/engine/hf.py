@@ -130,8 +130,16 @@ class HFTarget(nn.Module):
     slots) but exact: it is the reference path for families without a compact implementation
     (DeepSeek-V3/Kimi-K2, Gemma3). Not CUDA-graph capturable."""
 
+    # The capability flags every engine target declares (Transformer has the other values).
+    compact = False  # no ModelArgs, no resident prefill
     cuda_graph_ok = False
     row_groups_ok = False
+    prefix_kernel = False
+
+    def dims(self) -> tuple[int, int, int]:
+        """(hidden size, vocab size, layers)."""
+        c = self.config
+        return c.hidden_size, c.vocab_size, c.num_hidden_layers
 
     def __init__(self, hf_model):
         super().__init__()

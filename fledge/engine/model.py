@@ -359,6 +359,11 @@ class Transformer(nn.Module):
         return (h if hidden_only else linear(h, self.output.weight, None).float()), aux
 
     row_groups_ok = True  # forward takes per-group masks, prefill a row range (see generate_ar)
+    compact = True  # ModelArgs, static caches: a resident prefill can hold it
+
+    def dims(self) -> tuple[int, int, int]:
+        """(hidden size, vocab size, layers)."""
+        return self.args.dim, self.args.vocab_size, self.args.n_layers
 
     @property
     def prefix_kernel(self) -> bool:

@@ -42,7 +42,7 @@ class Resident:
     over the same static buffers (what the tests check)."""
 
     def __init__(self, model, max_len: int, aux_sets=(None,), use_graph: bool = True):
-        if not hasattr(model, "args"):
+        if not model.compact:
             raise FledgeError("a resident prefill needs the compact engine (Llama, Qwen2, Qwen3), "
                               f"not {type(model).__name__}")
         dev = model.output.weight.device

@@ -268,7 +268,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     if fused:
         aux_width = 3 * target_dims(target)[0] if drafter.aux_ids is not None else None
         state = RoundState.allocate(spec, device, aux_width, next(target.parameters()).dtype)
-        run_round = fused_round(target, cache, drafter, state, graphs and getattr(target, "cuda_graph_ok", False))
+        run_round = fused_round(target, cache, drafter, state, graphs and target.cuda_graph_ok)
     else:
         verify, propose, observe = _round_functions(target, cache, drafter, device, use_cuda_graph)
     # Device drafters need nothing from the host between rounds: the host reads round i while
@@ -402,12 +402,12 @@ def _round_functions(target, cache, drafter, device, use_cuda_graph: bool):
     def verify_fn(tokens, parents, depth, anc, cache_len):
         return verify_forward(target, cache, Tree(tokens, parents, depth, anc), cache_len, drafter.aux_ids)
 
-    run_verify = static_call(verify_fn, [ids, ids, ids, anc, one], graphs and getattr(target, "cuda_graph_ok", False))
+    run_verify = static_call(verify_fn, [ids, ids, ids, anc, one], graphs and target.cuda_graph_ok)
 
     def verify(tree, cache_len):
         return run_verify(tree.tokens, tree.parents, tree.depth, tree.anc, cache_len)
 
-    if not getattr(drafter, "device_only", False):
+    if not drafter.device_only:
         return verify, (lambda root, cache_len, ctx: drafter.propose(DraftInput(root, cache_len, ctx))), drafter.observe
     run_propose = static_call(lambda root, cache_len: drafter.propose(DraftInput(root, cache_len, [])), [one, one], graphs)
     if drafter.aux_ids is None:  # the oracle: nothing to observe

@@ -29,7 +29,7 @@ def generate_stream(model, prompts: list[list[int]], params: SamplingParams, eos
     Transformer (row groups, CUDA graphs)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise FledgeError("generate_stream: every prompt needs at least one token")
-    if not getattr(model, "row_groups_ok", False):
+    if not model.row_groups_ok:
         raise FledgeError("generate_stream needs the compact engine (prefill into chosen rows)")
     device = next(model.parameters()).device
     R, M = min(rows, len(prompts)), params.max_new_tokens
