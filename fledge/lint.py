@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from fledge.acceptance import max_nodes as sglang_tree_bound  # SGLang's verify-set bound (see max_nodes)
+from fledge.acceptance import max_nodes  # also SGLang's verify-set bound (see its doc)
 from fledge.checks import Check, DraftFacts, fail, ok, warn
 
 # Deeper than the training-time-test unroll (7 in SpecForge/EAGLE), extra draft tokens are
@@ -114,7 +114,7 @@ def _sglang_steps(o: dict) -> Check:
     if topk == 1 and ndt != steps + 1:
         return warn(name, f"chain (topk 1) with num_draft_tokens {ndt}: SGLang overrides it to steps+1 = {steps + 1}",
                      f"--speculative-num-draft-tokens {steps + 1}")
-    bound = sglang_tree_bound(steps, topk)
+    bound = max_nodes(steps, topk)
     if ndt > bound:
         return fail(name, f"num_draft_tokens {ndt} > 1 + topk + (steps-1)*topk^2 = {bound} candidates: the tree "
                      "selection fails at the first decode", f"--speculative-num-draft-tokens <= {bound}")

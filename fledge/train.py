@@ -599,7 +599,7 @@ def measure(run: Run, clock) -> tuple[float, float, float, list[int]]:
     rng = (torch.get_rng_state(), random.getstate(),
            torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None)
     fresh = [s for s in dict.fromkeys(first_shapes(run, range(run.per_epoch))) if s > 0]
-    warm = [0] + [s % run.per_epoch for s in (fresh + [1, 2, 3])[:3]]
+    warm = [0] + (fresh + [1, 2, 3])[:3]
     new = first_shapes(run, warm)
     reads = []
     for i, step in enumerate(warm):

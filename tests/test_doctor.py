@@ -10,12 +10,13 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny
 from fledge import cli, doctor, weights
+from fledge.acceptance import max_nodes
 from fledge.checks import FAIL, PASS, WARN, Check, draft_facts, exit_code, report
 from fledge.checkpoint import export_checkpoint
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
 from fledge.layout import canonical_name
-from fledge.lint import launch_checks, sglang_tree_bound
+from fledge.lint import launch_checks
 
 DRAFT_VOCAB = 100
 
@@ -244,7 +245,7 @@ def test_tree_bound_matches_candidate_count():
     for steps in range(1, 6):
         for topk in range(1, 6):
             candidates = [topk] + [topk * topk] * (steps - 1)  # per-step score tensors, flattened
-            assert sglang_tree_bound(steps, topk) == 1 + sum(candidates)
+            assert max_nodes(steps, topk) == 1 + sum(candidates)
 
 
 def test_sglang_other_flags(target, tmp_path):
