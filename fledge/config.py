@@ -105,7 +105,8 @@ TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes ove
                  ("step-decay", float, "loss weight of TTT step j is step-decay**j"),
                  ("max-len", int, "samples are cut to this many tokens"),
                  ("eval-samples", int, "held-out samples split off --data when --eval-data is unset"),
-                 ("draft-intermediate-size", int, "a fresh draft's MLP width (unset: the target's)"),
+                 ("draft-intermediate-size", int, "the draft's MLP width (unset: the target's, or --init's); with "
+                                                  "--init, the warm start is widened to it (Eagle3Draft.widen_mlp)"),
                  ("seed", int, "random seed (data order, eval split)"),
                  ("log-every", int, "steps between training log lines"),
                  ("eval-every", int, "steps between held-out evaluations"),
@@ -129,7 +130,7 @@ class TrainConfig:
     eval_data: str | None = None      # held-out set; None: `eval_samples` split off the training set
     eval_samples: int = 64
     aux_layers: tuple[int, ...] | None = None
-    draft_intermediate_size: int | None = None  # a fresh draft's MLP width (default: the target's; engines read it from config.json)
+    draft_intermediate_size: int | None = None  # the draft's MLP width (default: the target's or --init's; engines read it from config.json)
     max_len: int = 2048
     ttt_steps: int = 7
     step_decay: float = 0.8
@@ -166,7 +167,6 @@ class TrainConfig:
                   (not (self.time_budget and self.max_steps), "--time-budget plans the step count; drop --max-steps"),
                   (min(self.log_every, self.eval_every, self.save_every, self.epochs) >= 1, "intervals/epochs must be >= 1"),
                   (not (self.init and self.vocab), "--init brings its own vocab; drop --vocab"),
-                  (not (self.init and self.draft_intermediate_size), "--init brings its own shape; drop --draft-intermediate-size"),
                   (self.draft_intermediate_size is None or self.draft_intermediate_size >= 1, "draft_intermediate_size must be >= 1")]
         for ok, msg in checks:
             if not ok:

@@ -126,6 +126,30 @@ class Eagle3Draft(nn.Module):
                 self.norm.weight.copy_(cand)
                 return
 
+    @torch.no_grad()
+    def widen_mlp(self, size: int, seed: int = 0) -> None:
+        """Grow the MLP to `size` hidden units without changing what the draft computes: the new
+        gate/up rows start as nn.Linear's default init, the new down_proj columns at zero, so
+        each new unit adds nothing until training moves it (a warm start gains capacity without
+        first losing what it learned)."""
+        mlp, old = self.midlayer.mlp, self.cfg.intermediate_size
+        if size < old:
+            raise FledgeError(f"the drafter's MLP has {old} units; it can be widened, not narrowed to {size}")
+        g = torch.Generator().manual_seed(seed)
+        bound = self.cfg.hidden_size ** -0.5
+        grown = {}
+        for name in ("gate_proj", "up_proj"):
+            w = getattr(mlp, name).weight
+            extra = (torch.rand(size - old, w.shape[1], generator=g) * 2 - 1) * bound
+            grown[name] = torch.cat([w, extra.to(w)], 0)
+        w = mlp.down_proj.weight
+        grown["down_proj"] = torch.cat([w, w.new_zeros(w.shape[0], size - old)], 1)
+        for name, weight in grown.items():
+            layer = getattr(mlp, name)
+            layer.weight = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
+            layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
+        self.cfg = self.cfg.replace(intermediate_size=size)
+
     def cast(self, device, dtype) -> "Eagle3Draft":
         """Weights to `dtype` on `device`, RoPE frequencies kept fp32 as HF models keep them
         (bf16 frequencies shift the angles at long positions)."""

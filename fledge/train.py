@@ -23,12 +23,15 @@ of each padded length costs a one-time warm-up (kernel selection, compilation, a
 an H200 a first pass took ~1 s, a warm one ~0.23 s, so timing first passes alone plans for a
 run ~4x slower than the real one. The warm-up (`measure`; none of it changes the run: grads
 dropped, RNG put back) runs global batch 0 untimed, then three batches twice each (the first
-ones of epoch 0 to bring a new padded length): the second pass is a warm step
-(`seconds_per_step`), the first minus the second the one-time cost of a new length
-(`seconds_per_new_shape`); then the eval twice (the run's evals are all warm: the eval set is
-the same each time). The batch plan is a function of the data, so the lengths the planned
-steps meet for the first time are counted in advance (`first_shapes`, `new_shapes`): planned =
-spent + steps x seconds_per_step + new_shapes x seconds_per_new_shape + evals, and the plan is
+ones of epoch 0 to bring a new padded length): the second passes are warm steps, from which
+`fit_step_time` takes a fixed cost and a cost per padded token (batches differ in length
+several-fold, so the warm steps' mean alone misplans: on an H200 it planned 0.44 s a step for
+a run whose steps took 0.24 s); the first minus the second pass is the one-time cost of a new
+length (`seconds_per_new_shape`); then the eval twice (the run's evals are all warm: the eval
+set is the same each time). The batch plan is a function of the data, so each planned step's
+padded tokens (`step_tokens`) and the lengths the steps meet for the first time
+(`first_shapes`, `new_shapes`) are known in advance: planned = spent + the steps' fitted
+seconds + new_shapes x seconds_per_new_shape + evals, and the plan is
 the most steps that fit the budget (`budget_steps`). The LR schedule is built for that count,
 which `metrics.jsonl` records (a `plan` record, with the figures above) and every checkpoint
 keeps (`total_steps` in its meta.json), so a resumed run continues the same plan and never
@@ -42,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -223,6 +227,11 @@ def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
         if (draft.cfg.hidden_size, draft.cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
             raise FledgeError(f"--init {cfg.init}: drafter for H={draft.cfg.hidden_size}, vocab {draft.cfg.vocab_size}; "
                               f"target has H={tcfg.hidden_size}, vocab {tcfg.vocab_size}")
+        if cfg.draft_intermediate_size:
+            try:
+                draft.widen_mlp(cfg.draft_intermediate_size, cfg.seed)
+            except FledgeError as e:
+                raise FledgeError(f"--init {cfg.init}: {e}") from None
         return draft
     if cfg.vocab:
         ids, vocab = load_vocab_ids(cfg.vocab)
@@ -546,56 +555,94 @@ def rank_max(x: torch.Tensor, device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the time budget
-def planned_seconds(steps: int, step_s: float, eval_s: float, eval_every: int | None, first_s: float = 0.0,
+def planned_seconds(step_s: list[float], eval_s: float, eval_every: int | None, first_s: float = 0.0,
                     new_at: list[int] = ()) -> float:
-    """Seconds `steps` optimizer steps take with their evals (every `eval_every` steps and at
-    the last; `eval_every` None: no eval) and the one-time cost `first_s` of each new padded
-    length they meet (`new_at`: the steps meeting one, ascending, one entry per length)."""
+    """Seconds the optimizer steps costing `step_s` (one entry a step, in order) take with their
+    evals (every `eval_every` steps and at the last; `eval_every` None: no eval) and the one-time
+    cost `first_s` of each new padded length they meet (`new_at`: the steps meeting one,
+    ascending, one entry per length)."""
+    steps = len(step_s)
     evals = -(-steps // eval_every) * eval_s if eval_every else 0.0
-    return steps * step_s + bisect_left(new_at, steps) * first_s + evals
+    return sum(step_s) + bisect_left(new_at, steps) * first_s + evals
 
 
-def budget_steps(budget: float, spent: float, step_s: float, eval_s: float, eval_every: int | None,
+def budget_steps(budget: float, spent: float, step_s: list[float], eval_s: float, eval_every: int | None,
                  first_s: float = 0.0, new_at: list[int] = ()) -> int:
-    """The most optimizer steps whose `planned_seconds` fit in `budget` after `spent`; FledgeError
-    if not even one does."""
-    left = budget - spent
-    most = int(left / max(step_s, 1e-9)) + 1
-    cost = lambda n: planned_seconds(n, step_s, eval_s, eval_every, first_s, new_at)  # noqa: E731
-    steps = bisect_right(range(most + 1), left, key=cost) - 1
+    """The most leading steps of `step_s` whose `planned_seconds` fit in `budget` after `spent`;
+    FledgeError if not even one does."""
+    left, ran = budget - spent, [0.0, *itertools.accumulate(step_s)]
+    evals = lambda n: -(-n // eval_every) * eval_s if eval_every else 0.0  # noqa: E731
+    cost = lambda n: ran[n] + bisect_left(new_at, n) * first_s + evals(n)  # noqa: E731  planned_seconds, O(log n)
+    steps = bisect_right(range(len(ran)), left, key=cost) - 1
     if steps < 1:
         raise FledgeError(f"--time-budget {budget:g}: no optimizer step fits (setting up and measuring took "
-                          f"{spent:.1f} s, a step takes {step_s:.2g} s, an eval {eval_s:.2g} s): give at least "
+                          f"{spent:.1f} s, a step takes {step_s[0]:.2g} s, an eval {eval_s:.2g} s): give at least "
                           f"{math.ceil(spent + cost(1))} s")
     return steps
+
+
+def padded(run: Run, n: int) -> int:
+    return -(-n // run.cfg.pad_multiple) * run.cfg.pad_multiple  # as features.pad_batch pads
+
+
+def sample_lengths(run: Run) -> list[int]:
+    return [len(s.input_ids) for s in run.train]
+
+
+def step_lengths(run: Run, lengths: list[int], step: int) -> list[set[int]]:
+    """Each rank's padded micro-batch lengths in optimizer step `step` (`lengths`: sample_lengths)."""
+    batch = global_batch(run, step)
+    return [{padded(run, max(lengths[i] for i in micro_batch(run, batch, r, m))) for m in range(run.cfg.grad_accum)}
+            for r in range(run.world)]
+
+
+def step_tokens(run: Run, lengths: list[int], step: int) -> int:
+    """Padded tokens of optimizer step `step` on the rank that pads most: what its time scales with."""
+    batch = global_batch(run, step)
+    return max(sum(len(mb) * padded(run, max(lengths[i] for i in mb))
+                   for mb in (micro_batch(run, batch, r, m) for m in range(run.cfg.grad_accum)))
+               for r in range(run.world))
 
 
 def first_shapes(run: Run, steps) -> list[int]:
     """Positions in `steps` (optimizer steps, in the order they run) at which a rank meets a
     padded micro-batch length for the first time, one entry per length, as many as the rank
     meeting most (ranks wait for each other). Stops early once every rank has met every length."""
-    cfg, lengths = run.cfg, [len(s.input_ids) for s in run.train]
-    pad = lambda n: -(-n // cfg.pad_multiple) * cfg.pad_multiple  # noqa: E731  as features.pad_batch pads
-    every = {pad(n) for n in lengths}
+    lengths = sample_lengths(run)
+    every = {padded(run, n) for n in lengths}
     seen, out = [set() for _ in range(run.world)], []
     for pos, step in enumerate(steps):
         if all(s == every for s in seen):
             break
-        batch, new = global_batch(run, step), 0
-        for r, s in enumerate(seen):
-            mine = {pad(max(lengths[i] for i in micro_batch(run, batch, r, m))) for m in range(cfg.grad_accum)}
+        new = 0
+        for s, mine in zip(seen, step_lengths(run, lengths, step)):
             new = max(new, len(mine - s))
             s |= mine
         out += [pos] * new
     return out
 
 
-def measure(run: Run, clock) -> tuple[float, float, float, list[int]]:
-    """(seconds per warm step, one-time seconds of a new padded length, seconds per warm eval,
-    the steps the warm-up ran) for a time budget's plan (see the module doc): batch 0 untimed,
-    then each of three batches twice, then the eval twice. Gradients are dropped and RNG states
-    put back, so the run goes on as if none of it happened; the optimizer's own step is not
-    timed (it is small beside the passes)."""
+def fit_step_time(tokens: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(fixed seconds, seconds per padded token) of a warm step, least squares over the timed
+    steps, both kept >= 0: batches of similar lengths pad from ~100 to 2,048 tokens a row, so
+    three steps' mean time alone can miss a run's mean by half."""
+    mx, my = sum(tokens) / len(tokens), sum(seconds) / len(seconds)
+    sxx = sum((x - mx) ** 2 for x in tokens)
+    per = sum((x - mx) * (y - my) for x, y in zip(tokens, seconds)) / sxx if sxx else my / max(mx, 1)
+    fixed = my - per * mx
+    if per < 0:
+        return my, 0.0
+    if fixed < 0:
+        return 0.0, sum(x * y for x, y in zip(tokens, seconds)) / max(sum(x * x for x in tokens), 1)
+    return fixed, per
+
+
+def measure(run: Run, clock) -> tuple[float, float, float, float, list[int]]:
+    """(fixed seconds of a warm step, its seconds per padded token, one-time seconds of a new
+    padded length, seconds per warm eval, the steps the warm-up ran) for a time budget's plan
+    (see the module doc): batch 0 untimed, then each of three batches twice, then the eval
+    twice. Gradients are dropped and RNG states put back, so the run goes on as if none of it
+    happened; the optimizer's own step is not timed (it is small beside the passes)."""
     rng = (torch.get_rng_state(), random.getstate(),
            torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None)
     fresh = [s for s in dict.fromkeys(first_shapes(run, range(run.per_epoch))) if s > 0]
@@ -612,30 +659,37 @@ def measure(run: Run, clock) -> tuple[float, float, float, list[int]]:
             evaluate(run)
         reads.append(clock())
     took = [b - a for a, b in zip(reads, reads[1:])]  # batch 1 cold, warm, ..., batch 3 warm, eval cold, warm
-    step_s = sum(took[1:6:2]) / 3
+    lengths = sample_lengths(run)
+    fixed, per = fit_step_time([step_tokens(run, lengths, s) for s in warm[1:]], took[1:6:2])
     first = sum(c - w for i, (c, w) in enumerate(zip(took[0:6:2], took[1:6:2]), 1) if i in new)
     first_s = max(0.0, first / max(1, len(new) - new.count(0)))
     torch.set_rng_state(rng[0])
     random.setstate(rng[1])
     if rng[2] is not None:
         torch.cuda.set_rng_state_all(rng[2])
-    figures = rank_max(torch.tensor([step_s, first_s, took[-1]], dtype=torch.float64), run.device).tolist()
+    figures = rank_max(torch.tensor([fixed, per, first_s, took[-1]], dtype=torch.float64), run.device).tolist()
     return *figures, warm
 
 
 def plan_budget(run: Run, begun: float, clock) -> dict:
     """The `plan` record of a time-budget run: its step count and what it was planned from.
     Every rank plans from the slowest rank's figures, so all plan the same count."""
-    step_s, first_s, eval_s, warm = measure(run, clock)
-    horizon = int(run.cfg.time_budget / max(step_s, 1e-9)) + 1  # no plan gets further
-    new_at = [p - len(warm) for p in first_shapes(run, warm + list(range(horizon))) if p >= len(warm)]
+    fixed, per, first_s, eval_s, warm = measure(run, clock)
     spent = float(rank_max(torch.tensor([clock() - begun], dtype=torch.float64), run.device))
+    if fixed + per <= 0:
+        raise FledgeError("--time-budget: the measured steps took no time on this clock; plan with --max-steps")
+    lengths, step_s, total = sample_lengths(run), [], 0.0
+    while not step_s or total <= run.cfg.time_budget - spent:  # each step's planned seconds, until they alone overrun the budget
+        step_s.append(fixed + per * step_tokens(run, lengths, len(step_s)))
+        total += step_s[-1]
+    new_at = [p - len(warm) for p in first_shapes(run, warm + list(range(len(step_s)))) if p >= len(warm)]
     eval_every = run.cfg.eval_every if run.evals else None
     steps = budget_steps(run.cfg.time_budget, spent, step_s, eval_s, eval_every, first_s, new_at)
     return {"kind": "plan", "step": 0, "time_budget": run.cfg.time_budget, "total_steps": steps,
-            "seconds_per_step": step_s, "seconds_per_new_shape": first_s, "new_shapes": bisect_left(new_at, steps),
+            "seconds_per_step": sum(step_s[:steps]) / steps, "step_fixed_s": fixed, "step_s_per_token": per,
+            "seconds_per_new_shape": first_s, "new_shapes": bisect_left(new_at, steps),
             "seconds_per_eval": eval_s if eval_every else None, "spent_s": spent,
-            "planned_s": spent + planned_seconds(steps, step_s, eval_s, eval_every, first_s, new_at)}
+            "planned_s": spent + planned_seconds(step_s[:steps], eval_s, eval_every, first_s, new_at)}
 
 
 # --------------------------------------------------------------------------- logging

@@ -26,7 +26,7 @@ from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, Sample, TargetHead, feature_model, features_meta, load_samples,
                              online_features, write_features)
 from fledge.target import Target
-from fledge.train import (EXIT_BUDGET, TTT, Paused, Run, TrainConfig, budget_steps, epoch_batches, plan_budget,
+from fledge.train import (EXIT_BUDGET, TTT, Paused, Run, TrainConfig, budget_steps, epoch_batches, fit_step_time, plan_budget,
                           planned_seconds, replay_counts, summarize, train, unroll)
 from fledge.util import FledgeError
 from fledge.vocab import save_vocab
@@ -282,8 +282,30 @@ def test_wider_draft_mlp_trains_exports_and_drafts(tmp_path):
     ar = generate_ar(engine, [[1, 5, 9, 2]], params, eos_ids=[])[0][0]
     spec, _ = generate_spec(engine, Eagle3Drafter(draft, SpecConfig(3, 2, 6), engine), [1, 5, 9, 2], params, eos_ids=[])
     assert spec == ar
-    with pytest.raises(FledgeError, match="--draft-intermediate-size"):
-        config(tmp_path, init=str(out), draft_intermediate_size=64)
+    # Widening a warm start keeps what it computes: a run that barely moves it evaluates the same.
+    base = train(config(tmp_path, "same", init=str(out), max_steps=1, lr=1e-12, eval_samples=8), target)
+    wide = train(config(tmp_path, "wide", init=str(out), draft_intermediate_size=160, max_steps=1, lr=1e-12,
+                        eval_samples=8), target)
+    assert wide["eval"]["objective"] == pytest.approx(base["eval"]["objective"], rel=1e-4)
+    assert json.loads((tmp_path / "wide" / "draft" / "config.json").read_text())["intermediate_size"] == 160
+    with pytest.raises(FledgeError, match="--init .*96 units.*narrowed to 64"):
+        train(config(tmp_path, "narrow", init=str(out), draft_intermediate_size=64, max_steps=1), target)
+
+
+def test_widened_mlp_computes_what_it_did():
+    """Eagle3Draft.widen_mlp: same outputs in fp32, the new units live (they train), width recorded."""
+    draft = random_draft(make_tiny("llama"))
+    ids, aux = torch.randint(0, V, (2, 9)), torch.randn(2, 9, 3 * draft.cfg.hidden_size)
+    with torch.no_grad():
+        before = torch.stack(unroll(draft, ids, aux, 3))
+        draft.widen_mlp(draft.cfg.intermediate_size + 40, seed=3)
+        after = torch.stack(unroll(draft, ids, aux, 3))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    mlp = draft.midlayer.mlp
+    assert draft.cfg.intermediate_size == mlp.gate_proj.weight.shape[0] == mlp.down_proj.weight.shape[1]
+    assert mlp.gate_proj.weight[-40:].abs().min() > 0 and mlp.down_proj.weight[:, -40:].abs().max() == 0
+    torch.stack(unroll(draft, ids, aux, 3)).square().sum().backward()
+    assert mlp.down_proj.weight.grad[:, -40:].abs().max() > 0
 
 
 # --------------------------------------------------------------------------- ranks and shards
@@ -383,31 +405,45 @@ def test_sigint_pauses_with_a_checkpoint_and_resumes_the_same_curve(tmp_path):
 
 # --------------------------------------------------------------------------- --time-budget
 def test_budget_plans_the_most_steps_that_fit():
-    """budget_steps against counting up one step at a time: steps cost step_s, an eval runs
-    every eval_every steps and after the last."""
+    """budget_steps against counting up one step at a time: step i costs step_s[i], a new
+    padded length met at a step of new_at costs first_s once, an eval runs every eval_every
+    steps and after the last."""
     g = torch.Generator().manual_seed(0)
+    rand = lambda scale=1.0: float(torch.rand((), generator=g)) * scale  # noqa: E731
     for _ in range(300):
-        budget, spent = float(torch.rand((), generator=g)) * 100, float(torch.rand((), generator=g)) * 10
-        step_s, eval_s = 0.05 + float(torch.rand((), generator=g)), float(torch.rand((), generator=g)) * 5
-        every = None if torch.rand((), generator=g) < 0.2 else int(torch.randint(1, 20, (), generator=g))
+        budget, spent, eval_s, first_s = rand(100), rand(10), rand(5), rand(2)
+        step_s = [0.05 + rand() for _ in range(400)]
+        new_at = sorted(int(torch.randint(0, 60, (), generator=g)) for _ in range(int(torch.randint(0, 8, (), generator=g))))
+        every = None if rand() < 0.2 else int(torch.randint(1, 20, (), generator=g))
+        seconds = lambda n: (sum(step_s[:n]) + sum(first_s for p in new_at if p < n)  # noqa: E731
+                             + (-(-n // every) * eval_s if every else 0))
         n = 0
-        while spent + (n + 1) * step_s + (-(-(n + 1) // every) * eval_s if every else 0) <= budget:
+        while spent + seconds(n + 1) <= budget:
             n += 1
         if n == 0:
             with pytest.raises(FledgeError, match=f"--time-budget {budget:g}: no optimizer step fits"):
-                budget_steps(budget, spent, step_s, eval_s, every)
+                budget_steps(budget, spent, step_s, eval_s, every, first_s, new_at)
         else:
-            assert budget_steps(budget, spent, step_s, eval_s, every) == n
-            assert spent + planned_seconds(n, step_s, eval_s, every) <= budget
+            assert budget_steps(budget, spent, step_s, eval_s, every, first_s, new_at) == n
+            assert spent + planned_seconds(step_s[:n], eval_s, every, first_s, new_at) == pytest.approx(spent + seconds(n))
+
+
+def test_step_time_fit_recovers_a_line_and_stays_non_negative():
+    assert fit_step_time([100, 400, 250], [0.06, 0.21, 0.135]) == pytest.approx((0.01, 5e-4))
+    assert fit_step_time([100, 400, 250], [0.3, 0.1, 0.2]) == pytest.approx((0.2, 0.0))  # slower when shorter: the mean
+    fixed, per = fit_step_time([100, 400, 250], [0.1, 0.35, 0.2])
+    assert fixed >= 0 and per > 0
+    assert fit_step_time([256, 256, 256], [0.2, 0.2, 0.2]) == pytest.approx((0.0, 0.2 / 256))
 
 
 def test_budget_plan_pays_each_new_batch_length_once(tmp_path, monkeypatch):
-    """A simulated GPU: a forward/backward pass takes 0.2 s, plus 1 s the first time its padded
-    length is met (kernel selection, compilation); an eval 0.5 s, plus 2 s the first time. The
-    plan counts that 1 s once per new length, not per step, so the simulated run takes the
-    planned seconds and ends within a step of the budget; timing first passes alone (the old
-    warm-up, every step at 1.2 s) planned under a third of these steps."""
-    assert [planned_seconds(n, 0.2, 0.0, None, 1.0, [3, 3, 7]) for n in range(10)] == pytest.approx(
+    """A simulated GPU: a forward/backward pass takes 0.05 s plus 0.2 ms per padded token, plus
+    1 s the first time its padded length is met (kernel selection, compilation); an eval 0.5 s,
+    plus 2 s the first time. The plan fits the per-token cost from three warm steps and counts
+    the 1 s once per new length, not per step, so the simulated run takes the planned seconds
+    and ends within a step of the budget. Timing first passes alone planned under a third of
+    these steps, and the three warm steps' mean time alone misses the count too."""
+    assert [planned_seconds([0.2] * n, 0.0, None, 1.0, [3, 3, 7]) for n in range(10)] == pytest.approx(
         [0.2 * n + 2 * (n > 3) + (n > 7) for n in range(10)])
     write_data(tmp_path / "data.jsonl")
     cfg = config(tmp_path, max_steps=None, time_budget=120.0, batch_size=8, pad_multiple=4, eval_every=50)
@@ -416,13 +452,14 @@ def test_budget_plan_pays_each_new_batch_length_once(tmp_path, monkeypatch):
                       torch.ones(1, dtype=torch.bool)) for i in range(800)]
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     run = Run(cfg, None, None, None, "", None, (), None, samples, samples[:8], opt, 100, 0, 1, torch.device("cpu"))
-    now, met, evals = [10.0], set(), []  # 10 s of setting up before the warm-up
+    now, met, evals, warm_s = [10.0], set(), [], []  # 10 s of setting up before the warm-up
 
     def accumulate(run, step):
         epoch, k = divmod(step, 100)
         batch = epoch_batches([len(s.input_ids) for s in samples], 8, cfg.seed, epoch)[k]
         length = -(-max(len(samples[i].input_ids) for i in batch) // 4) * 4
-        now[0] += 0.2 + (length not in met)
+        warm_s.append(0.05 + 2e-4 * 8 * length)
+        now[0] += warm_s[-1] + (length not in met)
         met.add(length)
         return torch.zeros(3, 1), 0
 
@@ -433,17 +470,20 @@ def test_budget_plan_pays_each_new_batch_length_once(tmp_path, monkeypatch):
     monkeypatch.setattr("fledge.train.accumulate", accumulate)
     monkeypatch.setattr("fledge.train.evaluate", evaluate)
     plan = plan_budget(run, 0.0, lambda: now[0])
-    n, warmed = plan["total_steps"], len(met)
-    figures = plan["seconds_per_step"], plan["seconds_per_new_shape"], plan["seconds_per_eval"]
-    assert figures == pytest.approx((0.2, 1.0, 0.5))
+    n, warmed, timed = plan["total_steps"], len(met), warm_s[2:7:2]
+    figures = plan["step_fixed_s"], plan["step_s_per_token"], plan["seconds_per_new_shape"], plan["seconds_per_eval"]
+    assert figures == pytest.approx((0.05, 2e-4, 1.0, 0.5))
     assert plan["spent_s"] == now[0]
+    warm_s[:] = []
     for step in range(n):  # the run: the lengths the warm-up met are warm
         accumulate(run, step)
         if (step + 1) % 50 == 0 or step + 1 == n:
             evaluate(run)
     assert 10 < plan["new_shapes"] == len(met) - warmed < n / 10
-    assert now[0] == pytest.approx(plan["planned_s"]) and 120.0 - 0.2 - 1.0 - 0.5 < now[0] <= 120.0 + 1e-9
-    assert n > 3 * budget_steps(120.0, plan["spent_s"], 1.2, 2.5, 50)
+    assert now[0] == pytest.approx(plan["planned_s"]) and 120.0 - max(warm_s) - 1.0 - 0.5 < now[0] <= 120.0 + 1e-9
+    assert plan["seconds_per_step"] == pytest.approx(sum(warm_s) / n)
+    assert abs(sum(timed) / 3 / plan["seconds_per_step"] - 1) > 0.1  # what a plan from the mean would be off by
+    assert n > 3 * budget_steps(120.0, plan["spent_s"], [s + 1.0 for s in warm_s] + [2.0] * n, 2.5, 50)
 
 
 def test_time_budget_pauses_and_resumes_to_the_planned_run(tmp_path):
