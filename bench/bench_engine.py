@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ from transformers import StaticCache
 from fledge.acceptance import parse_shape
 from fledge.bench import load_prompts
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
-from fledge.engine.generate import SamplingParams, generate_ar
+from fledge.engine.generate import SamplingParams, generate_ar, now
 from fledge.engine.hf import build_engine_target
 from fledge.engine.model import GEMV_ROWS, LayerFns
 from fledge.engine.resident import Resident
@@ -47,19 +46,16 @@ def hf_runner(hf, eos, device, static_len: int | None = None):
     """HF generate; with `static_len`, one StaticCache reused (reset) for every prompt, so the
     auto-compiled decode step (CUDA) never sees a new shape."""
     cache = StaticCache(config=hf.config, max_cache_len=static_len) if static_len else None
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def run(prompt, params, _ar):
         ids = torch.tensor([prompt], device=device)
         kw = {} if cache is None else {"past_key_values": cache}
         if cache is not None:
             cache.reset()
-        sync()
-        t0 = time.perf_counter()
+        t0 = now(device)
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
                           do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
-        sync()
-        return out[0, len(prompt):].tolist(), time.perf_counter() - t0, None, None
+        return out[0, len(prompt):].tolist(), now(device) - t0, None, None
     return run
 
 

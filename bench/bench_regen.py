@@ -13,23 +13,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
 from fledge.bench import load_prompts
-from fledge.engine.generate import ROW_GROUP, SamplingParams, cut_at_eos, generate_ar
+from fledge.engine.generate import ROW_GROUP, SamplingParams, cut_at_eos, generate_ar, now
 from fledge.engine.hf import build_engine_target
 from fledge.engine.stream import generate_stream
 from fledge.target import eos_ids, load_target
 from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, print_table as print_rows
 from machine import machine_name, result_path
-
-
-def now(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def hf_batch(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: int, device):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fledge.util import FledgeError, atomic_write_json, read_jsonl, save_figure
+from fledge.util import FledgeError, atomic_write_json, read_jsonl, save_figure, subplots
 from machine import machine_name, result_path
 
 
@@ -47,9 +47,7 @@ def summarize(runs: dict[str, list[dict]], ranks: dict[str, int], skip: int) -> 
 
 
 def plot(runs: dict[str, list[dict]], summary: dict, path: str) -> None:
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(11, 4))
-    a, b = fig.subplots(1, 2)
+    fig, (a, b) = subplots(1, 2, figsize=(11, 4))
     for name, rows in runs.items():
         a.plot([r["step"] for r in rows], [r["objective"] for r in rows], "o-", ms=3, label=name)
     a.set(title="training objective (same global batch)", xlabel="optimizer step")

@@ -4,26 +4,24 @@ vocabulary, same depth, one epoch each, both drafters then measured in fledge's 
     python bench/peer_compare.py all --data A.jsonl.gz [B.jsonl.gz ...] [--quick] [--target T]
         [--peer-python PY] [--workdir runs/peer] [--vllm]
 
-Each step is a subcommand (`all` runs them in order; `vllm` only with --vllm), reading and
-writing files under --workdir, so a step can be rerun on its own:
+Each step is a subcommand (`all` runs them in order; `vllm` only with --vllm) reading and writing
+files under --workdir, so a step can be rerun on its own:
   prepare       a subset of --data fixed by file names and ids (`sharegpt` rows train,
-                `sharegpt-heldout` rows are held out), `fledge tokenize`d and cut to the samples
-                fledge's loader keeps in whole batches: the one file both trainers read; the
-                draft vocab from `fledge vocab build`, also as the d2t/t2d .npy speculators reads.
+                `sharegpt-heldout` rows are held out), tokenized and cut to the samples fledge's
+                loader keeps in whole batches: the one file both trainers read; the draft vocab,
+                also as the d2t/t2d .npy speculators reads.
   train-fledge  `fledge train`, one epoch, once per --heads recipe (default `fresh`: `fledge`).
-  train-peer    speculators' trainer (bench/peer/train.py in --peer-python), one epoch, with
-                fledge's drafter layer, the target's features from HF in-process
-                (bench/peer/hf_backend.py); read back with `fledge import`.
+  train-peer    speculators' trainer (bench/peer/train.py in --peer-python), one epoch, fledge's
+                drafter layer, the target's features from HF in-process; read back by `fledge import`.
   measure       the drafters in fledge's engine, batch 1, greedy: plain decoding and each of
                 --shapes on the MT-Bench first turns and the held-out prompts. `--drafters
-                NAME=DIR ...` measures any drafters side by side, with no other step run
-                (--target, --heldout-prompts, --out).
+                NAME=DIR ...` measures any drafters side by side, with no other step run.
   vllm          bench/bench_vllm_accept.py on each drafter (vLLM's CPU build, a chain of 3).
   report        the tables, and bench/results/peer_compare_<machine>.json (`_quick` with --quick).
 
 A trainer's wall time is its whole command (not `fledge import`); its target tok/s counts its
-training steps after the first --skip-steps (compilation, warm-up), from its own per-step log.
-Accept length is SGLang's: (accepted drafts + 1 bonus) per verify step.
+steps after the first --skip-steps (compilation, warm-up), from its own per-step log. Accept
+length is SGLang's: (accepted drafts + 1 bonus) per verify step.
 """
 
 from __future__ import annotations
@@ -91,10 +89,8 @@ class Plan:
         return cls(**json.loads(path.read_text()))
 
 
-# --------------------------------------------------------------------------- running commands
 def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
-    """Run `cmd` with its output shown and kept in `log`; its wall seconds. A failure exits with
-    the log's tail."""
+    """Run `cmd` with its output shown and kept in `log`; its wall seconds. A failure raises with the log's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
@@ -120,7 +116,6 @@ def fledge_cmd(*args) -> list[str]:
     return [sys.executable, "-m", "fledge.cli", *map(str, args)]
 
 
-# --------------------------------------------------------------------------- prepare
 def pick_subset(files: list[Path], max_convs: int | None, max_heldout: int) -> tuple[list[dict], list[dict], int]:
     """(train, held-out, training rows available): each set ordered by sha256 of "<file
     name>:<id>", so the subset draws from every file and is the same on every machine; the
@@ -213,7 +208,6 @@ def prepare(args, w: Path) -> Plan:
     return plan
 
 
-# --------------------------------------------------------------------------- the trainers
 def step_times(steps: list[tuple[float, float]], skip: int, wall: float) -> dict:
     """From per-step (tokens, seconds): target tokens/s with the first `skip` steps left out
     (fewer if the run is that short), and the seconds of the command that were not training
@@ -225,32 +219,29 @@ def step_times(steps: list[tuple[float, float]], skip: int, wall: float) -> dict
 
 
 def train_fledge(args, plan: Plan, w: Path) -> None:
-    for head in args.heads:
-        train_fledge_head(args, plan, w, head)
-
-
-def train_fledge_head(args, plan: Plan, w: Path, head: str) -> None:
-    name = "fledge" if head == "fresh" else f"fledge-{head}-head"
-    out = w / name
-    shutil.rmtree(out, ignore_errors=True)  # a fresh run: `fledge train` would resume a checkpoint
     never = 10 ** 9  # eval and save only at the end (every run evaluates and saves its last step)
-    cmd = fledge_cmd("train", "--data", w / "tok" / "train.used.jsonl", "--eval-data", w / "tok" / "heldout.used.jsonl",
-                     "--vocab", w / "vocab" / "vocab.safetensors", "--target", plan.target_dir, "--out", out,
-                     "--epochs", 1, "--batch-size", plan.batch_size, "--ttt-steps", plan.ttt_steps,
-                     "--step-decay", STEP_DECAY, "--warmup", WARMUP, "--max-len", plan.max_len, "--lr", plan.lr,
-                     "--seed", plan.seed, "--log-every", 1, "--eval-every", never, "--save-every", never,
-                     "--head", head, *(["--device", args.device] if args.device else []))
-    wall = run(cmd, w / "logs" / f"train-{name}.log", fledge_env())
-    recs = [r for _, r in read_jsonl(out / "metrics.jsonl")]
-    steps = [(r["target_tokens"], r["seconds"]) for r in recs if r["kind"] == "train"]
-    ev = [r for r in recs if r["kind"] == "eval"][-1]
-    res = {"trainer": "fledge", "name": name, "head": head, "wall_s": wall, "steps": len(steps),
-           "target_tokens": sum(t for t, _ in steps), **step_times(steps, args.skip_steps, wall),
-           "drafter": str(out / "draft"),
-           "heldout": {"acc": ev["acc"], "loss": ev["loss"], "accept_len_simulated": ev["accept_len"],
-                       "replay_accept_len": ev.get("replay_accept_len")},
-           "command": cmd}
-    atomic_write_json(w / f"train-{name}.json", res)
+    for head in args.heads:
+        name = "fledge" if head == "fresh" else f"fledge-{head}-head"
+        out = w / name
+        shutil.rmtree(out, ignore_errors=True)  # a fresh run: `fledge train` would resume a checkpoint
+        cmd = fledge_cmd("train", "--data", w / "tok" / "train.used.jsonl",
+                         "--eval-data", w / "tok" / "heldout.used.jsonl", "--vocab", w / "vocab" / "vocab.safetensors",
+                         "--target", plan.target_dir, "--out", out, "--epochs", 1, "--batch-size", plan.batch_size,
+                         "--ttt-steps", plan.ttt_steps, "--step-decay", STEP_DECAY, "--warmup", WARMUP,
+                         "--max-len", plan.max_len, "--lr", plan.lr, "--seed", plan.seed, "--log-every", 1,
+                         "--eval-every", never, "--save-every", never,
+                         "--head", head, *(["--device", args.device] if args.device else []))
+        wall = run(cmd, w / "logs" / f"train-{name}.log", fledge_env())
+        recs = [r for _, r in read_jsonl(out / "metrics.jsonl")]
+        steps = [(r["target_tokens"], r["seconds"]) for r in recs if r["kind"] == "train"]
+        ev = [r for r in recs if r["kind"] == "eval"][-1]
+        res = {"trainer": "fledge", "name": name, "head": head, "wall_s": wall, "steps": len(steps),
+               "target_tokens": sum(t for t, _ in steps), **step_times(steps, args.skip_steps, wall),
+               "drafter": str(out / "draft"),
+               "heldout": {"acc": ev["acc"], "loss": ev["loss"], "accept_len_simulated": ev["accept_len"],
+                           "replay_accept_len": ev.get("replay_accept_len")},
+               "command": cmd}
+        atomic_write_json(w / f"train-{name}.json", res)
 
 
 def trained(w: Path) -> dict[str, dict]:
@@ -308,7 +299,6 @@ def train_peer(args, plan: Plan, w: Path) -> None:
     atomic_write_json(w / "train-speculators.json", res)
 
 
-# --------------------------------------------------------------------------- measuring
 def measure(args, plan: Plan | None, w: Path) -> None:
     """Every drafter in --drafters (default: all trained here) at every --shapes, shape by shape,
     on both prompt sets, against the engine's plain decoding in the same process. measure.json
@@ -382,7 +372,6 @@ def vllm(args, plan: Plan, w: Path) -> None:
     atomic_write_json(w / "vllm.json", out)
 
 
-# --------------------------------------------------------------------------- report
 # What differs between the two runs beyond the flags they share; the values are each trainer's
 # own (fledge's from TrainConfig, speculators' fixed in its code).
 DIFFERENCES = [
@@ -470,12 +459,8 @@ def git_commit() -> str | None:
 
 
 def report(args, plan: Plan, w: Path) -> None:
-    def load(name):
-        p = w / name
-        return json.loads(p.read_text()) if p.is_file() else None
-
     train = trained(w)
-    meas, vl = load("measure.json"), load("vllm.json")
+    meas, vl = (json.loads(p.read_text()) if p.is_file() else None for p in (w / "measure.json", w / "vllm.json"))
     machine = meas["machine"] if meas else machine_name("cuda" if torch.cuda.is_available() else "cpu")
     out = {"machine": machine, "commit": args.commit or git_commit(), "quick": plan.quick, "plan": dataclasses.asdict(plan), "training": train,
            "measure": meas, "vllm": vl, "feature_bytes": feature_bytes(plan), "differences": DIFFERENCES,
@@ -516,7 +501,6 @@ def report(args, plan: Plan, w: Path) -> None:
     print(f"wrote {path}")
 
 
-# --------------------------------------------------------------------------- CLI
 def shape_arg(text: str) -> tuple[int, int, int]:
     try:
         s, k, n = (int(x) for x in text.split(","))

@@ -124,8 +124,7 @@ def profile(model, batch: int, seq: int, ttt_steps: int, draft_vocab: int, steps
     out = {"variant": "reference (gathered head, eager loss)" if before else
            f"now (draft-vocab head rows, {'compiled' if compiled else 'eager'} loss)",
            "first_loss": losses[0], "batch": batch, "seq": seq, "ttt_steps": ttt_steps, "draft_vocab": draft_vocab,
-           "steps": steps,
-           "step_ms": total, "features_ms": feats, "ttt_fwd_bwd_ms": fwd_bwd, "optimizer_ms": optim,
+           "steps": steps, "step_ms": total, "features_ms": feats, "ttt_fwd_bwd_ms": fwd_bwd, "optimizer_ms": optim,
            "target_tok_s": batch * seq / total * 1e3}
     if cuda:
         for _ in range(3):

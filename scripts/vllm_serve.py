@@ -40,13 +40,12 @@ class Server:
         for s in (sig, signal.SIGKILL):
             try:
                 os.killpg(self.proc.pid, s)
-            except ProcessLookupError:
-                return
-            try:
                 self.proc.wait(timeout)
                 return
+            except ProcessLookupError:
+                return
             except subprocess.TimeoutExpired:
-                continue
+                pass
 
 
 def free_port() -> int:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-import hf_backend  # noqa: F401  (registers --hidden-states-backend hf before speculators reads its flags)
+importlib.import_module("hf_backend")  # registers --hidden-states-backend hf before speculators reads its flags
 
 
 class MetricsFile(logging.Handler):
