@@ -678,8 +678,9 @@ def plan_budget(run: Run, begun: float, clock) -> dict:
     spent = float(rank_max(torch.tensor([clock() - begun], dtype=torch.float64), run.device))
     if fixed + per <= 0:
         raise FledgeError("--time-budget: the measured steps took no time on this clock; plan with --max-steps")
+    # Each step's planned seconds, until the steps alone overrun the budget: no plan gets further.
     lengths, step_s, total = sample_lengths(run), [], 0.0
-    while not step_s or total <= run.cfg.time_budget - spent:  # each step's planned seconds, until they alone overrun the budget
+    while not step_s or total <= run.cfg.time_budget - spent:
         step_s.append(fixed + per * step_tokens(run, lengths, len(step_s)))
         total += step_s[-1]
     new_at = [p - len(warm) for p in first_shapes(run, warm + list(range(len(step_s)))) if p >= len(warm)]
