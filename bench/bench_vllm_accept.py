@@ -89,14 +89,17 @@ def main(argv=None) -> int:
     v_pos = [a / max(sd["num_drafts"], 1) for a in sd["num_accepted_tokens_per_pos"]]
     f_al = f_stats.accept_length()
     same = sum(a == b for a, b in zip(f_out, v["outputs"]))
-    report = {"target": args.target, "drafter": args.drafter, "prompts": len(prompts), "max_tokens": args.max_tokens,
-              "k": args.k, "dtype": "float32", "device": "cpu",
-              "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
-              "vllm": {"accept_length": v_al, "acceptance_by_position": v_pos, "drafts": sd["num_drafts"],
-                       "seconds": round(t1 - t0, 1)},
-              "fledge": {"accept_length": f_al, "acceptance_by_depth": f_stats.depth_acceptance(),
-                         "verify_steps": f_stats.steps, "seconds": round(t2 - t1, 1)},
-              "relative_difference": (f_al - v_al) / v_al, "identical_outputs": same}
+    report = {
+        "target": args.target, "drafter": args.drafter, "prompts": len(prompts), "max_tokens": args.max_tokens,
+        "k": args.k, "dtype": "float32", "device": "cpu",
+        "accept_length_definition": "SGLang: (accepted draft tokens + 1 bonus) per verify step",
+        "vllm": {"accept_length": v_al, "acceptance_by_position": v_pos, "drafts": sd["num_drafts"],
+                 "seconds": round(t1 - t0, 1)},
+        "fledge": {"accept_length": f_al, "acceptance_by_depth": f_stats.depth_acceptance(),
+                   "verify_steps": f_stats.steps, "seconds": round(t2 - t1, 1)},
+        "relative_difference": (f_al - v_al) / v_al,
+        "identical_outputs": same,
+    }
     print(f"{'engine':<8}{'accept len':>11}  by position / depth")
     print(f"{'vLLM':<8}{v_al:>11.3f}  " + " ".join(f"{x:.3f}" for x in v_pos))
     print(f"{'fledge':<8}{f_al:>11.3f}  " + " ".join(f"{x:.3f}" for x in f_stats.depth_acceptance()))

@@ -459,8 +459,12 @@ def git_commit() -> str | None:
 
 
 def report(args, plan: Plan, w: Path) -> None:
+    def load(name):
+        p = w / name
+        return json.loads(p.read_text()) if p.is_file() else None
+
     train = trained(w)
-    meas, vl = (json.loads(p.read_text()) if p.is_file() else None for p in (w / "measure.json", w / "vllm.json"))
+    meas, vl = load("measure.json"), load("vllm.json")
     machine = meas["machine"] if meas else machine_name("cuda" if torch.cuda.is_available() else "cpu")
     out = {"machine": machine, "commit": args.commit or git_commit(), "quick": plan.quick, "plan": dataclasses.asdict(plan), "training": train,
            "measure": meas, "vllm": vl, "feature_bytes": feature_bytes(plan), "differences": DIFFERENCES,

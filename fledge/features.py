@@ -62,11 +62,15 @@ def load_samples(path, max_len: int, vocab_size: int) -> list[Sample]:
     return samples
 
 
+def padded_length(n: int, multiple: int) -> int:
+    """The length a batch whose longest sample has `n` tokens is padded to (pad_batch)."""
+    return -(-n // multiple) * multiple
+
+
 def pad_batch(samples: list[Sample], multiple: int = 1):
     """Right-pad to the longest sample, rounded up to `multiple` so lengths fall in a few
     buckets (fewer shapes for kernels to tune for). Returns ids, loss_mask, attention_mask."""
-    t = max(len(s.input_ids) for s in samples)
-    t = -(-t // multiple) * multiple
+    t = padded_length(max(len(s.input_ids) for s in samples), multiple)
     ids = torch.zeros(len(samples), t, dtype=torch.int64)
     mask = torch.zeros(len(samples), t, dtype=torch.bool)
     attn = torch.zeros(len(samples), t, dtype=torch.int64)

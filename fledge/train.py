@@ -67,7 +67,7 @@ from fledge.config import DraftConfig, TrainConfig
 from fledge.conventions import accept_length, chain_replay
 from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, feature_model, features_meta,
-                             load_samples, online_features, pad_batch)
+                             load_samples, online_features, pad_batch, padded_length)
 from fledge.util import (FledgeError, atomic_dir, atomic_write_text, pick_device, read_jsonl,
                          save_figure, settle_dir, subplots, write_file)
 from fledge.vocab import load_vocab_ids
@@ -581,27 +581,22 @@ def budget_steps(budget: float, spent: float, step_s: list[float], eval_s: float
     return steps
 
 
-def padded(run: Run, n: int) -> int:
-    return -(-n // run.cfg.pad_multiple) * run.cfg.pad_multiple  # as features.pad_batch pads
-
-
 def sample_lengths(run: Run) -> list[int]:
     return [len(s.input_ids) for s in run.train]
 
 
-def step_lengths(run: Run, lengths: list[int], step: int) -> list[set[int]]:
-    """Each rank's padded micro-batch lengths in optimizer step `step` (`lengths`: sample_lengths)."""
-    batch = global_batch(run, step)
-    return [{padded(run, max(lengths[i] for i in micro_batch(run, batch, r, m))) for m in range(run.cfg.grad_accum)}
+def step_shapes(run: Run, lengths: list[int], step: int) -> list[list[tuple[int, int]]]:
+    """(rows, padded length) of each accumulation micro-batch of optimizer step `step`, rank by
+    rank (`lengths`: sample_lengths)."""
+    batch, pad = global_batch(run, step), run.cfg.pad_multiple
+    return [[(len(mb), padded_length(max(lengths[i] for i in mb), pad))
+             for mb in (micro_batch(run, batch, r, m) for m in range(run.cfg.grad_accum))]
             for r in range(run.world)]
 
 
 def step_tokens(run: Run, lengths: list[int], step: int) -> int:
     """Padded tokens of optimizer step `step` on the rank that pads most: what its time scales with."""
-    batch = global_batch(run, step)
-    return max(sum(len(mb) * padded(run, max(lengths[i] for i in mb))
-                   for mb in (micro_batch(run, batch, r, m) for m in range(run.cfg.grad_accum)))
-               for r in range(run.world))
+    return max(sum(rows * t for rows, t in rank) for rank in step_shapes(run, lengths, step))
 
 
 def first_shapes(run: Run, steps) -> list[int]:
@@ -609,13 +604,14 @@ def first_shapes(run: Run, steps) -> list[int]:
     padded micro-batch length for the first time, one entry per length, as many as the rank
     meeting most (ranks wait for each other). Stops early once every rank has met every length."""
     lengths = sample_lengths(run)
-    every = {padded(run, n) for n in lengths}
+    every = {padded_length(n, run.cfg.pad_multiple) for n in lengths}
     seen, out = [set() for _ in range(run.world)], []
     for pos, step in enumerate(steps):
         if all(s == every for s in seen):
             break
         new = 0
-        for s, mine in zip(seen, step_lengths(run, lengths, step)):
+        for s, rank in zip(seen, step_shapes(run, lengths, step)):
+            mine = {t for _, t in rank}
             new = max(new, len(mine - s))
             s |= mine
         out += [pos] * new

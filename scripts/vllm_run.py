@@ -69,11 +69,17 @@ def main():
 
     aux = [m.group(1) for rec in log.buffer if (m := AUX_LOG.search(rec.getMessage()))]
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    result = {"target": args.target, "drafter": args.drafter,
-              "num_spec_tokens": args.num_spec_tokens if args.drafter else 0, "outputs": tokens,
-              "aux_layer_ids": [int(i) for i in aux[-1].split(",") if i.strip()] if aux else None,
-              "spec_decode": spec_counters(llm.get_metrics()), "start_s": round(t1 - t0, 2),
-              "generate_s": round(t2 - t1, 3), "tok_per_s": round(sum(map(len, tokens)) / (t2 - t1), 2)}
+    result = {
+        "target": args.target,
+        "drafter": args.drafter,
+        "num_spec_tokens": args.num_spec_tokens if args.drafter else 0,
+        "outputs": tokens,
+        "aux_layer_ids": [int(i) for i in aux[-1].split(",") if i.strip()] if aux else None,
+        "spec_decode": spec_counters(llm.get_metrics()),
+        "start_s": round(t1 - t0, 2),
+        "generate_s": round(t2 - t1, 3),
+        "tok_per_s": round(sum(map(len, tokens)) / (t2 - t1), 2),
+    }
     tmp = f"{args.out}.tmp"
     with open(tmp, "w") as f:
         json.dump(result, f, indent=2)
