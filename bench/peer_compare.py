@@ -317,6 +317,7 @@ def measure(args, plan: Plan | None, w: Path) -> None:
     heldout = args.heldout_prompts or str(w / "data" / "heldout_prompts.jsonl")
     sets = {"mtbench": ("mtbench", args.num_prompts, args.max_new_tokens),
             "heldout": (heldout, args.num_prompts, args.heldout_new_tokens)}
+    sets = {name: sets[name] for name in args.sets}
     out = {"machine": machine_name(rig.device), "device": str(rig.device), "dtype": str(dtype).removeprefix("torch."),
            "engine": engine_path(rig), "drafters": names, "sets": {}}
     prompts = {}
@@ -550,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--drafters", nargs="+", help="measure, vllm: which trained drafters (default: all); measure "
                                                  "also takes NAME=DIR, any drafter directory (no `prepare` needed)")
     m.add_argument("--heldout-prompts", help="measure: held-out conversations (default: prepare's)")
+    m.add_argument("--sets", nargs="+", choices=["mtbench", "heldout"], default=["mtbench", "heldout"],
+                   help="measure: the prompt sets, in order (default both)")
     m.add_argument("--out", type=Path, help="measure: where measure.json goes (default: in --workdir)")
     m.add_argument("--shapes", nargs="+", type=shape_arg, default=list(SHAPES),
                    help="measure: (steps,topk,tokens) as S,K,N, in order (default 7,1,8 5,4,16 8,8,64)")

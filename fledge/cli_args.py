@@ -14,7 +14,7 @@ import importlib
 import os
 
 from fledge.catalog import BUILTINS, DATASETS, FLOAT_DTYPES, FORMATS, HELDOUT_SUFFIX, LAYOUTS, SHORT_DTYPES
-from fledge.config import ADAPT_TRAIN_OPTIONS, HEADS, PARALLEL, TRAIN_OPTIONS, TrainConfig
+from fledge.config import ADAPT_TRAIN_OPTIONS, HEADS, LOSSES, PARALLEL, TRAIN_OPTIONS, TrainConfig
 
 
 def run_step(name: str, args) -> int | None:
@@ -175,6 +175,9 @@ def add_train(sub) -> None:
     p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None, help="fp32 on CUDA")
     p.add_argument("--head", choices=HEADS, help=train_help("head", "a fresh draft's lm_head: random (fresh), the "
                                                               "target's rows (target), or those rows frozen (frozen)"))
+    p.add_argument("--loss", choices=LOSSES, help=train_help("loss", "the objective per TTT step: soft cross-entropy "
+                                                             "to the target (kl), plus the hard CE of its argmax "
+                                                             "(greedy), or an acceptance-rate hybrid (lk)"))
     p.add_argument("--device")
     p.set_defaults(func=handler("fledge.train:run_train"))
 

@@ -87,6 +87,8 @@ PARALLEL = ("ddp", "fsdp")  # how `fledge train` spreads over torchrun's ranks (
 # rows of the draft vocab (and its final norm, Eagle3Draft.init_head_from), then trained;
 # "frozen" those rows, never trained (speculators' EAGLE-3 recipe; the norm still trains).
 HEADS = ("fresh", "target", "frozen")
+# What `fledge train` minimises at each TTT step (fledge.train.draft_loss says what each is).
+LOSSES = ("kl", "greedy", "lk")
 
 # TrainConfig fields that `fledge train` sets with a plain `--name VALUE`: (option, type, what
 # it sets). The help adds the field's default.
@@ -126,6 +128,7 @@ class TrainConfig:
     vocab: str | None = None          # d2t/t2d file (`fledge vocab`); None: draft vocab = target vocab
     init: str | None = None           # warm start from an exported drafter directory
     head: str = "fresh"               # a fresh draft's lm_head: one of HEADS
+    loss: str = "kl"                  # the training objective: one of LOSSES
     features: str | None = None       # offline feature directory; None: run the target online
     eval_data: str | None = None      # held-out set; None: `eval_samples` split off the training set
     eval_samples: int = 64
@@ -161,6 +164,7 @@ class TrainConfig:
                   (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.head in HEADS, f"head {self.head!r}: one of {', '.join(HEADS)}"),
+                  (self.loss in LOSSES, f"loss {self.loss!r}: one of {', '.join(LOSSES)}"),
                   (not (self.init and self.head == "target"), "--init brings its own head; drop --head target"),
                   (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
                   (self.time_budget is None or self.time_budget > 0, "time_budget must be > 0 seconds"),

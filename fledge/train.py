@@ -106,12 +106,35 @@ def unroll(draft: Eagle3Draft, ids, aux, steps: int) -> list[torch.Tensor]:
     return outs
 
 
-def soft_ce(logits, probs, top, rows):
-    """(summed soft cross-entropy, top-1 hit of each row [n]) of draft logits [n, Vd] against
-    the target's distribution at flat positions `rows` of probs [N, Vd] (top [N]: the target's
-    argmax as a draft id, -1 outside the draft vocab: a miss)."""
+def draft_loss(logits, probs, top, rows, kind: str = "kl"):
+    """(summed soft cross-entropy, summed training objective, top-1 hit of each row [n]) of draft
+    logits [n, Vd] against the target at flat positions `rows` of probs [N, Vd] (the target's
+    distribution over the draft vocab) and top [N] (the target's argmax as a draft id, -1
+    outside the draft vocab: a miss). The soft CE is what every kind reports, so runs with
+    different objectives compare on one figure. The objective, by `kind` (one of LOSSES):
+      kl      the soft CE: forward KL to the target up to its entropy (the EAGLE-3 recipe).
+      greedy  the soft CE plus the hard CE of the target's argmax. Greedy verification accepts a
+              draft iff it is the argmax, and a tree ranks nodes by the draft's probabilities:
+              the soft CE alone fits q to p, which under-ranks the argmax wherever p is flat.
+      lk      per row, lam * soft CE + (1 - lam) * (1 - alpha), alpha = sum(min(p, q)) the
+              acceptance rate of sampled verification and lam = 1 - alpha held constant: KL's
+              strong gradients where the draft is far from p, the acceptance rate itself where it
+              is close (total variation's gradient vanishes far away; an LK-style hybrid). Per
+              row, not per batch, so any split across ranks and micro-batches gives the same
+              gradient."""
     logp = logits.float().log_softmax(-1)
-    return -(probs[rows] * logp).sum(), logp.argmax(-1) == top[rows]
+    p = probs[rows]
+    ce = -(p * logp).sum(-1)
+    if kind == "kl":
+        objective = ce
+    elif kind == "greedy":
+        t = top[rows]
+        objective = ce - torch.where(t >= 0, logp.gather(-1, t.clamp_min(0)[:, None])[:, 0], 0.0)
+    else:
+        alpha = torch.minimum(p, logp.exp()).sum(-1)
+        lam = 1 - alpha.detach()
+        objective = lam * ce + (1 - lam) * (1 - alpha)
+    return ce.sum(), objective.sum(), logp.argmax(-1) == top[rows]
 
 
 # On CUDA the loss is compiled: eager, each TTT step wrote the gathered fp32 target rows, the
@@ -121,31 +144,35 @@ def soft_ce(logits, probs, top, rows):
 # steps, a 16,384-token draft vocab; bench/results/profile_train_h200.json). Compiled, the
 # gather and the product fold into the reductions. Row counts vary by batch and step: dynamic
 # shapes.
-soft_ce_compiled = torch.compile(soft_ce, dynamic=True)
+draft_loss_compiled = torch.compile(draft_loss, dynamic=True)
 
 
 class TTT(nn.Module):
     """The draft plus its unrolled loss, as one module so DDP/FSDP2 hooks see one forward.
-    `compiled_loss`: soft_ce through torch.compile; None = on CUDA."""
+    `loss`: the objective (draft_loss's kind); `compiled_loss`: draft_loss through
+    torch.compile; None = on CUDA."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, compiled_loss: bool | None = None):
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, compiled_loss: bool | None = None,
+                 loss: str = "kl"):
         super().__init__()
-        self.draft, self.steps, self.decay, self.compiled_loss = draft, steps, decay, compiled_loss
+        self.draft, self.steps, self.decay, self.compiled_loss, self.loss = draft, steps, decay, compiled_loss, loss
 
     def forward(self, ids, aux, probs, top, loss_mask, norm, hit_map: bool = False):
         """Returns (loss, stats [3, steps] = summed soft CE, top-1 hits, trained rows).
-        `norm[j]` divides step j's summed CE (global trained rows / world size). `hit_map`:
-        also return hits [steps, B, T], step j's hit at draft row t (False where untrained)."""
+        `norm[j]` divides step j's summed objective (global trained rows / world size).
+        `hit_map`: also return hits [steps, B, T], step j's hit at draft row t (False where
+        untrained)."""
         loss, stats = 0.0, []
         hits_at = torch.zeros(self.steps, *ids.shape, dtype=torch.bool, device=ids.device) if hit_map else None
         compiled = ids.is_cuda if self.compiled_loss is None else self.compiled_loss
-        ce_of = soft_ce_compiled if compiled else soft_ce
+        loss_of = draft_loss_compiled if compiled else draft_loss
         T = ids.shape[1]
         flat_probs, flat_top = probs.reshape(-1, probs.shape[-1]), top.reshape(-1)
         for j, out in enumerate(unroll(self.draft, ids, aux, self.steps)):
             b, t = shift(loss_mask, 2 + j).nonzero(as_tuple=True)
-            ce, hits = ce_of(self.draft.logits(out[b, t]), flat_probs, flat_top, b * T + t + 1 + j)
-            loss = loss + self.decay ** j * ce / norm[j]
+            ce, objective, hits = loss_of(self.draft.logits(out[b, t]), flat_probs, flat_top, b * T + t + 1 + j,
+                                          self.loss)
+            loss = loss + self.decay ** j * objective / norm[j]
             stats.append(torch.stack([ce.detach(), hits.sum().float(), torch.tensor(float(b.numel()), device=ce.device)]))
             if hit_map:
                 hits_at[j, b, t] = hits
@@ -273,7 +300,7 @@ def setup(cfg: TrainConfig, target) -> Run:
     if store and tuple(store.meta["aux_layer_ids"]) != aux_ids:
         raise FledgeError(f"--features {cfg.features}: aux layers {store.meta['aux_layer_ids']}, drafter reads {list(aux_ids)}")
     draft.lm_head.weight.requires_grad_(cfg.head != "frozen")  # set on resume too: the optimizer's groups follow it
-    ttt = TTT(draft, cfg.ttt_steps, cfg.step_decay).to(device)
+    ttt = TTT(draft, cfg.ttt_steps, cfg.step_decay, loss=cfg.loss).to(device)
     wrapped = parallelize(ttt, cfg.parallel, world, device)
     per_epoch = len(train) // (cfg.batch_size * world * cfg.grad_accum)
     if per_epoch == 0:

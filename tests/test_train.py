@@ -181,10 +181,79 @@ def test_chain_replay_walks_rounds_per_answer_segment():
     assert chain_replay([0] * 5, [False] * 5) == []
 
 
-def test_compiled_loss_equals_eager_loss_and_gradients():
-    """TTT's soft CE through torch.compile (train.soft_ce_compiled, CUDA's path) against eager,
+def test_draft_loss_kinds_against_brute_force():
+    """Each objective of train.draft_loss against its definition written out row by row in
+    float64, and its gradient against autograd of that brute force; the reported soft CE and
+    hits are the same whatever the kind."""
+    from fledge.config import LOSSES
+    from fledge.train import draft_loss
+    g = torch.Generator().manual_seed(3)
+    n, rows_total, vd = 11, 20, 9
+    probs = torch.softmax(3 * torch.randn(rows_total, vd, generator=g, dtype=torch.float64), -1)
+    top = probs.argmax(-1)
+    top[::4] = -1  # the target's argmax outside the draft vocab: no hard term, never a hit
+    rows = torch.randperm(rows_total, generator=g)[:n]
+    base = 2 * torch.randn(n, vd, generator=g, dtype=torch.float64)
+    results = {}
+    for kind in LOSSES:
+        logits = base.clone().requires_grad_()
+        ce, objective, hits = draft_loss(logits, probs, top, rows, kind)
+        objective.backward()
+        ref_logits = base.clone().requires_grad_()
+        want_ce, want_obj = 0.0, 0.0
+        for i in range(n):
+            p, logq = probs[rows[i]], ref_logits[i].log_softmax(-1)
+            row_ce = -(p * logq).sum()
+            want_ce = want_ce + row_ce
+            if kind == "kl":
+                want_obj = want_obj + row_ce
+            elif kind == "greedy":
+                t = int(top[rows[i]])
+                want_obj = want_obj + row_ce - (logq[t] if t >= 0 else 0.0)
+            else:
+                alpha = torch.minimum(p, logq.exp()).sum()
+                lam = 1 - float(alpha.detach())
+                want_obj = want_obj + lam * row_ce + (1 - lam) * (1 - alpha)
+        want_obj.backward()
+        torch.testing.assert_close(ce, want_ce.detach())
+        torch.testing.assert_close(objective, want_obj.detach())
+        torch.testing.assert_close(logits.grad, ref_logits.grad)
+        want_hits = [int(top[r]) >= 0 and int(base[i].argmax()) == int(top[r]) for i, r in enumerate(rows.tolist())]
+        assert hits.tolist() == want_hits
+        results[kind] = (objective.detach(), logits.grad)
+    # the kinds differ: the same logits give other objectives and other gradients
+    for a, b in (("kl", "greedy"), ("kl", "lk"), ("greedy", "lk")):
+        assert not torch.allclose(results[a][1], results[b][1]), (a, b)
+    # the lk objective sums per-row terms: any split of the rows gives the same sum and gradient
+    logits = base.clone().requires_grad_()
+    parts = [draft_loss(logits[s], probs, top, rows[s], "lk")[1] for s in (slice(0, 4), slice(4, n))]
+    (parts[0] + parts[1]).backward()
+    torch.testing.assert_close(parts[0] + parts[1], results["lk"][0])
+    torch.testing.assert_close(logits.grad, results["lk"][1])
+
+
+def test_greedy_loss_moves_the_argmax_where_kl_is_content():
+    """Where the target's distribution is flat, a draft that matches it exactly has nothing left
+    to learn from the soft CE (its gradient is q - p = 0) and ranks the target's argmax no
+    higher than its neighbours; the greedy objective still raises the argmax's logit."""
+    from fledge.train import draft_loss
+    probs = torch.tensor([[0.30, 0.29, 0.28, 0.13]], dtype=torch.float64)
+    top, rows = torch.tensor([0]), torch.tensor([0])
+    grads = {}
+    for kind in ("kl", "greedy"):
+        logits = probs.log().clone().requires_grad_()
+        draft_loss(logits, probs, top, rows, kind)[1].backward()
+        grads[kind] = logits.grad[0]
+    torch.testing.assert_close(grads["kl"], torch.zeros(4, dtype=torch.float64))
+    assert grads["greedy"][0] < 0 and (grads["greedy"][1:] > 0).all()  # a step down the gradient raises the argmax
+
+
+@pytest.mark.parametrize("kind", ["kl", "greedy", "lk"])
+def test_compiled_loss_equals_eager_loss_and_gradients(kind):
+    """TTT's loss through torch.compile (train.draft_loss_compiled, CUDA's path) against eager,
     on the CPU: the same loss, stats and gradients of every trained weight, at two batch
-    shapes (the row count varies, so the compiled loss must take dynamic shapes)."""
+    shapes (the row count varies, so the compiled loss must take dynamic shapes), for each
+    objective."""
     target = make_tiny("llama", seed=4)
     d = random_draft(target, draft_vocab=48)
     head = TargetHead.from_model(target, d.target_ids(), "cpu")
@@ -197,7 +266,8 @@ def test_compiled_loss_equals_eager_loss_and_gradients():
         results = []
         for compiled in (False, True):
             d.zero_grad(set_to_none=True)
-            loss, stats = TTT(d, 3, 0.8, compiled_loss=compiled)(ids, aux, probs, top, mask, torch.full((3,), 5.0))
+            loss, stats = TTT(d, 3, 0.8, compiled_loss=compiled, loss=kind)(ids, aux, probs, top, mask,
+                                                                            torch.full((3,), 5.0))
             loss.backward()
             results.append((loss.detach(), stats, [p.grad.clone() for p in d.parameters() if p.requires_grad]))
         (l0, s0, g0), (l1, s1, g1) = results
@@ -587,6 +657,26 @@ def _cli_fails(capsys, tmp_path, target_dir, *extra, match):
     assert cli_main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fledge")]  # not HF's bars
     assert len(err) == 1 and err[0].startswith("fledge: error:") and match in err[0], err
+
+
+def test_loss_reaches_the_run_and_its_checkpoint(tmp_path, target_dir, capsys):
+    """`--loss` trains with that objective (from one start, the first step's soft CE is the same
+    for every kind and the later ones part) and belongs to the run's config: a checkpoint made
+    with one objective is refused under another, untouched."""
+    data = write_data(tmp_path / "data.jsonl", n=16)
+    curves = {}
+    for kind in ("kl", "greedy", "lk"):
+        out = tmp_path / ("run" if kind == "kl" else f"run-{kind}")
+        assert cli_main(["train", "--data", data, "--out", str(out), "--target", str(target_dir), "--max-steps", "2",
+                         "--batch-size", "2", "--ttt-steps", "2", "--log-every", "1", "--loss", kind]) == 0
+        curves[kind] = curve(out)
+    assert len(curves["kl"]) == 2 and curves["kl"][0] == curves["greedy"][0] == curves["lk"][0]
+    assert curves["greedy"][1] != curves["kl"][1] != curves["lk"][1], curves
+    capsys.readouterr()
+    state = tmp_path / "run" / "checkpoint" / "state.pt"
+    before = state.read_bytes()
+    _cli_fails(capsys, tmp_path, target_dir, "--loss", "greedy", match="another config (loss differ")
+    assert state.read_bytes() == before
 
 
 def test_bad_inputs_refused(tmp_path, target_dir, capsys):
