@@ -87,16 +87,20 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_target(cls, cfg: DraftConfig, target_model, target_ids: torch.Tensor | None = None) -> "Eagle3Draft":
-        """A fresh drafter with the target's input embeddings copied in and frozen."""
+        """A fresh drafter with the target's input embeddings."""
         draft = cls(cfg)
-        emb = target_model.get_input_embeddings().weight
-        if tuple(emb.shape) != tuple(draft.embed_tokens.weight.shape):
-            raise FledgeError(f"target embedding {tuple(emb.shape)} does not fit draft {tuple(draft.embed_tokens.weight.shape)}")
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(emb.float())
+        draft.take_embeddings(target_model)
         if target_ids is not None:
             draft.set_vocab(target_ids)
         return draft
+
+    @torch.no_grad()
+    def take_embeddings(self, target_model) -> None:
+        """Copy in the target's input embeddings (the drafter reads them, frozen, as the target does)."""
+        emb, mine = target_model.get_input_embeddings().weight, self.embed_tokens.weight
+        if emb.shape != mine.shape:
+            raise FledgeError(f"target embeddings {list(emb.shape)} do not fit the drafter {list(mine.shape)}")
+        mine.copy_(emb.float())
 
     @torch.no_grad()
     def init_head_from(self, target_model) -> None:

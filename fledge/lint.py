@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fledge.acceptance import max_nodes  # also SGLang's verify-set bound (see its doc)
-from fledge.checks import Check, DraftFacts, fail, ok, warn
+from fledge.checks import Check, fail, ok, warn
+from fledge.layout import DraftFacts
 
 # Deeper than the training-time-test unroll (7 in SpecForge/EAGLE), extra draft tokens are
 # rarely accepted but each costs a draft forward.
