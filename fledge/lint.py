@@ -22,11 +22,9 @@ from fledge.layout import DraftFacts
 MAX_USEFUL_DEPTH = 7
 
 
+# SGLang's argparse accepts unambiguous prefixes (`--speculative-algo`, `--model`), read as these.
 SGLANG_OPTIONS = ["model-path", "speculative-algorithm", "speculative-draft-model-path", "speculative-num-steps",
                   "speculative-eagle-topk", "speculative-num-draft-tokens", "disable-cuda-graph", "context-length"]
-# argparse accepts unambiguous prefixes (`--speculative-algo`); these short forms also appear in docs.
-SGLANG_ALIASES = {"model": "model-path", "speculative-draft": "speculative-draft-model-path",
-                  "speculative-draft-model": "speculative-draft-model-path"}
 VLLM_REMOVED = {"speculative-model", "num-speculative-tokens", "speculative-draft-tensor-parallel-size"}
 
 
@@ -73,8 +71,6 @@ def parse_launch(cmd: str) -> Launch | str:
 def _canonical(key: str, engine: str) -> str:
     if engine != "sglang" or key in SGLANG_OPTIONS:
         return key
-    if key in SGLANG_ALIASES:
-        return SGLANG_ALIASES[key]
     hits = [o for o in SGLANG_OPTIONS if o.startswith(key)]
     return hits[0] if len(hits) == 1 else key
 
@@ -169,13 +165,13 @@ def _sglang_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Chec
 def _serves_speculators_dir(lc: Launch, drafter: Path, f: DraftFacts | None) -> bool:
     """`vllm serve <dir>` on the checked drafter in the speculators layout: vLLM speculates with
     no --speculative-config, taking the target from speculators_config.verifier."""
-    if f is None or f.layout != "speculators" or not lc.model:
+    if lc.engine != "vllm" or f is None or f.layout != "speculators" or not lc.model:
         return False
     p = Path(lc.model).expanduser()
     return p.exists() and p.resolve() == drafter.resolve()
 
 
-def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Check]:
+def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None, alone: bool) -> list[Check]:
     o = lc.options
     out = [fail("launch.legacy", f"--{k} was removed from vLLM", "use --speculative-config JSON")
            for k in sorted(VLLM_REMOVED & set(o))]
@@ -187,7 +183,7 @@ def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Check]
         except json.JSONDecodeError as e:
             return out + [fail("launch.spec_config", f"--speculative-config is not JSON ({e.msg})",
                                 '--speculative-config \'{"method": "eagle3", "model": "...", "num_speculative_tokens": 3}\'')]
-    if _serves_speculators_dir(lc, drafter, f):
+    if alone:
         # vLLM reads speculators_config: the verifier becomes the served model, the directory the
         # drafter, the method and depth come from the config; --speculative-config may only add to
         # them (method and model stay locked).
@@ -231,6 +227,7 @@ def launch_checks(cmd: str, drafter, f: DraftFacts | None, target: str | None = 
     lc = parse_launch(cmd)
     if isinstance(lc, str):
         return [fail("launch.parse", lc, "pass the full server command in quotes: --launch \"python -m ...\"")]
-    run = _sglang_checks if lc.engine == "sglang" else _vllm_checks
-    served = f.verifier if lc.engine == "vllm" and _serves_speculators_dir(lc, Path(drafter), f) else lc.model
-    return [c for c in run(lc, Path(drafter), f) + [_model_check(served, target)] if c is not None]
+    drafter = Path(drafter)
+    alone = _serves_speculators_dir(lc, drafter, f)
+    out = _sglang_checks(lc, drafter, f) if lc.engine == "sglang" else _vllm_checks(lc, drafter, f, alone)
+    return [c for c in out + [_model_check(f.verifier if alone else lc.model, target)] if c is not None]
