@@ -40,12 +40,11 @@ def rope_config(cfg: DraftConfig) -> transformers.LlamaConfig:
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(2 * h, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+        h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = nn.Linear(2 * h, q, bias=False)
+        self.k_proj = nn.Linear(2 * h, kv, bias=False)
+        self.v_proj = nn.Linear(2 * h, kv, bias=False)
+        self.o_proj = nn.Linear(q, h, bias=False)
 
 
 class DraftMLP(nn.Module):
@@ -142,14 +141,12 @@ class Eagle3Draft(nn.Module):
         g = torch.Generator().manual_seed(seed)
         bound = self.cfg.hidden_size ** -0.5
         grown = {}
-        for name in ("gate_proj", "up_proj"):
-            w = getattr(mlp, name).weight
-            extra = (torch.rand(size - old, w.shape[1], generator=g) * 2 - 1) * bound
-            grown[name] = torch.cat([w, extra.to(w)], 0)
+        for layer in (mlp.gate_proj, mlp.up_proj):
+            extra = (torch.rand(size - old, layer.in_features, generator=g) * 2 - 1) * bound
+            grown[layer] = torch.cat([layer.weight, extra.to(layer.weight)], 0)
         w = mlp.down_proj.weight
-        grown["down_proj"] = torch.cat([w, w.new_zeros(w.shape[0], size - old)], 1)
-        for name, weight in grown.items():
-            layer = getattr(mlp, name)
+        grown[mlp.down_proj] = torch.cat([w, w.new_zeros(w.shape[0], size - old)], 1)
+        for layer, weight in grown.items():
             layer.weight = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
             layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
         self.cfg = self.cfg.replace(intermediate_size=size)
@@ -181,11 +178,11 @@ class Eagle3Draft(nn.Module):
         layer = self.midlayer
         a = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype)),
                        layer.hidden_norm(hidden)], dim=-1)
-        attn = layer.self_attn
         b, t, _ = a.shape
-        q = attn.q_proj(a).view(b, t, attn.n_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(a).view(b, t, attn.n_kv, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(a).view(b, t, attn.n_kv, attn.head_dim).transpose(1, 2)
+        attn, hd = layer.self_attn, self.cfg.head_dim
+        q = attn.q_proj(a).view(b, t, -1, hd).transpose(1, 2)
+        k = attn.k_proj(a).view(b, t, -1, hd).transpose(1, 2)
+        v = attn.v_proj(a).view(b, t, -1, hd).transpose(1, 2)
         cos, sin = self.rotary(v, positions)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v, hidden

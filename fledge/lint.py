@@ -82,7 +82,8 @@ def _int(v) -> int | None:
         return None
 
 
-def _path_check(name: str, given: str | None, drafter: Path, flag: str) -> Check:
+def _path_check(given: str | None, drafter: Path, flag: str) -> Check:
+    name = "launch.draft_path"
     if not given:
         return fail(name, f"no {flag}: the engine has no drafter to load", f"add {flag} {drafter}")
     p = Path(given).expanduser()
@@ -122,14 +123,14 @@ def _sglang_steps(o: dict) -> Check:
     return ok(name, f"steps {steps}, topk {topk}, draft tokens {ndt} (bound {bound})")
 
 
-def _context_check(name: str, flag: str, value, f: DraftFacts | None) -> Check | None:
+def _context_check(flag: str, value, f: DraftFacts | None) -> Check | None:
     n = _int(value)
     if value is None or f is None or f.max_position is None:
         return None
     if n is None or n > f.max_position:
-        return fail(name, f"{flag} {value} > drafter max_position_embeddings {f.max_position}",
-                     f"raise max_position_embeddings in the drafter's config.json to {value}, or lower {flag}")
-    return ok(name, f"{flag} {n} within the drafter's {f.max_position}")
+        return fail("launch.context", f"{flag} {value} > drafter max_position_embeddings {f.max_position}",
+                    f"raise max_position_embeddings in the drafter's config.json to {value}, or lower {flag}")
+    return ok("launch.context", f"{flag} {n} within the drafter's {f.max_position}")
 
 
 def _model_check(served: str | None, target: str | None) -> Check | None:
@@ -153,12 +154,12 @@ def _sglang_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Chec
     else:
         out = [fail("launch.algorithm", f"--speculative-algorithm {algo or '(absent)'}: EAGLE-3 drafter not used",
                      "--speculative-algorithm EAGLE3")]
-    out += [_path_check("launch.draft_path", o.get("speculative-draft-model-path"), drafter,
-                        "--speculative-draft-model-path"), _sglang_steps(o)]
+    out += [_path_check(o.get("speculative-draft-model-path"), drafter, "--speculative-draft-model-path"),
+            _sglang_steps(o)]
     if "disable-cuda-graph" in o:
         out.append(warn("launch.cuda_graph", "--disable-cuda-graph: every draft step and verify pays kernel-launch "
                          "overhead, which often eats the speculative gain", "drop --disable-cuda-graph"))
-    out.append(_context_check("launch.context", "--context-length", o.get("context-length"), f))
+    out.append(_context_check("--context-length", o.get("context-length"), f))
     return out
 
 
@@ -194,32 +195,37 @@ def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None, alone: bool) -
     elif not isinstance(sc, dict) or not sc:
         return out + [fail("launch.spec_config", "no --speculative-config: vLLM serves without speculation",
                             f'--speculative-config \'{{"method": "eagle3", "model": "{drafter}", "num_speculative_tokens": 3}}\'')]
-    method = str(sc.get("method") or "")
-    if method == "eagle3":
-        out.append(ok("launch.algorithm", "method eagle3: the target captures the three aux hidden states"))
-    elif method == "eagle":
-        out.append(fail("launch.algorithm", 'method "eagle" with an EAGLE-3 drafter: vLLM captures no aux hidden '
-                         "states and acceptance collapses", '"method": "eagle3"'))
-    elif not method and "eagle3" in str(sc.get("model", "")).lower():
-        out.append(warn("launch.algorithm", "no method: vLLM guesses eagle3 from the model name", '"method": "eagle3"'))
-    else:
-        out.append(fail("launch.algorithm", f"method {method or '(absent)'}: not eagle3", '"method": "eagle3"'))
-    out.append(_path_check("launch.draft_path", sc.get("model"), drafter, 'speculative_config "model"'))
-    k = _int(sc.get("num_speculative_tokens"))
-    if k is None or k < 1:
-        out.append(fail("launch.num_tokens", f"num_speculative_tokens {sc.get('num_speculative_tokens')}: must be "
-                         "an integer >= 1", '"num_speculative_tokens": 3'))
-    elif k > MAX_USEFUL_DEPTH:
-        out.append(warn("launch.num_tokens", f"num_speculative_tokens {k}: deeper than EAGLE-3 training unrolls "
-                         f"({MAX_USEFUL_DEPTH}); deep tokens are rarely accepted but each costs a draft step",
-                         "measure with fledge bench; 3-5 is typical"))
-    else:
-        out.append(ok("launch.num_tokens", f"num_speculative_tokens {k}"))
+    out += [_vllm_method(sc), _path_check(sc.get("model"), drafter, 'speculative_config "model"'),
+            _vllm_depth(sc.get("num_speculative_tokens"))]
     if "enforce-eager" in o:
         out.append(warn("launch.cuda_graph", "--enforce-eager: no CUDA graphs, kernel-launch overhead on every "
                          "draft and verify step", "drop --enforce-eager"))
-    out.append(_context_check("launch.context", "--max-model-len", o.get("max-model-len"), f))
+    out.append(_context_check("--max-model-len", o.get("max-model-len"), f))
     return out
+
+
+def _vllm_method(sc: dict) -> Check:
+    method = str(sc.get("method") or "")
+    if method == "eagle3":
+        return ok("launch.algorithm", "method eagle3: the target captures the three aux hidden states")
+    if method == "eagle":
+        return fail("launch.algorithm", 'method "eagle" with an EAGLE-3 drafter: vLLM captures no aux hidden '
+                    "states and acceptance collapses", '"method": "eagle3"')
+    if not method and "eagle3" in str(sc.get("model", "")).lower():
+        return warn("launch.algorithm", "no method: vLLM guesses eagle3 from the model name", '"method": "eagle3"')
+    return fail("launch.algorithm", f"method {method or '(absent)'}: not eagle3", '"method": "eagle3"')
+
+
+def _vllm_depth(value) -> Check:
+    k = _int(value)
+    if k is None or k < 1:
+        return fail("launch.num_tokens", f"num_speculative_tokens {value}: must be an integer >= 1",
+                    '"num_speculative_tokens": 3')
+    if k > MAX_USEFUL_DEPTH:
+        return warn("launch.num_tokens", f"num_speculative_tokens {k}: deeper than EAGLE-3 training unrolls "
+                    f"({MAX_USEFUL_DEPTH}); deep tokens are rarely accepted but each costs a draft step",
+                    "measure with fledge bench; 3-5 is typical")
+    return ok("launch.num_tokens", f"num_speculative_tokens {k}")
 
 
 def launch_checks(cmd: str, drafter, f: DraftFacts | None, target: str | None = None) -> list[Check]:
