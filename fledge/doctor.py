@@ -372,7 +372,7 @@ def _guarded(name: str, fn, *args) -> Check | None:
 
 
 def static_checks(drafter, target: str | None = None) -> tuple[list[Check], DraftFacts | None]:
-    """Every check that needs only files. Never raises on a broken checkpoint."""
+    """Every check that needs only files, and the drafter's config as they read it."""
     ck = open_checkpoint(drafter)
     results = [files_check(ck) if ck.path.is_dir() else
                fail("files", f"{ck.path}: not a directory", "point doctor at the exported drafter directory")]
