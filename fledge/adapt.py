@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from fledge.checkpoint import export_checkpoint, load_checkpoint
+from fledge.checkpoint import export_checkpoint, load_checkpoint, verifier_of
 from fledge.config import ADAPT_TRAIN_OPTIONS, DraftConfig
 from fledge.conventions import diff_vocab, validate_aux_layer_ids
 from fledge.draft import Eagle3Draft
@@ -189,8 +189,7 @@ def adapt(cfg: AdaptConfig, target) -> dict:
         print(f"fledge adapt: warning: {w}", file=sys.stderr)
     draft, report = adapt_draft(old, model, ids)
     report["vocab"].update(vocab_note)
-    archs = list(model.config.architectures or [])
-    draft.cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
+    draft.cfg.extra["verifier"] = verifier_of(target)
     # Deterministic, so a rerun (resuming the fine-tune) rewrites it identically.
     export_checkpoint(draft, out / "init", dtype=torch.float32, overwrite=True)
     report = {"args": args, **report, "warnings": warnings, "init": str(out / "init")}

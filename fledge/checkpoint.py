@@ -84,6 +84,12 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
     }
 
 
+def verifier_of(target) -> dict:
+    """How a drafter's config records the target it was made for (what `vllm serve <dir>` loads)."""
+    archs = list(target.model.config.architectures or [])
+    return {"name_or_path": str(target.path or target.name), "architectures": archs}
+
+
 # --------------------------------------------------------------------------- reading
 def _torch_tensors(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """A checkpoint's tensors under our names, and the file each came from."""
@@ -316,8 +322,7 @@ def run_init_draft(args) -> int:
     check_no_overlap(args.out, {"--target": args.target if Path(args.target).exists() else None})
     target = _target(args)
     cfg = DraftConfig.from_target(target.model.config, draft_vocab_size=args.draft_vocab)
-    archs = list(target.model.config.architectures or [])
-    cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
+    cfg.extra["verifier"] = verifier_of(target)
     draft = Eagle3Draft.from_target(cfg, target.model)
     out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
     _summary(out, "eagle3", draft)

@@ -107,12 +107,9 @@ class Eagle3Draft(nn.Module):
         the draft vocab, `norm` = its final norm, so that a draft landing on the target's final
         hidden state of the next position predicts as the target does. The norm is copied only
         where the target's is a plain weighted RMSNorm, or 1 + weight (Gemma), checked
-        numerically; other norms keep the ones of a fresh draft.
-
-        `fledge train --head target` (trained on) or `--head frozen` (never trained); the
-        default is a random head. A random draft state through a copied head gives confident
-        wrong logits at first (on SmolLM2, CPU, 400 answers: soft CE 12.9 against 7.6 over the
-        first 10 steps), which the draft must unlearn.
+        numerically; other norms keep the ones of a fresh draft. Not the default: a random draft
+        state through a copied head gives confident wrong logits at first (on SmolLM2, CPU, 400
+        answers: soft CE 12.9 against 7.6 over the first 10 steps), which the draft must unlearn.
         """
         head = target_model.get_output_embeddings().weight
         self.lm_head.weight.copy_(head[self.target_ids().to(head.device)].float())
@@ -197,9 +194,8 @@ class Eagle3Draft(nn.Module):
         return self.finish(o, residual)
 
     def finish(self, o, residual):
-        """o_proj of the attention output `o` [B,heads,T,hd], its residual add, and the MLP: the
-        weight-touching half after attention, shared by training and the engine (which attends
-        over its own cache layout)."""
+        """o_proj of the attention output `o` [B,heads,T,hd], its residual add, and the MLP: apart
+        from `attend` because the engine attends over its own cache layout."""
         attn = self.midlayer.self_attn
         b, _, t, _ = o.shape
         h = residual + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
