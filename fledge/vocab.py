@@ -123,8 +123,7 @@ def build_vocab(token_counts_or_dataset, target_vocab: int, draft_vocab_size: in
 def coverage(target_ids, dataset_path) -> float:
     """Share of the loss-masked tokens in a tokenized set that the draft vocab contains."""
     ids = torch.as_tensor(target_ids, dtype=torch.int64)
-    inside = torch.zeros(int(ids.max()) + 1, dtype=torch.bool)
-    inside[ids] = True
+    inside = t2d_from_target_ids(ids, int(ids.max()) + 1)
     hit = total = 0
     for lineno, rec in _records(dataset_path):
         toks = _masked_tokens(rec, dataset_path, lineno)
