@@ -1,37 +1,29 @@
 """`fledge adapt`: retarget a trained drafter (OLD) to a new version of its target (NEW).
 
-A drafter is worth keeping across a target update because most of it does not depend on the
-target's exact weights: the fc fusion, the decoder layer and the final norm read hidden states
-of the same width and roughly the same meaning. What changes is what is indexed by tokens: the
-embeddings (always NEW's, frozen) and, with `--rebuild-vocab`, the draft vocabulary and its
-lm_head rows.
+Most of a drafter does not depend on the target's exact weights: fc, the decoder layer and the
+final norm read hidden states of the same width and roughly the same meaning, so they are
+carried. What is indexed by tokens changes: the embeddings (always NEW's, frozen) and, with
+`--rebuild-vocab`, the draft vocabulary and its lm_head rows.
 
-The draft vocabulary is OLD's unless `--rebuild-vocab` asks for one built from --data. Why
-keep it by default: OLD's vocab was counted on OLD's whole training set, adapt's data is
-usually far smaller, and a vocab rebuilt from a few samples swaps thousands of well-trained
-rows for guesses (12 samples replaced 5,962 of 16,384 tokens of the shipped SmolLM2 drafter).
-When rebuilding, the report says how many tokens changed and warns when --data shows fewer
-distinct tokens than the draft vocab holds (the rest would be filled with ids never seen).
-With fine-tuning, the held-out accept length is measured before (the initialised drafter) and
-after, on the same held-out samples `fledge train` evaluates.
+OLD's draft vocabulary is kept by default: it was counted on OLD's whole training set, adapt's
+data is usually far smaller, and a vocab rebuilt from a few samples swaps thousands of
+well-trained rows for guesses (12 samples replaced 5,962 of 16,384 tokens of the shipped
+SmolLM2 drafter).
 
-lm_head rows are matched by TARGET token id, never by draft index (two vocabularies put the same
-token at different draft indices). A token in both vocabularies keeps OLD's trained row. A
-token only NEW's vocabulary has starts from NEW's own output embedding for it (the target's
-lm_head row), rescaled to the median norm of the carried rows. Why: the draft's lm_head is
-trained to imitate the target's head restricted to the draft vocab (soft CE against the
-target's distribution), and the draft's output lives in the same residual space that feeds a
-norm + head, so the target's row points the right way; its scale is set by the target's own
-final-norm gain, not the draft's, so it is matched to the draft's rows (a row much larger than
-the rest would win every argmax until trained). With no carried rows the median is over all of
-OLD's rows. Token ids are assumed to mean the same token in OLD's and NEW's tokenizers (a new
-version of one model family); ids past OLD's vocabulary count as new.
+lm_head rows are matched by TARGET token id, never by draft index (two vocabularies put one
+token at different indices). A token in both vocabularies keeps OLD's trained row. A token only
+NEW's has starts from NEW's own lm_head row for it, rescaled to the median norm of the carried
+rows (of all OLD's rows if none is carried). Why: the draft's head is trained to imitate the
+target's restricted to the draft vocab, reading the same residual space, so the target's row
+points the right way; but its scale follows the target's final-norm gain, not the draft's, and
+a row much larger than the rest would win every argmax until trained. Token ids are assumed to
+mean the same token in both tokenizers (a new version of one model family); ids past OLD's
+vocabulary count as new.
 
-Then the initialised drafter is written to <out>/init (fp32: an intermediate, nothing is
-rounded before fine-tuning) and fine-tuned on NEW with `fledge train --init` into
-<out>/train; the final drafter is <out>/train/draft. Training resumes like `fledge train`; it
-is single-process here — for several GPUs run `fledge adapt --no-train`, then
-`torchrun ... fledge train --init <out>/init`.
+The initialised drafter is written to <out>/init (fp32: nothing is rounded before fine-tuning)
+and fine-tuned on NEW with `fledge train --init` into <out>/train, resumably; the final drafter
+is <out>/train/draft. Training is single-process here: for several GPUs run
+`fledge adapt --no-train`, then `torchrun ... fledge train --init <out>/init`.
 """
 
 from __future__ import annotations
@@ -43,12 +35,14 @@ from pathlib import Path
 
 import torch
 
-from fledge.checkpoint import export_checkpoint, load_checkpoint
+from fledge.checkpoint import export_checkpoint, load_checkpoint, verifier_of
 from fledge.config import ADAPT_TRAIN_OPTIONS, DraftConfig
-from fledge.conventions import validate_aux_layer_ids
+from fledge.conventions import diff_vocab, validate_aux_layer_ids
 from fledge.draft import Eagle3Draft
+from fledge.layout import draft_facts
 from fledge.util import FledgeError, atomic_write_json, print_table
-from fledge.vocab import count_masked_tokens, diff_vocab, top_target_ids
+from fledge.vocab import count_masked_tokens, top_target_ids
+from fledge.weights import open_checkpoint
 
 # Tensors that do not depend on the target's tokens: carried from OLD unchanged.
 CARRIED_PREFIXES = ("fc.", "midlayer.", "norm.")
@@ -78,11 +72,8 @@ class AdaptConfig:
 def load_old(path, new_num_layers: int) -> Eagle3Draft:
     """OLD's drafter (its embeddings are not needed: NEW's replace them). A checkpoint that does
     not record its target's depth (SpecForge, AQ-MedAI) is read as made for NEW's depth."""
-    cfile = Path(path) / "config.json"
-    try:
-        recorded = (json.loads(cfile.read_text()).get("fledge") or {}).get("target_num_hidden_layers")
-    except (OSError, json.JSONDecodeError) as e:
-        raise FledgeError(f"{cfile}: cannot read ({e})") from None
+    config = open_checkpoint(path).config  # None: load_checkpoint says why
+    recorded = config and draft_facts(config).target_layers
     return load_checkpoint(path, target_layers=None if recorded else new_num_layers)
 
 
@@ -198,8 +189,7 @@ def adapt(cfg: AdaptConfig, target) -> dict:
         print(f"fledge adapt: warning: {w}", file=sys.stderr)
     draft, report = adapt_draft(old, model, ids)
     report["vocab"].update(vocab_note)
-    archs = list(model.config.architectures or [])
-    draft.cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
+    draft.cfg.extra["verifier"] = verifier_of(target)
     # Deterministic, so a rerun (resuming the fine-tune) rewrites it identically.
     export_checkpoint(draft, out / "init", dtype=torch.float32, overwrite=True)
     report = {"args": args, **report, "warnings": warnings, "init": str(out / "init")}

@@ -1,24 +1,17 @@
 """`fledge export / import / init-draft`: drafter checkpoints that SGLang and vLLM load as-is.
 
-Two layouts are written and read:
-  eagle3       `LlamaForCausalLMEagle3` (SGLang, vLLM, SpecForge, EAGLE): config.json with the
-               llama fields of the one-layer draft; weights named as `Eagle3Draft.state_dict()`.
-  speculators  vLLM's `speculators` format: `speculators_model_type: eagle3`, the draft layer in
-               `transformer_layer_config`, the target named in `speculators_config.verifier` (so
-               `vllm serve <dir>` alone knows what to verify with); the layer is `layers.0.*`.
-The tensor names and shapes, both layouts' spellings and the reading of config.json are
-`fledge.layout`'s, and the files are found and read by `fledge.weights` (both torch-free, for
-`fledge doctor`).
+Two layouts are written and read (`fledge.layout` names their tensors and reads their
+config.json; `fledge.weights` finds and reads the files): `eagle3` (`LlamaForCausalLMEagle3`:
+SGLang, vLLM, SpecForge, EAGLE) and vLLM's `speculators`, whose config names the target in
+`speculators_config.verifier` so that `vllm serve <dir>` alone knows what to verify with.
 SpecForge / AQ-MedAI drafters are eagle3 layouts that may lack `eagle_config`, `t2d`,
 `target_hidden_size` or `head_dim`; they import too.
 
 Everything is checked before it is trusted (`validate_checkpoint`): vLLM raises on unknown
 keys while SGLang ignores them, and vLLM fills a missing `d2t` with zeros and a missing
-`hidden_norm` with ones without a word — so fledge refuses all three.
-
-fledge keeps what no engine field holds (the target's layer count, which the aux ids are checked
-against; the verifier's name; the trained speculative depth) in a `fledge` block of config.json
-that engines ignore.
+`hidden_norm` with ones without a word — so fledge refuses all three. What no engine field
+holds (the target's layer count, which the aux ids are checked against; the verifier; the
+trained speculative depth) goes in a `fledge` block of config.json that engines ignore.
 """
 
 from __future__ import annotations
@@ -32,12 +25,11 @@ from safetensors.torch import save as st_save
 
 from fledge.catalog import BUILTINS, LAYOUTS
 from fledge.config import DraftConfig
-from fledge.conventions import t2d_from_target_ids, target_ids_from_d2t
+from fledge.conventions import aux_ids_to_sglang, t2d_from_target_ids, target_ids_from_d2t
 from fledge.draft import Eagle3Draft
-from fledge.layout import (canonical_name, checkpoint_keys, detect_layout, draft_config_from_json, layout_name,
-                           serving_aux_ids)
+from fledge.layout import canonical_name, checkpoint_keys, detect_layout, draft_config_from_json, layout_name
 from fledge.util import FledgeError, atomic_dir, check_no_overlap, parse_dtype, write_file
-from fledge.weights import INDEX, Checkpoint, open_checkpoint
+from fledge.weights import INDEX, Checkpoint, model_config, open_checkpoint
 
 DEFAULT_SPECULATIVE_TOKENS = 3
 # Tensors vLLM fills in without a word when a checkpoint lacks them.
@@ -59,7 +51,9 @@ def _llama_fields(cfg: DraftConfig, dtype: torch.dtype) -> dict:
 
 def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str | None = None) -> dict:
     """The config.json for `cfg` in `layout`. `norm_before_residual: false` is written because
-    vLLM's speculators reader defaults it to true, which is not this drafter's layer."""
+    vLLM's speculators reader defaults it to true, which is not this drafter's layer. The aux
+    ids are written twice: canonical at the top level, which vLLM reads first, and in SGLang's
+    spelling in eagle_config, the only list SGLang reads, so both capture the same streams."""
     ver = dict(cfg.extra.get("verifier") or {})
     if verifier and verifier != ver.get("name_or_path"):
         ver = {"name_or_path": verifier, "architectures": []}
@@ -69,7 +63,7 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
               "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids}
     if layout == "eagle3":
         return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **common,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": serving_aux_ids(ids, n),
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_ids_to_sglang(ids, n)),
                                  "use_aux_hidden_state": True},
                 "fledge": {"target_num_hidden_layers": n, "verifier": ver or None, "speculative_tokens": k}}
     if not ver.get("name_or_path"):
@@ -90,6 +84,12 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
     }
 
 
+def verifier_of(target) -> dict:
+    """How a drafter's config records the target it was made for (what `vllm serve <dir>` loads)."""
+    archs = list(target.model.config.architectures or [])
+    return {"name_or_path": str(target.path or target.name), "architectures": archs}
+
+
 # --------------------------------------------------------------------------- reading
 def _torch_tensors(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """A checkpoint's tensors under our names, and the file each came from."""
@@ -102,21 +102,18 @@ def _torch_tensors(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, P
     return tensors, origin
 
 
-def read_tensors(path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """All tensors of a checkpoint dir under our names, and the file each came from."""
-    ck = open_checkpoint(path)
-    if ck.weights is None:
-        raise FledgeError(f"{ck.path}/{ck.fails[-1]}")  # the last: a config problem comes first
-    return _torch_tensors(ck)
+def _target_ids(tensors: dict, cfg: DraftConfig) -> torch.Tensor:
+    """Target id of every draft id; a full-vocabulary drafter has no d2t and maps to itself."""
+    if "d2t" not in tensors:
+        return torch.arange(cfg.vocab_size)
+    return torch.from_numpy(target_ids_from_d2t(tensors["d2t"], cfg.vocab_size))
 
 
 def tensor_problems(tensors: dict, origin: dict, cfg: DraftConfig, where: Path) -> list[str]:
     """What an engine would load wrongly (or refuse) in `tensors` for `cfg`."""
-    problems, spec = [], checkpoint_keys(cfg)
-    for k, (shape, required) in spec.items():
-        if required and k not in tensors:
-            why = SILENT_DEFAULTS.get(k, "")
-            problems.append(f"{where}: missing tensor {k}{why}")
+    spec = checkpoint_keys(cfg)
+    problems = [f"{where}: missing tensor {k}{SILENT_DEFAULTS.get(k, '')}"
+                for k, (_, required) in spec.items() if required and k not in tensors]
     for k, t in tensors.items():
         f = origin[k]
         if k == "d2t" and k not in spec:
@@ -131,19 +128,8 @@ def tensor_problems(tensors: dict, origin: dict, cfg: DraftConfig, where: Path) 
             problems.append(f"{f}: t2d has dtype {t.dtype}; it is a bool mask")
         elif t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
             problems.append(f"{f}: {k} contains NaN or inf")
-    if not problems:
-        problems += _vocab_problems(tensors, origin, cfg)
-    return problems
-
-
-def _target_ids(tensors: dict, cfg: DraftConfig) -> torch.Tensor:
-    """Target id of every draft id; a full-vocabulary drafter has no d2t and maps to itself."""
-    if "d2t" not in tensors:
-        return torch.arange(cfg.vocab_size)
-    return torch.from_numpy(target_ids_from_d2t(tensors["d2t"], cfg.vocab_size))
-
-
-def _vocab_problems(tensors: dict, origin: dict, cfg: DraftConfig) -> list[str]:
+    if problems:
+        return problems
     try:
         ids = _target_ids(tensors, cfg)
     except FledgeError as e:
@@ -198,17 +184,13 @@ def _load(path, target_layers=None, embed_from=None) -> tuple[Eagle3Draft, _Read
     draft = Eagle3Draft(r.cfg)
     draft.load_state_dict({k: v for k, v in r.tensors.items() if k != "t2d"}, strict=False)
     draft.set_vocab(_target_ids(r.tensors, r.cfg))  # also rebuilds t2d
-    if "embed_tokens.weight" not in r.tensors:
-        with torch.no_grad():
-            if embed_from is None:
-                # NaN, not random: a drafter run without the target's embeddings must fail loudly.
-                draft.embed_tokens.weight.fill_(float("nan"))
-            else:
-                emb = embed_from.get_input_embeddings().weight
-                if tuple(emb.shape) != tuple(draft.embed_tokens.weight.shape):
-                    raise FledgeError(f"target embeddings {list(emb.shape)} do not fit the drafter "
-                                      f"{list(draft.embed_tokens.weight.shape)}")
-                draft.embed_tokens.weight.copy_(emb.float())
+    if "embed_tokens.weight" in r.tensors:
+        return draft, r
+    if embed_from is None:
+        with torch.no_grad():  # NaN, not random: a drafter run without the target's embeddings must fail loudly
+            draft.embed_tokens.weight.fill_(float("nan"))
+    else:
+        draft.take_embeddings(embed_from)
     return draft, r
 
 
@@ -282,25 +264,14 @@ def export_checkpoint(draft: Eagle3Draft, out_dir, layout="eagle3", dtype=torch.
 
 # --------------------------------------------------------------------------- CLI
 def _target_layers_arg(args) -> int | None:
-    if args.target_config:
-        p = Path(args.target_config)
-        p = p / "config.json" if p.is_dir() else p
-        try:
-            tc = json.loads(p.read_text())
-            return int((tc.get("text_config") or tc)["num_hidden_layers"])
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise FledgeError(f"{p}: cannot read num_hidden_layers ({e})") from None
-    return args.target_layers
-
-
-def _summary(out: Path, layout: str, draft: Eagle3Draft) -> None:
-    files = sorted(f for f in out.iterdir() if f.is_file())
-    print(f"{'file':<44} {'MiB':>9}")
-    for f in files:
-        print(f"{f.name:<44} {f.stat().st_size / 2**20:>9.2f}")
-    c = draft.cfg
-    print(f"wrote {out} ({layout}): target {c.target_num_layers} layers, aux ids {list(c.aux_layer_ids)} "
-          f"(canonical), draft vocab {c.draft_vocab_size}/{c.vocab_size}")
+    if not args.target_config:
+        return args.target_layers
+    p = Path(args.target_config)
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        return int(model_config(p)["num_hidden_layers"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise FledgeError(f"{p}: cannot read num_hidden_layers ({e})") from None
 
 
 def _target(args):
@@ -311,15 +282,25 @@ def _target(args):
     return load_target(args.target)
 
 
-def _check_out(args) -> None:
+def _load_src(args) -> tuple[Eagle3Draft, _Read]:
+    """The drafter `src`, with the target's embeddings and layer count when --target names one."""
     target_dir = args.target if args.target and Path(args.target).exists() else None  # not a built-in name
     check_no_overlap(args.out, {"src": args.src, "--target-config": args.target_config, "--target": target_dir})
+    target = _target(args)
+    return _load(args.src, _target_layers_arg(args), embed_from=target and target.model)
+
+
+def _summary(out: Path, layout: str, draft: Eagle3Draft) -> None:
+    print(f"{'file':<44} {'MiB':>9}")
+    for f in sorted(f for f in out.iterdir() if f.is_file()):
+        print(f"{f.name:<44} {f.stat().st_size / 2**20:>9.2f}")
+    c = draft.cfg
+    print(f"wrote {out} ({layout}): target {c.target_num_layers} layers, aux ids {list(c.aux_layer_ids)} "
+          f"(canonical), draft vocab {c.draft_vocab_size}/{c.vocab_size}")
 
 
 def run_export(args) -> int:
-    _check_out(args)
-    target = _target(args)
-    draft, _ = _load(args.src, _target_layers_arg(args), embed_from=target and target.model)
+    draft, _ = _load_src(args)
     out = export_checkpoint(draft, args.out, layout=args.layout, dtype=parse_dtype(args.dtype),
                             shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
                             verifier=args.verifier, overwrite=args.overwrite)
@@ -329,9 +310,7 @@ def run_export(args) -> int:
 
 def run_import(args) -> int:
     """Into fledge's own (eagle3) layout, keeping the source's dtype, and its embeddings if it has them."""
-    _check_out(args)
-    target = _target(args)
-    draft, r = _load(args.src, _target_layers_arg(args), embed_from=target and target.model)
+    draft, r = _load_src(args)
     out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(r.cfg.torch_dtype),
                             with_embed="embed_tokens.weight" in r.tensors, overwrite=args.overwrite)
     print(f"read {args.src} ({r.layout} layout)")
@@ -343,8 +322,7 @@ def run_init_draft(args) -> int:
     check_no_overlap(args.out, {"--target": args.target if Path(args.target).exists() else None})
     target = _target(args)
     cfg = DraftConfig.from_target(target.model.config, draft_vocab_size=args.draft_vocab)
-    archs = list(target.model.config.architectures or [])
-    cfg.extra["verifier"] = {"name_or_path": str(target.path or target.name), "architectures": archs}
+    cfg.extra["verifier"] = verifier_of(target)
     draft = Eagle3Draft.from_target(cfg, target.model)
     out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
     _summary(out, "eagle3", draft)

@@ -48,7 +48,8 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, in
 
 
 def aux_ids_from_sglang(ids: Sequence[int], num_layers: int) -> tuple[int, int, int]:
-    """SGLang/SpecForge/ModelOpt ids name the *output* of layer k, i.e. hidden_states[k+1]."""
+    """SGLang/SpecForge/ModelOpt ids name the *output* of layer k, i.e. hidden_states[k+1]
+    (SGLang's `set_eagle3_layers_to_capture` adds 1)."""
     return validate_aux_layer_ids([int(i) + 1 for i in ids], num_layers)
 
 

@@ -3,18 +3,13 @@
 Every check here exists because the failure it catches is *silent* in SGLang or vLLM: the
 server starts, serves correct text, and acceptance quietly collapses (plain `EAGLE` on an
 EAGLE-3 drafter, a missing `d2t` or `hidden_norm`, a context window shorter than the
-target's). Files are read by `fledge.weights`, the layout by `fledge.layout`, both torch-free:
-a broken checkpoint is reported, never raised, and without `--target` (a name fledge.target
-resolves) or `--probe` torch, whose start-up costs more than every check together, never loads.
-
-Results are a list of `Check`s; `report(results)` prints them and returns the exit code
-(0 all PASS, 1 some WARN, 2 some FAIL). Any further source of checks (a live acceptance
-probe) appends to the same list before `report`.
+target's). A broken checkpoint is reported, never raised. Files are read torch-free
+(`fledge.weights`, `fledge.layout`): torch's start-up costs more than every check together,
+so it loads only for `--probe` or a `--target` that fledge.target must resolve.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,15 +17,14 @@ from pathlib import Path
 import numpy as np
 
 from fledge.catalog import BUILTINS
-from fledge.checks import Check, DraftFacts, draft_facts, fail, ok, report, warn
+from fledge.checks import Check, fail, ok, report, warn
 from fledge.config import DraftConfig
 from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, diff_vocab, rope_fields, target_ids_from_d2t
-from fledge.layout import aux_ids_of, canonical_name, checkpoint_keys, draft_config_from_json
+from fledge.layout import (EAGLE3_ARCH, DraftFacts, aux_ids_of, canonical_name, checkpoint_keys, draft_config_from_json,
+                           draft_facts)
 from fledge.lint import launch_checks
 from fledge.util import FledgeError
-from fledge.weights import Checkpoint, Stats, Weights, is_float, open_checkpoint
-
-EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+from fledge.weights import Checkpoint, Stats, Weights, is_float, model_config, open_checkpoint
 
 
 def files_check(ck: Checkpoint) -> Check:
@@ -58,13 +52,11 @@ def target_facts(spec: str) -> tuple[TargetFacts | None, Check]:
     """The target's config read directly: a target that cannot load still has a config. A plain
     HF directory needs nothing of fledge.target (built-in names, GGUF conversion), nor torch."""
     try:
-        if Path(spec).is_dir():
-            p = Path(spec)
-        else:
+        p = Path(spec)
+        if not p.is_dir():
             from fledge.target import resolve_target
             p = Path(resolve_target(spec))
-        cfg = json.loads((p / "config.json").read_text())
-        cfg = cfg.get("text_config") or cfg
+        cfg = model_config(p)
         t = TargetFacts(p, int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["num_hidden_layers"]),
                         cfg.get("max_position_embeddings"), rope_fields(cfg))
     except Exception as e:
@@ -380,7 +372,7 @@ def _guarded(name: str, fn, *args) -> Check | None:
 
 
 def static_checks(drafter, target: str | None = None) -> tuple[list[Check], DraftFacts | None]:
-    """Every check that needs only files. Never raises on a broken checkpoint."""
+    """Every check that needs only files, and the drafter's config as they read it."""
     ck = open_checkpoint(drafter)
     results = [files_check(ck) if ck.path.is_dir() else
                fail("files", f"{ck.path}: not a directory", "point doctor at the exported drafter directory")]

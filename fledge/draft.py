@@ -40,12 +40,11 @@ def rope_config(cfg: DraftConfig) -> transformers.LlamaConfig:
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(2 * h, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+        h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = nn.Linear(2 * h, q, bias=False)
+        self.k_proj = nn.Linear(2 * h, kv, bias=False)
+        self.v_proj = nn.Linear(2 * h, kv, bias=False)
+        self.o_proj = nn.Linear(q, h, bias=False)
 
 
 class DraftMLP(nn.Module):
@@ -87,16 +86,20 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_target(cls, cfg: DraftConfig, target_model, target_ids: torch.Tensor | None = None) -> "Eagle3Draft":
-        """A fresh drafter with the target's input embeddings copied in and frozen."""
+        """A fresh drafter with the target's input embeddings."""
         draft = cls(cfg)
-        emb = target_model.get_input_embeddings().weight
-        if tuple(emb.shape) != tuple(draft.embed_tokens.weight.shape):
-            raise FledgeError(f"target embedding {tuple(emb.shape)} does not fit draft {tuple(draft.embed_tokens.weight.shape)}")
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(emb.float())
+        draft.take_embeddings(target_model)
         if target_ids is not None:
             draft.set_vocab(target_ids)
         return draft
+
+    @torch.no_grad()
+    def take_embeddings(self, target_model) -> None:
+        """Copy in the target's input embeddings (the drafter reads them, frozen, as the target does)."""
+        emb, mine = target_model.get_input_embeddings().weight, self.embed_tokens.weight
+        if emb.shape != mine.shape:
+            raise FledgeError(f"target embeddings {list(emb.shape)} do not fit the drafter {list(mine.shape)}")
+        mine.copy_(emb.float())
 
     @torch.no_grad()
     def init_head_from(self, target_model) -> None:
@@ -104,12 +107,9 @@ class Eagle3Draft(nn.Module):
         the draft vocab, `norm` = its final norm, so that a draft landing on the target's final
         hidden state of the next position predicts as the target does. The norm is copied only
         where the target's is a plain weighted RMSNorm, or 1 + weight (Gemma), checked
-        numerically; other norms keep the ones of a fresh draft.
-
-        `fledge train --head target` (trained on) or `--head frozen` (never trained); the
-        default is a random head. A random draft state through a copied head gives confident
-        wrong logits at first (on SmolLM2, CPU, 400 answers: soft CE 12.9 against 7.6 over the
-        first 10 steps), which the draft must unlearn.
+        numerically; other norms keep the ones of a fresh draft. Not the default: a random draft
+        state through a copied head gives confident wrong logits at first (on SmolLM2, CPU, 400
+        answers: soft CE 12.9 against 7.6 over the first 10 steps), which the draft must unlearn.
         """
         head = target_model.get_output_embeddings().weight
         self.lm_head.weight.copy_(head[self.target_ids().to(head.device)].float())
@@ -138,14 +138,12 @@ class Eagle3Draft(nn.Module):
         g = torch.Generator().manual_seed(seed)
         bound = self.cfg.hidden_size ** -0.5
         grown = {}
-        for name in ("gate_proj", "up_proj"):
-            w = getattr(mlp, name).weight
-            extra = (torch.rand(size - old, w.shape[1], generator=g) * 2 - 1) * bound
-            grown[name] = torch.cat([w, extra.to(w)], 0)
+        for layer in (mlp.gate_proj, mlp.up_proj):
+            extra = (torch.rand(size - old, layer.in_features, generator=g) * 2 - 1) * bound
+            grown[layer] = torch.cat([layer.weight, extra.to(layer.weight)], 0)
         w = mlp.down_proj.weight
-        grown["down_proj"] = torch.cat([w, w.new_zeros(w.shape[0], size - old)], 1)
-        for name, weight in grown.items():
-            layer = getattr(mlp, name)
+        grown[mlp.down_proj] = torch.cat([w, w.new_zeros(w.shape[0], size - old)], 1)
+        for layer, weight in grown.items():
             layer.weight = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
             layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
         self.cfg = self.cfg.replace(intermediate_size=size)
@@ -177,11 +175,11 @@ class Eagle3Draft(nn.Module):
         layer = self.midlayer
         a = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype)),
                        layer.hidden_norm(hidden)], dim=-1)
-        attn = layer.self_attn
         b, t, _ = a.shape
-        q = attn.q_proj(a).view(b, t, attn.n_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(a).view(b, t, attn.n_kv, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(a).view(b, t, attn.n_kv, attn.head_dim).transpose(1, 2)
+        attn, hd = layer.self_attn, self.cfg.head_dim
+        q = attn.q_proj(a).view(b, t, -1, hd).transpose(1, 2)
+        k = attn.k_proj(a).view(b, t, -1, hd).transpose(1, 2)
+        v = attn.v_proj(a).view(b, t, -1, hd).transpose(1, 2)
         cos, sin = self.rotary(v, positions)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v, hidden
@@ -196,9 +194,8 @@ class Eagle3Draft(nn.Module):
         return self.finish(o, residual)
 
     def finish(self, o, residual):
-        """o_proj of the attention output `o` [B,heads,T,hd], its residual add, and the MLP: the
-        weight-touching half after attention, shared by training and the engine (which attends
-        over its own cache layout)."""
+        """o_proj of the attention output `o` [B,heads,T,hd], its residual add, and the MLP: apart
+        from `attend` because the engine attends over its own cache layout."""
         attn = self.midlayer.self_attn
         b, _, t, _ = o.shape
         h = residual + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))

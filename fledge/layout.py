@@ -1,17 +1,22 @@
 """The served checkpoint's layout, without torch: which tensors a drafter checkpoint holds
-(names and shapes, from its DraftConfig), how each layout spells them, and a config.json of
-either layout read back as a DraftConfig.
+(names and shapes, from its DraftConfig), how each layout spells them, and what its
+config.json says.
 
 Layouts: `eagle3` (`LlamaForCausalLMEagle3`: fledge's own, SGLang's, SpecForge's; the layer
-is `midlayer.*`) and `speculators` (vLLM's, the layer is `layers.0.*`). `fledge doctor` needs
-only this module and numpy to check a checkpoint; `fledge.checkpoint` writes and loads with it.
+is `midlayer.*`, its llama fields at the top level) and `speculators` (vLLM's: the layer is
+`layers.0.*`, its fields in `transformer_layer_config`). `fledge doctor` needs only this module
+and numpy to check a checkpoint; `fledge.checkpoint` writes and loads with it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fledge.config import DraftConfig
-from fledge.conventions import aux_ids_from_sglang, aux_ids_to_sglang, rope_fields, validate_aux_layer_ids
+from fledge.conventions import aux_ids_from_sglang, rope_fields, validate_aux_layer_ids
 from fledge.util import FledgeError
+
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 
 
 # --------------------------------------------------------------------------- tensor names
@@ -25,7 +30,6 @@ def checkpoint_keys(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], bool]]
     `midlayer.hidden_norm.weight` are required because vLLM would silently load zeros / ones —
     except that a full-vocabulary drafter (draft_vocab_size == vocab_size) must NOT carry `d2t`:
     vLLM then registers no parameter for it and raises on the key (the map is the identity anyway).
-    The speculators layout names the layer `layers.0.` instead of `midlayer.` (`layout_name`).
     """
     h, inter, v, dv = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.draft_vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -50,53 +54,82 @@ def canonical_name(key: str) -> str:
     return "midlayer." + key[len("layers.0."):] if key.startswith("layers.0.") else key
 
 
-def serving_aux_ids(ids, num_layers: int) -> list[int]:
-    """The aux ids written in `eagle_config` for canonical `ids`: SGLang's convention.
-
-    SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` and captures
-    hidden_states[k+1] for id k (`set_eagle3_layers_to_capture` adds 1), i.e. "output of layer
-    k". vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first (canonical, written
-    as-is), so with both lists written, both engines feed the drafter the same residual streams.
-    """
-    return list(aux_ids_to_sglang(ids, num_layers))
-
-
-def aux_ids_from_serving(ids, num_layers: int) -> tuple[int, int, int]:
-    """Inverse of `serving_aux_ids`: canonical ids from an `eagle_config` list."""
-    return aux_ids_from_sglang(ids, num_layers)
-
-
 # --------------------------------------------------------------------------- config.json
 def detect_layout(cj: dict) -> str | None:
     if cj.get("speculators_model_type") is not None:
         return "speculators"
-    if "LlamaForCausalLMEagle3" in (cj.get("architectures") or []):
-        return "eagle3"
-    return None
+    return "eagle3" if EAGLE3_ARCH in (cj.get("architectures") or []) else None
 
 
-def _target_layers(cj: dict, target_layers: int | None) -> int:
-    recorded = (cj.get("fledge") or {}).get("target_num_hidden_layers")
-    if target_layers is not None and recorded is not None and int(recorded) != int(target_layers):
-        raise FledgeError(f"config.json records a {recorded}-layer target, but {target_layers} layers were given")
-    n = target_layers if target_layers is not None else recorded
-    if n is None:
-        raise FledgeError("the target's layer count is unknown (needed to place its aux layers): "
-                          "pass --target-layers N or a target config")
-    return int(n)
+@dataclass
+class DraftFacts:
+    """What a drafter's config.json says, wherever its layout keeps it, read without judging:
+    a field the file lacks is None, and the checks decide what that means."""
+
+    layout: str  # "speculators", else the architectures named ("LlamaForCausalLMEagle3" is the eagle3 layout)
+    layer: dict  # the draft layer's llama fields
+    hidden: int | None
+    target_hidden: int | None
+    vocab: int | None
+    draft_vocab: int | None
+    max_position: int | None
+    num_layers: int | None
+    rope: tuple
+    aux_top: list | None  # top-level ids: canonical, what vLLM reads
+    aux_nested: list | None  # eagle_config ids: SGLang's spelling, what SGLang reads
+    use_aux: bool
+    tied: bool
+    dtype: str | None
+    target_layers: int | None  # recorded by fledge export; engines keep no such field
+    norm_before_residual: bool  # vLLM defaults it to true in the speculators layout
+    verifier: str | None  # speculators layout: the target `vllm serve <dir>` loads
+    speculative_tokens: int | None  # the trained depth; in the speculators layout, what `vllm serve <dir>` drafts
+
+
+def draft_facts(cj: dict) -> DraftFacts:
+    spec = detect_layout(cj) == "speculators"
+    layer = (cj.get("transformer_layer_config") or {}) if spec else cj
+    ec = cj.get("eagle_config") or {}
+    sc = (cj.get("speculators_config") or {}) if spec else {}
+    fledge = cj.get("fledge") or {}
+    method = (sc.get("proposal_methods") or [{}])[0]
+    hidden = layer.get("hidden_size")
+    return DraftFacts(
+        layout="speculators" if spec else ",".join(cj.get("architectures") or ["(none)"]), layer=layer,
+        hidden=hidden, target_hidden=cj.get("target_hidden_size") or hidden,
+        vocab=layer.get("vocab_size"), draft_vocab=cj.get("draft_vocab_size"),
+        max_position=layer.get("max_position_embeddings"), num_layers=layer.get("num_hidden_layers"),
+        rope=rope_fields(layer), aux_top=cj.get("eagle_aux_hidden_state_layer_ids"),
+        aux_nested=None if spec else ec.get("eagle_aux_hidden_state_layer_ids"),
+        use_aux=bool(ec.get("use_aux_hidden_state", True)), tied=bool(layer.get("tie_word_embeddings", False)),
+        dtype=layer.get("dtype") or layer.get("torch_dtype") or cj.get("torch_dtype"),
+        target_layers=fledge.get("target_num_hidden_layers"),
+        norm_before_residual=bool(cj.get("norm_before_residual", spec)),
+        verifier=(sc.get("verifier") or {}).get("name_or_path"),
+        speculative_tokens=(method if spec else fledge).get("speculative_tokens"))
 
 
 def aux_ids_of(top, nested, n: int) -> tuple[int, int, int]:
     """Canonical ids from a config's top-level list (canonical, what vLLM reads) and its
-    eagle_config list (the serving spelling, what SGLang reads), which must name the same
+    eagle_config list (SGLang's spelling, what SGLang reads), which must name the same
     layers; SpecForge's default when neither is written."""
     if nested is None:  # SpecForge writes no ids and captures its default, "outputs of layers [1, N//2-1, N-4]"
         return validate_aux_layer_ids(top, n) if top else aux_ids_from_sglang([1, n // 2 - 1, n - 4], n)
-    from_nested = aux_ids_from_serving(nested, n)
+    from_nested = aux_ids_from_sglang(nested, n)
     if top and tuple(validate_aux_layer_ids(top, n)) != from_nested:
         raise FledgeError(f"aux ids disagree: top-level {list(top)} (vLLM reads) vs eagle_config {list(nested)} "
                           "(SGLang reads)")
     return from_nested
+
+
+def _target_layers(recorded, given: int | None) -> int:
+    if given is not None and recorded is not None and int(recorded) != int(given):
+        raise FledgeError(f"config.json records a {recorded}-layer target, but {given} layers were given")
+    n = given if given is not None else recorded
+    if n is None:
+        raise FledgeError("the target's layer count is unknown (needed to place its aux layers): "
+                          "pass --target-layers N or a target config")
+    return int(n)
 
 
 def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftConfig:
@@ -104,37 +137,29 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
     layout = detect_layout(cj)
     if layout is None:
         raise FledgeError("config.json is neither LlamaForCausalLMEagle3 nor a speculators eagle3 config")
-    if layout == "speculators":
-        if cj.get("speculators_model_type") != "eagle3":
-            raise FledgeError(f"speculators_model_type {cj.get('speculators_model_type')!r}: only eagle3 is supported")
-        layer = dict(cj.get("transformer_layer_config") or {})
-        sc = cj.get("speculators_config") or {}
-        methods = sc.get("proposal_methods") or [{}]
-        extra = {"verifier": sc.get("verifier") or None, "speculative_tokens": methods[0].get("speculative_tokens")}
-        norm_before_residual = cj.get("norm_before_residual", True)  # vLLM's default for this layout
-    else:
-        layer, fb = cj, cj.get("fledge") or {}
-        extra = {"verifier": fb.get("verifier"), "speculative_tokens": fb.get("speculative_tokens")}
-        norm_before_residual = cj.get("norm_before_residual", False)
-    flags = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if cj.get(f)]
-    if norm_before_residual or flags:
-        on = ", ".join((["norm_before_residual"] if norm_before_residual else []) + flags)
-        raise FledgeError(f"{on}: variant drafter layers fledge's Eagle3Draft does not implement")
+    if layout == "speculators" and cj["speculators_model_type"] != "eagle3":
+        raise FledgeError(f"speculators_model_type {cj['speculators_model_type']!r}: only eagle3 is supported")
+    f = draft_facts(cj)
+    variants = (["norm_before_residual"] if f.norm_before_residual else []) + [
+        k for k in ("norm_before_fc", "fc_norm", "norm_output") if cj.get(k)]
+    if variants:
+        raise FledgeError(f"{', '.join(variants)}: variant drafter layers fledge's Eagle3Draft does not implement")
+    layer = f.layer
     if layer.get("model_type", "llama") != "llama":
         raise FledgeError(f"model_type {layer.get('model_type')!r}: fledge's drafter is a Llama layer")
     if layer.get("num_hidden_layers", 1) != 1:
         raise FledgeError(f"num_hidden_layers {layer.get('num_hidden_layers')}: an EAGLE-3 drafter has one layer")
-    n = _target_layers(cj, target_layers)
-    nested = None if layout == "speculators" else (cj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    aux = aux_ids_of(cj.get("eagle_aux_hidden_state_layer_ids"), nested, n)
+    n = _target_layers(f.target_layers, target_layers)
     h, heads = layer["hidden_size"], layer["num_attention_heads"]
-    theta, scaling = rope_fields(layer)
+    theta, scaling = f.rope
+    verifier = (cj.get("speculators_config" if layout == "speculators" else "fledge") or {}).get("verifier")
+    extra = {"verifier": verifier or None, "speculative_tokens": f.speculative_tokens}
     return DraftConfig(
         hidden_size=h, intermediate_size=layer["intermediate_size"], num_attention_heads=heads,
         num_key_value_heads=layer.get("num_key_value_heads") or heads, head_dim=layer.get("head_dim") or h // heads,
         vocab_size=layer["vocab_size"], draft_vocab_size=cj.get("draft_vocab_size") or layer["vocab_size"],
         target_hidden_size=cj.get("target_hidden_size") or h, target_num_layers=n,
-        aux_layer_ids=aux, max_position_embeddings=layer["max_position_embeddings"],
+        aux_layer_ids=aux_ids_of(f.aux_top, f.aux_nested, n), max_position_embeddings=layer["max_position_embeddings"],
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         hidden_act=layer.get("hidden_act", "silu"),
         torch_dtype=cj.get("torch_dtype") or layer.get("torch_dtype") or cj.get("dtype") or "bfloat16",

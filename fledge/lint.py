@@ -14,18 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fledge.acceptance import max_nodes  # also SGLang's verify-set bound (see its doc)
-from fledge.checks import Check, DraftFacts, fail, ok, warn
+from fledge.checks import Check, fail, ok, warn
+from fledge.layout import DraftFacts
 
 # Deeper than the training-time-test unroll (7 in SpecForge/EAGLE), extra draft tokens are
 # rarely accepted but each costs a draft forward.
 MAX_USEFUL_DEPTH = 7
 
 
+# SGLang's argparse accepts unambiguous prefixes (`--speculative-algo`, `--model`), read as these.
 SGLANG_OPTIONS = ["model-path", "speculative-algorithm", "speculative-draft-model-path", "speculative-num-steps",
                   "speculative-eagle-topk", "speculative-num-draft-tokens", "disable-cuda-graph", "context-length"]
-# argparse accepts unambiguous prefixes (`--speculative-algo`); these short forms also appear in docs.
-SGLANG_ALIASES = {"model": "model-path", "speculative-draft": "speculative-draft-model-path",
-                  "speculative-draft-model": "speculative-draft-model-path"}
 VLLM_REMOVED = {"speculative-model", "num-speculative-tokens", "speculative-draft-tensor-parallel-size"}
 
 
@@ -72,8 +71,6 @@ def parse_launch(cmd: str) -> Launch | str:
 def _canonical(key: str, engine: str) -> str:
     if engine != "sglang" or key in SGLANG_OPTIONS:
         return key
-    if key in SGLANG_ALIASES:
-        return SGLANG_ALIASES[key]
     hits = [o for o in SGLANG_OPTIONS if o.startswith(key)]
     return hits[0] if len(hits) == 1 else key
 
@@ -85,7 +82,8 @@ def _int(v) -> int | None:
         return None
 
 
-def _path_check(name: str, given: str | None, drafter: Path, flag: str) -> Check:
+def _path_check(given: str | None, drafter: Path, flag: str) -> Check:
+    name = "launch.draft_path"
     if not given:
         return fail(name, f"no {flag}: the engine has no drafter to load", f"add {flag} {drafter}")
     p = Path(given).expanduser()
@@ -125,14 +123,14 @@ def _sglang_steps(o: dict) -> Check:
     return ok(name, f"steps {steps}, topk {topk}, draft tokens {ndt} (bound {bound})")
 
 
-def _context_check(name: str, flag: str, value, f: DraftFacts | None) -> Check | None:
+def _context_check(flag: str, value, f: DraftFacts | None) -> Check | None:
     n = _int(value)
     if value is None or f is None or f.max_position is None:
         return None
     if n is None or n > f.max_position:
-        return fail(name, f"{flag} {value} > drafter max_position_embeddings {f.max_position}",
-                     f"raise max_position_embeddings in the drafter's config.json to {value}, or lower {flag}")
-    return ok(name, f"{flag} {n} within the drafter's {f.max_position}")
+        return fail("launch.context", f"{flag} {value} > drafter max_position_embeddings {f.max_position}",
+                    f"raise max_position_embeddings in the drafter's config.json to {value}, or lower {flag}")
+    return ok("launch.context", f"{flag} {n} within the drafter's {f.max_position}")
 
 
 def _model_check(served: str | None, target: str | None) -> Check | None:
@@ -156,25 +154,25 @@ def _sglang_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Chec
     else:
         out = [fail("launch.algorithm", f"--speculative-algorithm {algo or '(absent)'}: EAGLE-3 drafter not used",
                      "--speculative-algorithm EAGLE3")]
-    out += [_path_check("launch.draft_path", o.get("speculative-draft-model-path"), drafter,
-                        "--speculative-draft-model-path"), _sglang_steps(o)]
+    out += [_path_check(o.get("speculative-draft-model-path"), drafter, "--speculative-draft-model-path"),
+            _sglang_steps(o)]
     if "disable-cuda-graph" in o:
         out.append(warn("launch.cuda_graph", "--disable-cuda-graph: every draft step and verify pays kernel-launch "
                          "overhead, which often eats the speculative gain", "drop --disable-cuda-graph"))
-    out.append(_context_check("launch.context", "--context-length", o.get("context-length"), f))
+    out.append(_context_check("--context-length", o.get("context-length"), f))
     return out
 
 
 def _serves_speculators_dir(lc: Launch, drafter: Path, f: DraftFacts | None) -> bool:
     """`vllm serve <dir>` on the checked drafter in the speculators layout: vLLM speculates with
     no --speculative-config, taking the target from speculators_config.verifier."""
-    if f is None or f.layout != "speculators" or not lc.model:
+    if lc.engine != "vllm" or f is None or f.layout != "speculators" or not lc.model:
         return False
     p = Path(lc.model).expanduser()
     return p.exists() and p.resolve() == drafter.resolve()
 
 
-def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Check]:
+def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None, alone: bool) -> list[Check]:
     o = lc.options
     out = [fail("launch.legacy", f"--{k} was removed from vLLM", "use --speculative-config JSON")
            for k in sorted(VLLM_REMOVED & set(o))]
@@ -186,7 +184,7 @@ def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Check]
         except json.JSONDecodeError as e:
             return out + [fail("launch.spec_config", f"--speculative-config is not JSON ({e.msg})",
                                 '--speculative-config \'{"method": "eagle3", "model": "...", "num_speculative_tokens": 3}\'')]
-    if _serves_speculators_dir(lc, drafter, f):
+    if alone:
         # vLLM reads speculators_config: the verifier becomes the served model, the directory the
         # drafter, the method and depth come from the config; --speculative-config may only add to
         # them (method and model stay locked).
@@ -197,32 +195,37 @@ def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Check]
     elif not isinstance(sc, dict) or not sc:
         return out + [fail("launch.spec_config", "no --speculative-config: vLLM serves without speculation",
                             f'--speculative-config \'{{"method": "eagle3", "model": "{drafter}", "num_speculative_tokens": 3}}\'')]
-    method = str(sc.get("method") or "")
-    if method == "eagle3":
-        out.append(ok("launch.algorithm", "method eagle3: the target captures the three aux hidden states"))
-    elif method == "eagle":
-        out.append(fail("launch.algorithm", 'method "eagle" with an EAGLE-3 drafter: vLLM captures no aux hidden '
-                         "states and acceptance collapses", '"method": "eagle3"'))
-    elif not method and "eagle3" in str(sc.get("model", "")).lower():
-        out.append(warn("launch.algorithm", "no method: vLLM guesses eagle3 from the model name", '"method": "eagle3"'))
-    else:
-        out.append(fail("launch.algorithm", f"method {method or '(absent)'}: not eagle3", '"method": "eagle3"'))
-    out.append(_path_check("launch.draft_path", sc.get("model"), drafter, 'speculative_config "model"'))
-    k = _int(sc.get("num_speculative_tokens"))
-    if k is None or k < 1:
-        out.append(fail("launch.num_tokens", f"num_speculative_tokens {sc.get('num_speculative_tokens')}: must be "
-                         "an integer >= 1", '"num_speculative_tokens": 3'))
-    elif k > MAX_USEFUL_DEPTH:
-        out.append(warn("launch.num_tokens", f"num_speculative_tokens {k}: deeper than EAGLE-3 training unrolls "
-                         f"({MAX_USEFUL_DEPTH}); deep tokens are rarely accepted but each costs a draft step",
-                         "measure with fledge bench; 3-5 is typical"))
-    else:
-        out.append(ok("launch.num_tokens", f"num_speculative_tokens {k}"))
+    out += [_vllm_method(sc), _path_check(sc.get("model"), drafter, 'speculative_config "model"'),
+            _vllm_depth(sc.get("num_speculative_tokens"))]
     if "enforce-eager" in o:
         out.append(warn("launch.cuda_graph", "--enforce-eager: no CUDA graphs, kernel-launch overhead on every "
                          "draft and verify step", "drop --enforce-eager"))
-    out.append(_context_check("launch.context", "--max-model-len", o.get("max-model-len"), f))
+    out.append(_context_check("--max-model-len", o.get("max-model-len"), f))
     return out
+
+
+def _vllm_method(sc: dict) -> Check:
+    method = str(sc.get("method") or "")
+    if method == "eagle3":
+        return ok("launch.algorithm", "method eagle3: the target captures the three aux hidden states")
+    if method == "eagle":
+        return fail("launch.algorithm", 'method "eagle" with an EAGLE-3 drafter: vLLM captures no aux hidden '
+                    "states and acceptance collapses", '"method": "eagle3"')
+    if not method and "eagle3" in str(sc.get("model", "")).lower():
+        return warn("launch.algorithm", "no method: vLLM guesses eagle3 from the model name", '"method": "eagle3"')
+    return fail("launch.algorithm", f"method {method or '(absent)'}: not eagle3", '"method": "eagle3"')
+
+
+def _vllm_depth(value) -> Check:
+    k = _int(value)
+    if k is None or k < 1:
+        return fail("launch.num_tokens", f"num_speculative_tokens {value}: must be an integer >= 1",
+                    '"num_speculative_tokens": 3')
+    if k > MAX_USEFUL_DEPTH:
+        return warn("launch.num_tokens", f"num_speculative_tokens {k}: deeper than EAGLE-3 training unrolls "
+                    f"({MAX_USEFUL_DEPTH}); deep tokens are rarely accepted but each costs a draft step",
+                    "measure with fledge bench; 3-5 is typical")
+    return ok("launch.num_tokens", f"num_speculative_tokens {k}")
 
 
 def launch_checks(cmd: str, drafter, f: DraftFacts | None, target: str | None = None) -> list[Check]:
@@ -230,6 +233,7 @@ def launch_checks(cmd: str, drafter, f: DraftFacts | None, target: str | None = 
     lc = parse_launch(cmd)
     if isinstance(lc, str):
         return [fail("launch.parse", lc, "pass the full server command in quotes: --launch \"python -m ...\"")]
-    run = _sglang_checks if lc.engine == "sglang" else _vllm_checks
-    served = f.verifier if lc.engine == "vllm" and _serves_speculators_dir(lc, Path(drafter), f) else lc.model
-    return [c for c in run(lc, Path(drafter), f) + [_model_check(served, target)] if c is not None]
+    drafter = Path(drafter)
+    alone = _serves_speculators_dir(lc, drafter, f)
+    out = _sglang_checks(lc, drafter, f) if lc.engine == "sglang" else _vllm_checks(lc, drafter, f, alone)
+    return [c for c in out + [_model_check(f.verifier if alone else lc.model, target)] if c is not None]

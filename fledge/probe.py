@@ -1,17 +1,14 @@
 """The doctor's live probe: what a drafter actually gets on held-out prompts, in minutes.
 
-Static checks catch a broken checkpoint; they cannot see a drafter that loads fine and
-accepts nothing (trained on another target, aux layers one off, a vocab map for another
-tokenizer). The probe runs the drafter against its target on fledge's engine (exact: the
-output is the target's own greedy text) and reports two numbers:
+Static checks cannot see a drafter that loads fine and accepts nothing (trained on another
+target, aux layers one off, a vocab map for another tokenizer). The probe runs it against its
+target on fledge's engine, whose output is the target's own greedy text, and reports the accept
+length (SGLang's, with the bonus token) and the vocab coverage bound: the share of the target's
+generated tokens inside the draft vocab, which no drafting can exceed per token.
 
-- accept length (SGLang's: accepted drafts + 1 bonus per verify step) and acceptance by depth;
-- the vocab coverage bound: the share of the target's generated tokens inside the draft vocab.
-  A token outside it can never be drafted, so this bounds per-token acceptance from above.
-
-Thresholds: below 1.1 the drafter contributes nothing (FAIL: look for a misconfiguration);
-below 2.0 speculation rarely beats plain decoding on a real deployment (WARN: run `fledge
-tune` with your timings); a coverage bound below 0.9 caps acceptance (WARN).
+Below accept length 1.1 the drafter adds nothing (FAIL: look for a misconfiguration); below 2.0
+speculation rarely beats plain decoding on a real deployment (WARN); coverage below 0.9 caps
+acceptance (WARN).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ draft vocab can never be drafted.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +21,7 @@ from tqdm import tqdm
 from fledge.conventions import d2t_from_target_ids, diff_vocab, t2d_from_target_ids, target_ids_from_d2t
 from fledge.util import (FledgeError, atomic_write_bytes, atomic_write_json, check_no_overlap, keeping, print_table,
                          read_jsonl)
-from fledge.weights import open_checkpoint, scan_files
+from fledge.weights import model_config, open_checkpoint, scan_files
 
 
 def _masked_tokens(record, path, lineno) -> torch.Tensor:
@@ -124,8 +123,7 @@ def build_vocab(token_counts_or_dataset, target_vocab: int, draft_vocab_size: in
 def coverage(target_ids, dataset_path) -> float:
     """Share of the loss-masked tokens in a tokenized set that the draft vocab contains."""
     ids = torch.as_tensor(target_ids, dtype=torch.int64)
-    inside = torch.zeros(int(ids.max()) + 1, dtype=torch.bool)
-    inside[ids] = True
+    inside = t2d_from_target_ids(ids, int(ids.max()) + 1)
     hit = total = 0
     for lineno, rec in _records(dataset_path):
         toks = _masked_tokens(rec, dataset_path, lineno)
@@ -176,8 +174,7 @@ def _target_vocab(args) -> int:
         raise FledgeError("give --target-vocab N or --target DIR (an HF dir with config.json)")
     from fledge.target import resolve_target
 
-    cfg = json.loads((resolve_target(args.target) / "config.json").read_text())
-    return int((cfg.get("text_config") or cfg)["vocab_size"])
+    return int(model_config(resolve_target(args.target))["vocab_size"])
 
 
 # --------------------------------------------------------------------------- CLI
@@ -191,14 +188,6 @@ def _check_outputs(args) -> None:
         if path.is_dir():
             raise FledgeError(f"-o {args.out}: {path} is a directory; give a .safetensors file name")
         check_no_overlap(path, {"dataset": args.dataset, "--heldout": args.heldout})
-
-
-def unseen_warning(unseen: int, size: int, distinct: int) -> str | None:
-    """The line that says a vocab is padded with ids the data never trained."""
-    if not unseen:
-        return None
-    return (f"{unseen} of the {size} vocab slots hold ids never seen in the data (it has {distinct} distinct "
-            f"trained tokens): they can never be drafted right; more data or --size {distinct} loses nothing")
 
 
 def run_build(args) -> int:
@@ -222,10 +211,11 @@ def run_build(args) -> int:
              "masked_tokens": total, "distinct_tokens": distinct, "samples_without_trained_token": len(empty),
              "unseen_in_vocab": unseen, "min_count_in_vocab": int(counts[ids].min()),
              "train_coverage": int(counts[ids].sum()) / max(total, 1)}
-    warning = unseen_warning(unseen, args.size, distinct)
-    if warning:
-        stats["warning"] = warning
-        print(f"warning: {warning}", file=sys.stderr)
+    if unseen:
+        stats["warning"] = (f"{unseen} of the {args.size} vocab slots hold ids never seen in the data (it has "
+                            f"{distinct} distinct trained tokens): they can never be drafted right; more data or "
+                            f"--size {distinct} loses nothing")
+        print(f"warning: {stats['warning']}", file=sys.stderr)
     if args.heldout:
         stats["heldout_coverage"] = coverage(ids, args.heldout)
     with keeping(args.out, "a previous vocab there is left as it was"):

@@ -2,10 +2,9 @@
 
 `open_checkpoint` reads config.json and every weight file's header, in the engines' lookup
 order (the sharded index if present, else every *.safetensors, else pytorch_model*.bin), and
-says in words what is missing or broken, each problem starting with the file it is about.
-`fledge doctor` reports the problems, `fledge import`/`export` (fledge.checkpoint) and
-`fledge vocab` refuse the first one. Tensors are read as numpy (`Weights.read`); only a
-pytorch_model.bin, a pickle of torch tensors, needs torch.
+says in words what is missing or broken, each problem starting with the file it is about:
+`fledge doctor` reports them all, the commands that load a checkpoint refuse the first.
+Tensors are read as numpy; only a pytorch_model.bin, a pickle of torch tensors, needs torch.
 """
 
 from __future__ import annotations
@@ -115,10 +114,10 @@ class Weights:
         return out
 
 
-def scan_files(files: list[Path], w: Weights | None = None) -> tuple[Weights, list[str]]:
+def scan_files(files: list[Path]) -> tuple[Weights, list[str]]:
     """Every tensor's file, shape and dtype, and the problems: files that cannot be read,
     tensors in two files."""
-    w, problems = w or Weights(), []
+    w, problems = Weights(), []
     for path in files:
         try:
             if path.suffix == ".bin":
@@ -153,37 +152,50 @@ def _shard_problem(d: Path, name) -> str | None:
     return None
 
 
-def _weight_files(d: Path) -> tuple[list[Path], dict | None, list[str], list[str]]:
-    """(files to read, the index's weight_map, FAIL problems, WARN problems)."""
-    index = d / INDEX
+def _find_files(ck: Checkpoint) -> dict | None:
+    """Set the files an engine would read, note what is wrong with them, and return the
+    index's weight_map (None without a usable index)."""
+    d, index = ck.path, ck.path / INDEX
     shards = sorted(d.glob("*.safetensors"))
     if not index.exists():
-        files = shards or sorted(d.glob("pytorch_model*.bin"))
-        return files, None, [] if files else ["model.safetensors: missing (nor any *.safetensors or .bin)"], []
+        ck.files = shards or sorted(d.glob("pytorch_model*.bin"))
+        if not ck.files:
+            ck.fails.append("model.safetensors: missing (nor any *.safetensors or .bin)")
+        return None
     try:
         wmap = json.loads(index.read_text())["weight_map"]
         names = sorted(set(wmap.values()), key=str)
     except Exception as e:
-        return [], None, [f"{INDEX}: not a safetensors index ({type(e).__name__})"], []
-    fails = [p for n in names if (p := _shard_problem(d, n))]
-    if fails:
-        return [], None, fails, []
+        ck.fails.append(f"{INDEX}: not a safetensors index ({type(e).__name__})")
+        return None
+    ck.fails += [p for n in names if (p := _shard_problem(d, n))]
+    if ck.fails:
+        return None
     named = [d / n for n in names]
-    fails = [f"{INDEX}: names {p.name}, which is missing" for p in named if not p.exists()]
-    warns = [f"{p.name}: not in {INDEX}, so engines skip it" for p in shards if p not in named]
-    return [p for p in named if p.exists()], wmap, fails, warns
+    ck.files = [p for p in named if p.exists()]
+    ck.fails += [f"{INDEX}: names {p.name}, which is missing" for p in named if not p.exists()]
+    ck.warns += [f"{p.name}: not in {INDEX}, so engines skip it" for p in shards if p not in named]
+    return wmap
 
 
-def _apply_index(wmap: dict, w: Weights) -> tuple[list[str], list[str]]:
+def _apply_index(ck: Checkpoint, wmap: dict, w: Weights) -> None:
     """Drop tensors the index does not list (engines never see them) and report both ways."""
     bad = [k for k, f in wmap.items() if k not in w.files or w.files[k].name != f]
     extra = [k for k in w.files if k not in wmap]
     for k in extra:
         del w.files[k]
-    fails = [f"{INDEX}: lists {len(bad)} tensors not in the named shard (e.g. {bad[0]})"] if bad else []
-    warns = ([f"{INDEX}: {len(extra)} tensors in shards are not in it, so never loaded (e.g. {extra[0]})"]
-             if extra else [])
-    return fails, warns
+    if bad:
+        ck.fails.append(f"{INDEX}: lists {len(bad)} tensors not in the named shard (e.g. {bad[0]})")
+    if extra:
+        ck.warns.append(f"{INDEX}: {len(extra)} tensors in shards are not in it, so never loaded (e.g. {extra[0]})")
+
+
+def model_config(path) -> dict:
+    """A model's config.json (of directory `path`, or that file), the decoder's fields: a
+    multimodal config nests them in text_config."""
+    p = Path(path)
+    cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    return cfg.get("text_config") or cfg
 
 
 def read_config(d: Path) -> tuple[dict | None, str | None]:
@@ -205,19 +217,21 @@ def read_config(d: Path) -> tuple[dict | None, str | None]:
 class Checkpoint:
     path: Path
     config: dict | None
-    weights: Weights | None  # None unless every weight file could be read
-    files: list[Path]
-    fails: list[str]  # what no engine would load (a config problem first)
-    warns: list[str]  # what engines load, but not all of
+    weights: Weights | None = None  # None unless every weight file could be read
+    files: list[Path] = field(default_factory=list)
+    fails: list[str] = field(default_factory=list)  # what no engine would load (a config problem first)
+    warns: list[str] = field(default_factory=list)  # what engines load, but not all of
 
 
 def open_checkpoint(path) -> Checkpoint:
     d = Path(path)
-    config, cfg_problem = read_config(d)
-    files, wmap, fails, warns = _weight_files(d)
-    w, problems = scan_files(files)
-    fails += problems
-    if wmap is not None and not fails:
-        more_fails, more_warns = _apply_index(wmap, w)
-        fails, warns = fails + more_fails, warns + more_warns
-    return Checkpoint(d, config, None if fails else w, files, ([cfg_problem] if cfg_problem else []) + fails, warns)
+    config, problem = read_config(d)
+    ck = Checkpoint(d, config)
+    wmap = _find_files(ck)
+    w, unreadable = scan_files(ck.files)
+    ck.fails += unreadable
+    if wmap is not None and not ck.fails:
+        _apply_index(ck, wmap, w)
+    ck.weights = None if ck.fails else w
+    ck.fails[:0] = [problem] if problem else []
+    return ck

@@ -16,9 +16,9 @@ from conftest import make_tiny
 from fledge import cli
 from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
 from fledge.config import DraftConfig
-from fledge.conventions import aux_ids_from_sglang, default_aux_layer_ids
+from fledge.conventions import aux_ids_from_sglang, aux_ids_to_sglang, default_aux_layer_ids
 from fledge.draft import Eagle3Draft
-from fledge.layout import aux_ids_from_serving, checkpoint_keys, serving_aux_ids
+from fledge.layout import checkpoint_keys
 from fledge.util import FledgeError
 
 N_DRAFT = 100
@@ -210,13 +210,13 @@ def test_specforge_ids_in_eagle_config(tmp_path):
     draft, target = tiny_draft()
     src = specforge_dir(tmp_path, draft, ids=[1, 3, 6])
     loaded = load_checkpoint(src, embed_from=target)  # the target supplies the layer count
-    assert loaded.cfg.aux_layer_ids == aux_ids_from_serving([1, 3, 6], 8)
+    assert loaded.cfg.aux_layer_ids == aux_ids_from_sglang([1, 3, 6], 8)
 
 
 @pytest.mark.parametrize("n", range(8, 96, 7))
 def test_serving_aux_ids_invert(n):
     ids = default_aux_layer_ids(n)
-    assert aux_ids_from_serving(serving_aux_ids(ids, n), n) == ids
+    assert aux_ids_from_sglang(aux_ids_to_sglang(ids, n), n) == ids
 
 
 def test_export_is_atomic(tmp_path):

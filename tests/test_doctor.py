@@ -11,11 +11,11 @@ from safetensors.torch import load_file, save_file
 from conftest import make_tiny
 from fledge import cli, doctor, weights
 from fledge.acceptance import max_nodes
-from fledge.checks import FAIL, PASS, WARN, Check, draft_facts, exit_code, report
+from fledge.checks import FAIL, PASS, WARN, Check, exit_code, report
 from fledge.checkpoint import export_checkpoint
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
-from fledge.layout import canonical_name
+from fledge.layout import canonical_name, draft_facts
 from fledge.lint import launch_checks
 
 DRAFT_VOCAB = 100
@@ -392,8 +392,6 @@ def test_numpy_reader_matches_the_torch_reader(target, tmp_path):
     them with torch. Same tensors, bit for bit, whole and by rows, in every dtype a file holds."""
     from safetensors.torch import load_file as torch_load
 
-    from fledge.checkpoint import read_tensors
-
     model, _ = target
     edge = torch.tensor([[0.0, -0.0, float("inf"), float("-inf")], [float("nan"), 1e-40, -3.0e38, 1.0 + 2**-7]])
     mixed = {"bf16": torch.cat([edge, torch.randn(6, 4)]).bfloat16(), "f16": torch.randn(5, 3).half(),
@@ -418,7 +416,7 @@ def test_numpy_reader_matches_the_torch_reader(target, tmp_path):
             same(torch.from_numpy(weights.read_safetensor(tmp_path / "mixed.safetensors", k, a, b)), t[a:b], k)
     for d in drafters:
         w = weights.open_checkpoint(d).weights
-        tensors, _ = read_tensors(d)
+        tensors = {canonical_name(k): t for k, t in w.torch_tensors().items()}
         assert {canonical_name(k) for k in w.files} == set(tensors)
         for k in w.files:
             t = tensors[canonical_name(k)]
