@@ -51,8 +51,8 @@ import jinja2
 from tqdm import tqdm
 
 from fledge.catalog import HELDOUT_SUFFIX
-from fledge.util import (FledgeError, atomic_dir, atomic_write_json, atomic_write_text, check_no_overlap, keeping,
-                         read_jsonl)
+from fledge.util import (FledgeError, atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text,
+                         check_no_overlap, keeping, print_table, read_jsonl)
 
 SETS = ("train", "heldout")
 
@@ -164,8 +164,8 @@ def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict
 def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) -> dict:
     partial = out_path.with_name(out_path.name + ".partial")
     done = [rec for _, rec in read_jsonl(partial, on_bad=lambda *_: None)] if partial.exists() else []
-    if partial.exists():  # rewrite without a torn last line before appending to it
-        atomic_write_text(partial, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
+    # rewrite without a torn last line before appending to it
+    atomic_write_text(partial, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
     done_ids = {r["id"] for r in done}
     convs = [rec for _, rec in read_jsonl(conversations_path)]
     todo = [c for c in convs if c["id"] not in done_ids]
@@ -176,22 +176,18 @@ def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) 
             if status.startswith("truncated"):
                 line["truncated"] = status
             f.write(json.dumps(line, ensure_ascii=False) + "\n")  # no fsync per line: a torn tail is redone
-    stats = Counter(conversations=len(convs))
-    lengths, trained = [], 0
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as dst:
+    stats, sizes = Counter(conversations=len(convs)), Counter(samples=0, tokens=0, trained_tokens=0)
+
+    def samples():
         for _, r in read_jsonl(partial):
             stats[r.get("dropped") or r.get("truncated") or "ok"] += 1
-            if "dropped" in r:
-                continue
-            lengths.append(len(r["input_ids"]))
-            trained += sum(r["loss_mask"])
-            dst.write(json.dumps({"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}) + "\n")
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, out_path)
+            if "dropped" not in r:
+                sizes.update(samples=1, tokens=len(r["input_ids"]), trained_tokens=sum(r["loss_mask"]))
+                yield (json.dumps({"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}) + "\n").encode()
+
+    atomic_write_bytes(out_path, samples())
     partial.unlink()
-    stats.update(samples=len(lengths), tokens=sum(lengths), trained_tokens=trained)
+    stats.update(sizes)
     return _merge_stats([stats], max_len)
 
 
@@ -349,9 +345,6 @@ def run_tokenize(args) -> int:
     summary = tokenize([Path(p) for p in args.conversations], Path(args.out), args.tokenizer, args.max_len,
                        args.workers, [Path(p) for p in args.heldout], args.overwrite)
     keys = ("conversations", "samples", "tokens", "trained_tokens", "mean_len", "share_truncated")
-    width = max(map(len, keys))
-    print(f"{'':{width}}  {'train':>10}  {'heldout':>10}")
-    for k in keys:
-        print(f"{k:{width}}  {summary['train'].get(k, 0):>10}  {summary['heldout'].get(k, 0):>10}")
+    print_table([["", *SETS], *([k, *(summary[name].get(k, 0) for name in SETS)] for k in keys)])
     print(f"wrote {args.out}/train.tok.jsonl, heldout.tok.jsonl in {summary['wall_s']} s", file=sys.stderr)
     return 0
