@@ -67,19 +67,22 @@ def iter_json_array(path: Path, counts: collections.Counter, chunk_chars: int = 
             pos = end
 
 
+def _is_json_array(path: Path) -> bool:
+    with open(path, encoding="utf-8") as f:
+        return f.read(1 << 12).lstrip().startswith("[")
+
+
 def _sniff(path: Path) -> str:
     """Guess the format from the extension and the first record's keys."""
     if path.suffix in (".txt", ".md"):
         return "text"
-    with open(path, encoding="utf-8") as f:
-        head = f.read(1 << 16).lstrip()
-    if head.startswith("["):
+    if _is_json_array(path):
         rec = next((r for _, r in iter_json_array(path, collections.Counter())), {})
     else:
-        try:
-            rec = json.loads(head.split("\n", 1)[0])
-        except json.JSONDecodeError:
-            raise FledgeError(f"{path}: first line is not JSON; pass --format text for plain prompts") from None
+        def refuse(lineno, err):
+            raise FledgeError(f"{path}: first line is not JSON; pass --format text for plain prompts")
+
+        rec = next((r for _, r in read_jsonl(path, on_bad=refuse)), {})
     for fmt, key in FORMATS.items():
         if isinstance(rec, dict) and key in rec:
             return fmt
@@ -94,20 +97,16 @@ def _iter_records(path: Path, fmt: str, counts, bad: list):
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     yield lineno, {"id": f"{path.stem}-{lineno}", "text": line.rstrip("\n")}
-        return
-    with open(path, encoding="utf-8") as f:
-        is_array = f.read(1 << 12).lstrip().startswith("[")
-    if is_array:
+    elif _is_json_array(path):
         yield from iter_json_array(path, counts)
-        return
+    else:
+        def on_bad(lineno, err):
+            if lineno == 1:
+                raise FledgeError(f"{path}:1: not valid JSON ({err.msg}); is it really {fmt} JSONL?")
+            counts["bad_lines"] += 1
+            bad.append(f"{path}:{lineno}: not valid JSON ({err.msg})")
 
-    def on_bad(lineno, err):
-        if lineno == 1:
-            raise FledgeError(f"{path}:1: not valid JSON ({err.msg}); is it really {fmt} JSONL?")
-        counts["bad_lines"] += 1
-        bad.append(f"{path}:{lineno}: not valid JSON ({err.msg})")
-
-    yield from read_jsonl(path, on_bad=on_bad)
+        yield from read_jsonl(path, on_bad=on_bad)
 
 
 def _text_of(content):
@@ -227,11 +226,8 @@ def deduplicate(records: list[dict]) -> tuple[list[dict], dict]:
     out, counts = [], collections.Counter()
     for r in records:
         content, first = _digest(r["messages"]), _first_user(r["messages"])
-        if content in seen_content:
-            counts["dup_exact"] += 1
-            continue
-        if first in seen_first:
-            counts["dup_first_turn"] += 1
+        if content in seen_content or first in seen_first:
+            counts["dup_exact" if content in seen_content else "dup_first_turn"] += 1
             continue
         seen_content.add(content)
         seen_first.add(first)
@@ -265,8 +261,7 @@ def _ingest(args) -> tuple[list[dict], list[dict], dict]:
     kept = kept[:args.limit]
     train, held = split_heldout(kept, args.heldout)
     summary = {"sources": args.sources, "format": args.format, "heldout_requested": args.heldout,
-               "limit": args.limit,
-               "per_source": per_source, "dedup": dup,
+               "limit": args.limit, "per_source": per_source, "dedup": dup,
                "conversations": len(kept), "train": len(train), "heldout": len(held)}
     return train, held, summary
 
@@ -292,12 +287,13 @@ def check_prep_args(args) -> None:
         raise FledgeError(f"--limit {args.limit}: must be >= 1")
     if args.heldout < 0:
         raise FledgeError(f"--heldout {args.heldout}: must be >= 0")
+    if args.show and not args.tokenizer:
+        raise FledgeError("--show needs --tokenizer")
     if not args.out:
         return
-    files = [s for s in args.sources if Path(s).exists()]  # built-in names are not paths
-    check_no_overlap(args.out, {**{"source": s for s in files[:1]}, **{f"source {s}": s for s in files[1:]},
-                                "--tokenizer": args.tokenizer if args.tokenizer and Path(args.tokenizer).exists()
-                                else None})
+    for flag, path in [*(("source", s) for s in args.sources), ("--tokenizer", args.tokenizer)]:
+        if path and Path(path).exists():  # built-in names are not paths
+            check_no_overlap(args.out, {flag: path})
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise FledgeError(f"-o {args.out}: is a file; prep writes a folder (train.jsonl, heldout.jsonl, summary.json)")
@@ -328,8 +324,6 @@ def run_prep(args) -> int:
     _print_summary(summary)
     if summary["train"] == 0:
         print("note: every conversation is held out (fine for an eval prompt set like MT-Bench)", file=sys.stderr)
-    if args.show and not args.tokenizer:
-        raise FledgeError("--show needs --tokenizer")
     if not args.tokenizer:
         return 0
     tok = load_tokenizer(args.tokenizer)
