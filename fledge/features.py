@@ -133,7 +133,7 @@ class TargetHead:
         v = head.weight.shape[0]
         to_draft = torch.full((v,), -1, dtype=torch.int64)
         to_draft[draft_ids] = torch.arange(draft_ids.numel())
-        bias = None if getattr(head, "bias", None) is None else head.bias.detach().to(device)
+        bias = None if head.bias is None else head.bias.detach().to(device)
         return cls(head.weight.detach().to(device), bias,
                    getattr(model.config.get_text_config(), "final_logit_softcapping", None),
                    draft_ids.to(device), to_draft.to(device))

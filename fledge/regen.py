@@ -288,9 +288,9 @@ def _repair_tail(path: Path) -> None:
     anything else after the last newline is a torn write and is cut."""
     with open(path, "rb+") as f:
         data = f.read()
-        if not data or data.endswith(b"\n"):
-            return
         cut = data.rfind(b"\n") + 1
+        if cut == len(data):
+            return
         try:
             whole = isinstance(json.loads(data[cut:]), dict)
         except (ValueError, RecursionError):
