@@ -236,9 +236,7 @@ def _next_chat(s: Sample, max_turns):
         s.done.append(s.todo.pop(0))
     if max_turns is not None and s.turns >= max_turns:
         return None
-    if s.done and s.done[-1]["role"] == "user" and (not s.todo or s.todo[0]["role"] == "assistant"):
-        return list(s.done)
-    return None
+    return list(s.done) if s.done and s.done[-1]["role"] == "user" else None
 
 
 def answers_ahead(s: Sample, max_turns) -> int:
