@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -193,15 +194,10 @@ def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) 
 
 def render_sample(tokenizer, record: dict, color: bool) -> str:
     """The sample's text with trained tokens highlighted (ANSI green) or marked [[...]]."""
-    ids, mask = record["input_ids"], record["loss_mask"]
-    parts, start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or mask[i] != mask[start]:
-            text = tokenizer.decode(ids[start:i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            if mask[start]:
-                text = f"\033[42;30m{text}\033[0m" if color else f"[[{text}]]"
-            parts.append(text)
-            start = i
+    parts = []
+    for trained, run in itertools.groupby(zip(record["input_ids"], record["loss_mask"]), key=lambda p: p[1]):
+        text = tokenizer.decode([t for t, _ in run], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        parts.append((f"\033[42;30m{text}\033[0m" if color else f"[[{text}]]") if trained else text)
     return "".join(parts)
 
 
