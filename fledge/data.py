@@ -38,25 +38,22 @@ def iter_json_array(path: Path, counts: collections.Counter, chunk_chars: int = 
     the middle of a record still gives every complete record before the cut."""
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8") as f:
-        buf, eof = f.read(chunk_chars), False
-        pos = len(buf) - len(buf.lstrip())
-        if buf[pos:pos + 1] != "[":
+        buf = f.read(chunk_chars).lstrip()
+        if not buf.startswith("["):
             raise FledgeError(f"{path}: not a JSON array (expected '[' at the start)")
-        pos += 1
-        index = 0
+        pos, index, eof = 1, 0, False
         while True:
             while pos < len(buf) and buf[pos] in " \t\r\n,":
                 pos += 1
             if buf[pos:pos + 1] == "]":
                 return
             try:
-                record, end = decoder.raw_decode(buf, pos)
+                record, pos = decoder.raw_decode(buf, pos)
             except json.JSONDecodeError:
                 if eof:
-                    tail = buf[pos:]
-                    if tail.strip():
+                    if buf[pos:].strip():
                         counts["cut_records"] += 1
-                        counts["cut_chars"] += len(tail)
+                        counts["cut_chars"] += len(buf) - pos
                     return
                 more = f.read(chunk_chars)
                 eof = not more
@@ -64,7 +61,6 @@ def iter_json_array(path: Path, counts: collections.Counter, chunk_chars: int = 
                 continue
             yield index, record
             index += 1
-            pos = end
 
 
 def _is_json_array(path: Path) -> bool:
