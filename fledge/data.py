@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from fledge.catalog import DATASETS, FORMATS
-from fledge.tokenize import build_training_set, load_tokenizer, render_sample, tokenize_with_status
+from fledge.tokenize import SETS, build_training_set, load_tokenizer, render_sample, tokenize_with_status
 from fledge.util import (FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, keeping,
                          print_table, read_jsonl, wheel_member)
 
@@ -298,7 +298,7 @@ def check_prep_args(args) -> None:
 def _write_split(out: Path, train, held, summary, overwrite: bool) -> None:
     kept = "the previous folder is left as it was" if out.exists() else "nothing was written"
     with keeping(out, kept), atomic_dir(out, overwrite=overwrite) as tmp:
-        for name, recs in (("train", train), ("heldout", held)):
+        for name, recs in zip(SETS, (train, held)):
             (tmp / f"{name}.jsonl").write_text(
                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
         atomic_write_json(tmp / "summary.json", summary)
@@ -324,14 +324,13 @@ def run_prep(args) -> int:
         return 0
     tok = load_tokenizer(args.tokenizer)
     if out:
-        for name in ("train", "heldout"):
+        for name in SETS:
             summary[f"tokenized_{name}"] = build_training_set(
                 tok, out / f"{name}.jsonl", out / f"{name}.tok.jsonl", args.max_len)
         with keeping(out / "summary.json", "the previous one is kept"):
             atomic_write_json(out / "summary.json", summary)
-        keys = sorted({k for n in ("train", "heldout") for k in summary[f"tokenized_{n}"]})
-        print_table([["tokenized", "train", "heldout"]] +
-                    [[k, summary["tokenized_train"].get(k, 0), summary["tokenized_heldout"].get(k, 0)] for k in keys])
+        keys = sorted({k for n in SETS for k in summary[f"tokenized_{n}"]})
+        print_table([["tokenized", *SETS], *([k, *(summary[f"tokenized_{n}"].get(k, 0) for n in SETS)] for k in keys)])
     if args.show:
         _show(tok, train if not out else [r for _, r in read_jsonl(out / "train.jsonl")], args)
     return 0

@@ -55,6 +55,7 @@ from fledge.catalog import HELDOUT_SUFFIX
 from fledge.util import (FledgeError, atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text,
                          check_no_overlap, keeping, print_table, read_jsonl)
 
+# The two sets of every split: prep writes <set>.jsonl, tokenize and prep --tokenizer <set>.tok.jsonl.
 SETS = ("train", "heldout")
 
 
