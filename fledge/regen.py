@@ -97,9 +97,8 @@ class Sample:
 class EngineBackend:
     """fledge's batched engine. Chats are tokenized with the target's chat template and
     batched by similar length (right padding wastes less when lengths are close); on the
-    compact engine they stream through `batch_size` rows, each refilled when it ends.
-    A batch draws from one generator, seeded by its first chat's seed: rows are not
-    independent, so `regenerate` keeps batches the same across resumes."""
+    compact engine they stream through `batch_size` rows, each refilled when it ends. A batch
+    draws from one generator, seeded by its first chat's seed: rows are not independent."""
 
     rows_independent = False
 
@@ -380,14 +379,13 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
     total = sum(answers_ahead(s, cfg.max_turns) for s in pending)
     with f, tqdm(total=total, desc="regen", unit="answer") as bar:
         for i in range(0, len(todo), cfg.chunk):
-            chunk = [s for s in todo[i:i + cfg.chunk] if s.id not in have]
+            whole = todo[i:i + cfg.chunk]
+            chunk = [s for s in whole if s.id not in have]
+            if chunk and not backend.rows_independent:  # its batches must be the ones an uninterrupted run had
+                bar.total += sum(answers_ahead(s, cfg.max_turns) for s in whole if s.id in have)
+                chunk = whole
             if not chunk:
                 continue
-            if not backend.rows_independent:  # its batches must be the ones an uninterrupted run had
-                chunk = todo[i:i + cfg.chunk]
-                for s in chunk:
-                    if s.id in have:
-                        bar.total += answers_ahead(s, cfg.max_turns)
             kept, failed = _run_chunk(chunk, backend, cfg, bar)
             for s in failed:
                 failed_ids[s.id] = s.error or "failed"
