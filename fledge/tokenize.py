@@ -134,15 +134,19 @@ def tokenize_with_status(tokenizer, messages, max_len: int) -> tuple[dict | None
     return {"input_ids": ids[:cut], "loss_mask": mask[:cut]}, status
 
 
-def load_tokenizer(spec: str):
-    """A tokenizer from a directory holding one, or any target spec (built-in name, GGUF)."""
-    from transformers import AutoTokenizer
-
+def resolve_tokenizer(spec: str) -> str:
+    """A directory holding a tokenizer, as given, or the converted directory of any target spec
+    (built-in name, GGUF)."""
     from fledge.target import resolve_target
 
-    path = Path(spec)
+    return spec if Path(spec).is_dir() else str(resolve_target(spec))
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
     try:
-        tok = AutoTokenizer.from_pretrained(path if path.is_dir() else resolve_target(spec))
+        tok = AutoTokenizer.from_pretrained(resolve_tokenizer(spec))
     except (OSError, ValueError) as e:
         raise FledgeError(f"{spec}: no tokenizer could be loaded ({str(e).splitlines()[0][:200]})") from None
     if not tok.chat_template:
@@ -299,8 +303,6 @@ def _merge_stats(parts: list[dict], max_len: int) -> dict:
 def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048, workers: int = 1,
              heldout: list[Path] = (), overwrite: bool = False) -> dict:
     """Tokenize `inputs` (+ `heldout` files) into `out`/{train,heldout}.tok.jsonl; returns the summary."""
-    from fledge.target import resolve_target
-
     for path in [*inputs, *heldout]:  # --overwrite would delete an input inside the output
         check_no_overlap(out, {"conversations": path})
     if out.exists() and not overwrite:
@@ -310,7 +312,7 @@ def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048,
     sets = split_sets(list(inputs), list(heldout))
     if not any(sets.values()):
         raise FledgeError(f"{', '.join(map(str, inputs))}: no conversations to tokenize")
-    tokenizer_dir = tokenizer if Path(tokenizer).is_dir() else str(resolve_target(tokenizer))
+    tokenizer_dir = resolve_tokenizer(tokenizer)
     load_tokenizer(tokenizer_dir)  # fail here, once, rather than in every worker
     t0 = time.time()
     key = {"sha256": hashlib.sha256(json.dumps(sets).encode()).hexdigest(), "workers": workers,
