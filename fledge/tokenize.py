@@ -305,25 +305,23 @@ def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048,
     """Tokenize `inputs` (+ `heldout` files) into `out`/{train,heldout}.tok.jsonl; returns the summary."""
     for path in [*inputs, *heldout]:  # --overwrite would delete an input inside the output
         check_no_overlap(out, {"conversations": path})
-    if out.exists() and not overwrite:
-        raise FledgeError(f"{out}: already exists (pass --overwrite to replace it)")
     if workers < 1:
         raise FledgeError(f"--workers {workers}: must be >= 1")
-    sets = split_sets(list(inputs), list(heldout))
-    if not any(sets.values()):
-        raise FledgeError(f"{', '.join(map(str, inputs))}: no conversations to tokenize")
-    tokenizer_dir = resolve_tokenizer(tokenizer)
-    load_tokenizer(tokenizer_dir)  # fail here, once, rather than in every worker
-    t0 = time.time()
-    key = {"sha256": hashlib.sha256(json.dumps(sets).encode()).hexdigest(), "workers": workers,
-           "max_len": max_len, "tokenizer": tokenizer_dir}
-    work = out.with_name(f".{out.name}.shards")
-    # A few shards per worker, so the progress bar moves and a slow shard does not hold the rest.
-    shards = _plan_shards(sets, work, key, shards_per_set=1 if workers == 1 else 4 * workers)
-    _run_shards(shards, tokenizer_dir, max_len, workers)
-    summary = {"inputs": [str(p) for p in inputs], "heldout_inputs": [str(p) for p in heldout],
-               "tokenizer": tokenizer_dir, "workers": workers}
     with atomic_dir(out, overwrite=overwrite) as tmp:
+        sets = split_sets(list(inputs), list(heldout))
+        if not any(sets.values()):
+            raise FledgeError(f"{', '.join(map(str, inputs))}: no conversations to tokenize")
+        tokenizer_dir = resolve_tokenizer(tokenizer)
+        load_tokenizer(tokenizer_dir)  # fail here, once, rather than in every worker
+        t0 = time.time()
+        key = {"sha256": hashlib.sha256(json.dumps(sets).encode()).hexdigest(), "workers": workers,
+               "max_len": max_len, "tokenizer": tokenizer_dir}
+        work = out.with_name(f".{out.name}.shards")
+        # A few shards per worker, so the progress bar moves and a slow shard does not hold the rest.
+        shards = _plan_shards(sets, work, key, shards_per_set=1 if workers == 1 else 4 * workers)
+        _run_shards(shards, tokenizer_dir, max_len, workers)
+        summary = {"inputs": [str(p) for p in inputs], "heldout_inputs": [str(p) for p in heldout],
+                   "tokenizer": tokenizer_dir, "workers": workers}
         for name in SETS:
             mine = [s for s in shards if s["set"] == name]
             with open(tmp / f"{name}.tok.jsonl", "wb") as dst:  # shard order is fine: training shuffles
