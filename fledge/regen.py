@@ -197,28 +197,27 @@ class ServerBackend:
         self.failures: dict[str, int] = {}
         self._lock = threading.Lock()  # failures is updated from the worker threads
 
-    @staticmethod
-    def _attempt(client: Client, body: dict) -> Answer:
-        try:
-            reply = client.chat(body)
-        except ServerError as e:
-            if e.status == 400 and any(w in e.detail.lower() for w in _CONTEXT_WORDS):
-                return Answer("", "context")  # the prompt does not fit; retrying cannot help
-            raise
-        return parse_completion(reply, client.url)
-
     def _one(self, k: int, messages: list[dict], seed: int) -> Answer:
         body = {"model": self.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "seed": seed, "n": 1}
-        try:  # a retry goes to the next server
-            return with_retries(lambda a: self._attempt(self.clients[(k + a) % len(self.clients)], body),
-                                self.retries, self.backoff, lambda e: self._count(e.problem))
+
+        def attempt(a: int) -> Answer:  # a retry goes to the next server
+            client = self.clients[(k + a) % len(self.clients)]
+            try:
+                return parse_completion(client.chat(body), client.url)
+            except ServerError as e:
+                if e.status == 400 and any(w in e.detail.lower() for w in _CONTEXT_WORDS):
+                    return Answer("", "context")  # the prompt does not fit; retrying cannot help
+                raise
+
+        try:
+            return with_retries(attempt, self.retries, self.backoff, self._count)
         except ServerError as e:
             return Answer("", "error", e.problem)
 
-    def _count(self, reason: str) -> None:
+    def _count(self, e: ServerError) -> None:
         with self._lock:
-            self.failures[reason] = self.failures.get(reason, 0) + 1
+            self.failures[e.problem] = self.failures.get(e.problem, 0) + 1
 
     def answer(self, chats, seeds, progress=lambda n: None) -> list[Answer]:
         with cf.ThreadPoolExecutor(self.concurrency) as pool:
