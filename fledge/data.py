@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from fledge.catalog import DATASETS, FORMATS
-from fledge.tokenize import build_training_set, load_tokenizer, render_sample, tokenize_with_status
+from fledge.tokenize import SETS, build_training_set, load_tokenizer, render_sample, tokenize_with_status
 from fledge.util import (FledgeError, atomic_dir, atomic_write_json, cache_dir, check_no_overlap, keeping,
                          print_table, read_jsonl, wheel_member)
 
@@ -38,25 +38,22 @@ def iter_json_array(path: Path, counts: collections.Counter, chunk_chars: int = 
     the middle of a record still gives every complete record before the cut."""
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8") as f:
-        buf, eof = f.read(chunk_chars), False
-        pos = len(buf) - len(buf.lstrip())
-        if buf[pos:pos + 1] != "[":
+        buf = f.read(chunk_chars).lstrip()
+        if not buf.startswith("["):
             raise FledgeError(f"{path}: not a JSON array (expected '[' at the start)")
-        pos += 1
-        index = 0
+        pos, index, eof = 1, 0, False
         while True:
             while pos < len(buf) and buf[pos] in " \t\r\n,":
                 pos += 1
             if buf[pos:pos + 1] == "]":
                 return
             try:
-                record, end = decoder.raw_decode(buf, pos)
+                record, pos = decoder.raw_decode(buf, pos)
             except json.JSONDecodeError:
                 if eof:
-                    tail = buf[pos:]
-                    if tail.strip():
+                    if buf[pos:].strip():
                         counts["cut_records"] += 1
-                        counts["cut_chars"] += len(tail)
+                        counts["cut_chars"] += len(buf) - pos
                     return
                 more = f.read(chunk_chars)
                 eof = not more
@@ -64,22 +61,24 @@ def iter_json_array(path: Path, counts: collections.Counter, chunk_chars: int = 
                 continue
             yield index, record
             index += 1
-            pos = end
+
+
+def _is_json_array(path: Path) -> bool:
+    with open(path, encoding="utf-8") as f:
+        return f.read(1 << 12).lstrip().startswith("[")
 
 
 def _sniff(path: Path) -> str:
     """Guess the format from the extension and the first record's keys."""
     if path.suffix in (".txt", ".md"):
         return "text"
-    with open(path, encoding="utf-8") as f:
-        head = f.read(1 << 16).lstrip()
-    if head.startswith("["):
+    if _is_json_array(path):
         rec = next((r for _, r in iter_json_array(path, collections.Counter())), {})
     else:
-        try:
-            rec = json.loads(head.split("\n", 1)[0])
-        except json.JSONDecodeError:
-            raise FledgeError(f"{path}: first line is not JSON; pass --format text for plain prompts") from None
+        def refuse(lineno, err):
+            raise FledgeError(f"{path}: first line is not JSON; pass --format text for plain prompts")
+
+        rec = next((r for _, r in read_jsonl(path, on_bad=refuse)), {})
     for fmt, key in FORMATS.items():
         if isinstance(rec, dict) and key in rec:
             return fmt
@@ -94,20 +93,16 @@ def _iter_records(path: Path, fmt: str, counts, bad: list):
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     yield lineno, {"id": f"{path.stem}-{lineno}", "text": line.rstrip("\n")}
-        return
-    with open(path, encoding="utf-8") as f:
-        is_array = f.read(1 << 12).lstrip().startswith("[")
-    if is_array:
+    elif _is_json_array(path):
         yield from iter_json_array(path, counts)
-        return
+    else:
+        def on_bad(lineno, err):
+            if lineno == 1:
+                raise FledgeError(f"{path}:1: not valid JSON ({err.msg}); is it really {fmt} JSONL?")
+            counts["bad_lines"] += 1
+            bad.append(f"{path}:{lineno}: not valid JSON ({err.msg})")
 
-    def on_bad(lineno, err):
-        if lineno == 1:
-            raise FledgeError(f"{path}:1: not valid JSON ({err.msg}); is it really {fmt} JSONL?")
-        counts["bad_lines"] += 1
-        bad.append(f"{path}:{lineno}: not valid JSON ({err.msg})")
-
-    yield from read_jsonl(path, on_bad=on_bad)
+        yield from read_jsonl(path, on_bad=on_bad)
 
 
 def _text_of(content):
@@ -227,11 +222,8 @@ def deduplicate(records: list[dict]) -> tuple[list[dict], dict]:
     out, counts = [], collections.Counter()
     for r in records:
         content, first = _digest(r["messages"]), _first_user(r["messages"])
-        if content in seen_content:
-            counts["dup_exact"] += 1
-            continue
-        if first in seen_first:
-            counts["dup_first_turn"] += 1
+        if content in seen_content or first in seen_first:
+            counts["dup_exact" if content in seen_content else "dup_first_turn"] += 1
             continue
         seen_content.add(content)
         seen_first.add(first)
@@ -265,8 +257,7 @@ def _ingest(args) -> tuple[list[dict], list[dict], dict]:
     kept = kept[:args.limit]
     train, held = split_heldout(kept, args.heldout)
     summary = {"sources": args.sources, "format": args.format, "heldout_requested": args.heldout,
-               "limit": args.limit,
-               "per_source": per_source, "dedup": dup,
+               "limit": args.limit, "per_source": per_source, "dedup": dup,
                "conversations": len(kept), "train": len(train), "heldout": len(held)}
     return train, held, summary
 
@@ -292,12 +283,13 @@ def check_prep_args(args) -> None:
         raise FledgeError(f"--limit {args.limit}: must be >= 1")
     if args.heldout < 0:
         raise FledgeError(f"--heldout {args.heldout}: must be >= 0")
+    if args.show and not args.tokenizer:
+        raise FledgeError("--show needs --tokenizer")
     if not args.out:
         return
-    files = [s for s in args.sources if Path(s).exists()]  # built-in names are not paths
-    check_no_overlap(args.out, {**{"source": s for s in files[:1]}, **{f"source {s}": s for s in files[1:]},
-                                "--tokenizer": args.tokenizer if args.tokenizer and Path(args.tokenizer).exists()
-                                else None})
+    for flag, path in [*(("source", s) for s in args.sources), ("--tokenizer", args.tokenizer)]:
+        if path and Path(path).exists():  # built-in names are not paths
+            check_no_overlap(args.out, {flag: path})
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise FledgeError(f"-o {args.out}: is a file; prep writes a folder (train.jsonl, heldout.jsonl, summary.json)")
@@ -306,7 +298,7 @@ def check_prep_args(args) -> None:
 def _write_split(out: Path, train, held, summary, overwrite: bool) -> None:
     kept = "the previous folder is left as it was" if out.exists() else "nothing was written"
     with keeping(out, kept), atomic_dir(out, overwrite=overwrite) as tmp:
-        for name, recs in (("train", train), ("heldout", held)):
+        for name, recs in zip(SETS, (train, held)):
             (tmp / f"{name}.jsonl").write_text(
                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
         atomic_write_json(tmp / "summary.json", summary)
@@ -328,20 +320,17 @@ def run_prep(args) -> int:
     _print_summary(summary)
     if summary["train"] == 0:
         print("note: every conversation is held out (fine for an eval prompt set like MT-Bench)", file=sys.stderr)
-    if args.show and not args.tokenizer:
-        raise FledgeError("--show needs --tokenizer")
     if not args.tokenizer:
         return 0
     tok = load_tokenizer(args.tokenizer)
     if out:
-        for name in ("train", "heldout"):
+        for name in SETS:
             summary[f"tokenized_{name}"] = build_training_set(
                 tok, out / f"{name}.jsonl", out / f"{name}.tok.jsonl", args.max_len)
         with keeping(out / "summary.json", "the previous one is kept"):
             atomic_write_json(out / "summary.json", summary)
-        keys = sorted({k for n in ("train", "heldout") for k in summary[f"tokenized_{n}"]})
-        print_table([["tokenized", "train", "heldout"]] +
-                    [[k, summary["tokenized_train"].get(k, 0), summary["tokenized_heldout"].get(k, 0)] for k in keys])
+        keys = sorted({k for n in SETS for k in summary[f"tokenized_{n}"]})
+        print_table([["tokenized", *SETS], *([k, *(summary[f"tokenized_{n}"].get(k, 0) for n in SETS)] for k in keys)])
     if args.show:
         _show(tok, train if not out else [r for _, r in read_jsonl(out / "train.jsonl")], args)
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -42,28 +43,32 @@ def _step(rows: list, name: str, t0: float, what: str) -> float:
     return now
 
 
-def _compare(drafter_dir, prompts, tok, model, new_tokens):
-    """Greedy AR vs EAGLE-3 chain vs n-gram on the same prompts, one engine, fp32."""
+def _compare(drafter_dir, prompts, tok, model, new_tokens) -> tuple[dict, bool]:
+    """Greedy AR vs EAGLE-3 chain vs n-gram on the same prompts, one engine, fp32: a row of
+    figures per config, and whether every speculative output equals AR's."""
     engine = build_engine_target(model, torch.float32, "cpu")
     params, eos = SamplingParams(max_new_tokens=new_tokens), eos_ids(tok, model.generation_config)
     chain = SpecConfig(num_steps=4, topk=1, num_draft_tokens=5)
     # Drafters reset their state at each generate_spec, so one of each serves every prompt.
     drafters = {"eagle3 chain 4": load_drafter(drafter_dir, chain, model, engine, "cpu", torch.float32),
                 "n-gram chain 4": NgramDrafter(chain, 3)}
-    rows, same = {"AR": [0, 0.0, None]}, True
+    tokens, seconds, accepts, same = Counter(), Counter(), {name: [] for name in drafters}, True
     for p in prompts:
         t = time.perf_counter()
-        ref, _ = generate_ar(engine, [p], params, eos)
-        rows["AR"][0] += len(ref[0])
-        rows["AR"][1] += time.perf_counter() - t
+        ref = generate_ar(engine, [p], params, eos)[0][0]
+        tokens["AR"] += len(ref)
+        seconds["AR"] += time.perf_counter() - t
         for name, d in drafters.items():
             t = time.perf_counter()
             out, stats = generate_spec(engine, d, p, params, eos)
-            r = rows.setdefault(name, [0, 0.0, []])
-            r[0], r[1] = r[0] + len(out), r[1] + time.perf_counter() - t
-            r[2].append(stats.summary()["accept_length"])
-            same &= out == ref[0]
-    return rows, same
+            tokens[name] += len(out)
+            seconds[name] += time.perf_counter() - t
+            accepts[name].append(stats.summary()["accept_length"])
+            same &= out == ref
+    tok_s = {name: n / seconds[name] for name, n in tokens.items()}
+    return {name: {"tokens": n, "seconds": seconds[name], "tok_s": tok_s[name], "speedup": tok_s[name] / tok_s["AR"],
+                   "accept_length": sum(accepts[name]) / len(accepts[name]) if name in accepts else None}
+            for name, n in tokens.items()}, same
 
 
 def run_demo(args) -> int:
@@ -119,16 +124,13 @@ def run_demo(args) -> int:
     shipped = SHIPPED / args.target
     drafter_dir = shipped if (shipped / "config.json").exists() else exported
     prompts = [encode_chat(target.tokenizer, c["messages"]) for c in held]
-    cmp, same = _compare(str(drafter_dir), prompts, target.tokenizer, target.model, args.new_tokens)
-    ar_tps = cmp["AR"][0] / cmp["AR"][1]
+    summary, same = _compare(str(drafter_dir), prompts, target.tokenizer, target.model, args.new_tokens)
     print(f"\nspeed on this CPU (fp32, batch 1, {len(prompts)} held-out prompts, {args.new_tokens} new tokens, "
           f"drafter: {'shipped ' + str(shipped) if drafter_dir == shipped else 'the miniature one just trained'})")
     print(f"{'config':<16}{'tok/s':>8}{'vs AR':>8}{'accept len':>12}")
-    summary = {}
-    for name, (n, s, acc) in cmp.items():
-        al = sum(acc) / len(acc) if acc else None
-        summary[name] = {"tokens": n, "seconds": s, "tok_s": n / s, "speedup": n / s / ar_tps, "accept_length": al}
-        print(f"{name:<16}{n / s:>8.1f}{n / s / ar_tps:>7.2f}x{al if al is None else round(al, 2)!s:>12}")
+    for name, r in summary.items():
+        al = r["accept_length"]
+        print(f"{name:<16}{r['tok_s']:>8.1f}{r['speedup']:>7.2f}x{al if al is None else round(al, 2)!s:>12}")
     print(f"speculative outputs identical to AR: {same}")
     _step(rows, "compare", t0, "AR vs EAGLE-3 vs n-gram (accept length = SGLang's, incl. the bonus token)")
     atomic_write_json(work / "demo.json", {"steps": rows, "compare": summary, "identical": same,

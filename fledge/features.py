@@ -133,7 +133,7 @@ class TargetHead:
         v = head.weight.shape[0]
         to_draft = torch.full((v,), -1, dtype=torch.int64)
         to_draft[draft_ids] = torch.arange(draft_ids.numel())
-        bias = None if getattr(head, "bias", None) is None else head.bias.detach().to(device)
+        bias = None if head.bias is None else head.bias.detach().to(device)
         return cls(head.weight.detach().to(device), bias,
                    getattr(model.config.get_text_config(), "final_logit_softcapping", None),
                    draft_ids.to(device), to_draft.to(device))
@@ -179,12 +179,10 @@ def write_features(model, aux_ids, samples: list[Sample], out, meta: dict, dtype
         chunk = samples[i * shard_size:(i + 1) * shard_size]
         aux, hidden = [], []
         for b in range(0, len(chunk), batch_size):
-            part = chunk[b:b + batch_size]
-            ids, _, attn = pad_batch(part)
-            a, h = online_features(model, aux_ids, ids.to(device), attn.to(device))
-            for r, s in enumerate(part):
-                aux.append(a[r, :len(s.input_ids)].to("cpu", torch_dtype))
-                hidden.append(h[r, :len(s.input_ids)].to("cpu", torch_dtype))
+            ids, _, attn = (x.to(device) for x in pad_batch(chunk[b:b + batch_size]))
+            a, h = online_features(model, aux_ids, ids, attn)
+            aux.append(a[attn.bool()].to("cpu", torch_dtype))  # each sample's real tokens, in order
+            hidden.append(h[attn.bool()].to("cpu", torch_dtype))
         lengths = torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64)
         atomic_write_bytes(_shard_path(out, i), st_save({"aux": torch.cat(aux), "hidden": torch.cat(hidden),
                                                          "lengths": lengths}))
@@ -241,11 +239,10 @@ def features_meta(target_name: str, data_path, max_len: int) -> dict:
 
 
 def run_features(args) -> int:
-    target = load_target(args.target)
-    device = pick_device(args.device)
-    model = target.model.to(device).eval()
-    vocab = model.config.get_text_config().vocab_size
-    samples = load_samples(args.data, args.max_len, vocab)
+    device = pick_device(args.device)  # before a load of minutes
+    target = load_target(args.target, device=device)
+    model = target.model
+    samples = load_samples(args.data, args.max_len, model.config.get_text_config().vocab_size)
     aux_ids = aux_layer_ids_for(model, args.aux_layers)
     meta = write_features(model, aux_ids, samples, args.out, features_meta(target.name, args.data, args.max_len),
                           args.dtype, args.shard_size, args.batch_size, device)

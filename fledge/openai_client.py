@@ -33,11 +33,6 @@ class ServerError(FledgeError):
         self.url, self.problem, self.retry, self.status, self.detail = url, problem, retry, status, detail
 
 
-def retryable_status(code: int) -> bool:
-    """Statuses another attempt may fix: the server's own errors, a request timeout, a rate limit."""
-    return code >= 500 or code in (408, 429)
-
-
 def api_url(url: str, leaf: str) -> str:
     """`<base>/v1/<leaf>` of a server URL given with or without /v1, or as a full endpoint."""
     base = url.rstrip("/").removesuffix("/chat/completions").removesuffix("/models")
@@ -131,8 +126,8 @@ class Client:
                 detail = e.read(4096).decode("utf-8", "replace")
             except OSError:
                 detail = ""
-            raise ServerError(where, f"HTTP {e.code} {e.reason}".rstrip(), retry=retryable_status(e.code),
-                              status=e.code, detail=detail) from None
+            retry = e.code >= 500 or e.code in (408, 429)  # the server's own errors, a timeout, a rate limit
+            raise ServerError(where, f"HTTP {e.code} {e.reason}".rstrip(), retry, e.code, detail) from None
         except urllib.error.URLError as e:  # refused, unknown host, a connect that timed out
             raise ServerError(where, f"server not answering ({e.reason})", retry=True) from None
         except (OSError, http.client.HTTPException) as e:  # no reply in time, a connection dropped

@@ -97,9 +97,8 @@ class Sample:
 class EngineBackend:
     """fledge's batched engine. Chats are tokenized with the target's chat template and
     batched by similar length (right padding wastes less when lengths are close); on the
-    compact engine they stream through `batch_size` rows, each refilled when it ends.
-    A batch draws from one generator, seeded by its first chat's seed: rows are not
-    independent, so `regenerate` keeps batches the same across resumes."""
+    compact engine they stream through `batch_size` rows, each refilled when it ends. A batch
+    draws from one generator, seeded by its first chat's seed: rows are not independent."""
 
     rows_independent = False
 
@@ -198,28 +197,27 @@ class ServerBackend:
         self.failures: dict[str, int] = {}
         self._lock = threading.Lock()  # failures is updated from the worker threads
 
-    @staticmethod
-    def _attempt(client: Client, body: dict) -> Answer:
-        try:
-            reply = client.chat(body)
-        except ServerError as e:
-            if e.status == 400 and any(w in e.detail.lower() for w in _CONTEXT_WORDS):
-                return Answer("", "context")  # the prompt does not fit; retrying cannot help
-            raise
-        return parse_completion(reply, client.url)
-
     def _one(self, k: int, messages: list[dict], seed: int) -> Answer:
         body = {"model": self.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "seed": seed, "n": 1}
-        try:  # a retry goes to the next server
-            return with_retries(lambda a: self._attempt(self.clients[(k + a) % len(self.clients)], body),
-                                self.retries, self.backoff, lambda e: self._count(e.problem))
+
+        def attempt(a: int) -> Answer:  # a retry goes to the next server
+            client = self.clients[(k + a) % len(self.clients)]
+            try:
+                return parse_completion(client.chat(body), client.url)
+            except ServerError as e:
+                if e.status == 400 and any(w in e.detail.lower() for w in _CONTEXT_WORDS):
+                    return Answer("", "context")  # the prompt does not fit; retrying cannot help
+                raise
+
+        try:
+            return with_retries(attempt, self.retries, self.backoff, self._count)
         except ServerError as e:
             return Answer("", "error", e.problem)
 
-    def _count(self, reason: str) -> None:
+    def _count(self, e: ServerError) -> None:
         with self._lock:
-            self.failures[reason] = self.failures.get(reason, 0) + 1
+            self.failures[e.problem] = self.failures.get(e.problem, 0) + 1
 
     def answer(self, chats, seeds, progress=lambda n: None) -> list[Answer]:
         with cf.ThreadPoolExecutor(self.concurrency) as pool:
@@ -236,9 +234,7 @@ def _next_chat(s: Sample, max_turns):
         s.done.append(s.todo.pop(0))
     if max_turns is not None and s.turns >= max_turns:
         return None
-    if s.done and s.done[-1]["role"] == "user" and (not s.todo or s.todo[0]["role"] == "assistant"):
-        return list(s.done)
-    return None
+    return list(s.done) if s.done and s.done[-1]["role"] == "user" else None
 
 
 def answers_ahead(s: Sample, max_turns) -> int:
@@ -288,9 +284,9 @@ def _repair_tail(path: Path) -> None:
     anything else after the last newline is a torn write and is cut."""
     with open(path, "rb+") as f:
         data = f.read()
-        if not data or data.endswith(b"\n"):
-            return
         cut = data.rfind(b"\n") + 1
+        if cut == len(data):
+            return
         try:
             whole = isinstance(json.loads(data[cut:]), dict)
         except (ValueError, RecursionError):
@@ -382,14 +378,13 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
     total = sum(answers_ahead(s, cfg.max_turns) for s in pending)
     with f, tqdm(total=total, desc="regen", unit="answer") as bar:
         for i in range(0, len(todo), cfg.chunk):
-            chunk = [s for s in todo[i:i + cfg.chunk] if s.id not in have]
+            whole = todo[i:i + cfg.chunk]
+            chunk = [s for s in whole if s.id not in have]
+            if chunk and not backend.rows_independent:  # its batches must be the ones an uninterrupted run had
+                bar.total += sum(answers_ahead(s, cfg.max_turns) for s in whole if s.id in have)
+                chunk = whole
             if not chunk:
                 continue
-            if not backend.rows_independent:  # its batches must be the ones an uninterrupted run had
-                chunk = todo[i:i + cfg.chunk]
-                for s in chunk:
-                    if s.id in have:
-                        bar.total += answers_ahead(s, cfg.max_turns)
             kept, failed = _run_chunk(chunk, backend, cfg, bar)
             for s in failed:
                 failed_ids[s.id] = s.error or "failed"

@@ -7,8 +7,6 @@ once into the cache; later loads read the cached directory in seconds.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -18,12 +16,11 @@ from pathlib import Path
 
 import torch
 import transformers
+from filelock import FileLock
 
 from fledge.catalog import BUILTINS, Builtin
 from fledge.conventions import aux_ids_to_sglang, default_aux_layer_ids, validate_aux_layer_ids
 from fledge.util import FledgeError, atomic_dir, atomic_write_json, cache_dir, sha256_file, wheel_member
-
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -96,28 +93,17 @@ def _gguf_cache_key(path: Path) -> str:
     return f"{path.stem}-{key}"
 
 
-@contextlib.contextmanager
-def _lock(path: Path):
-    """Exclusive lock so racing tests/CLI calls convert a GGUF once, the others then reuse it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, sha256: str | None = None) -> Path:
     """Dequantize a GGUF into a plain fp32 safetensors HF directory `out` (once; atomic)."""
     gguf, out = Path(gguf), Path(out)
     with open(gguf, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
+        if f.read(4) != b"GGUF":
             raise FledgeError(f"{gguf}: not a GGUF file (no GGUF magic bytes)")
     if sha256 is not None and (digest := sha256_file(gguf)) != sha256:
         raise FledgeError(f"{gguf}: sha256 {digest}, expected {sha256}")
-    with _lock(out.with_name(f".{out.name}.lock")):
-        if out.is_dir():  # another process converted it while we waited
+    # racing tests and CLI calls convert a GGUF once; the others wait, then reuse it
+    with FileLock(out.with_name(f".{out.name}.lock")):
+        if out.is_dir():
             return out
         model, tokenizer = _load_gguf(gguf)
         with atomic_dir(out) as tmp:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -51,9 +52,10 @@ import jinja2
 from tqdm import tqdm
 
 from fledge.catalog import HELDOUT_SUFFIX
-from fledge.util import (FledgeError, atomic_dir, atomic_write_json, atomic_write_text, check_no_overlap, keeping,
-                         read_jsonl)
+from fledge.util import (FledgeError, atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text,
+                         check_no_overlap, keeping, print_table, read_jsonl)
 
+# The two sets of every split: prep writes <set>.jsonl, tokenize and prep --tokenizer <set>.tok.jsonl.
 SETS = ("train", "heldout")
 
 
@@ -132,15 +134,19 @@ def tokenize_with_status(tokenizer, messages, max_len: int) -> tuple[dict | None
     return {"input_ids": ids[:cut], "loss_mask": mask[:cut]}, status
 
 
-def load_tokenizer(spec: str):
-    """A tokenizer from a directory holding one, or any target spec (built-in name, GGUF)."""
-    from transformers import AutoTokenizer
-
+def resolve_tokenizer(spec: str) -> str:
+    """A directory holding a tokenizer, as given, or the converted directory of any target spec
+    (built-in name, GGUF)."""
     from fledge.target import resolve_target
 
-    path = Path(spec)
+    return spec if Path(spec).is_dir() else str(resolve_target(spec))
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
     try:
-        tok = AutoTokenizer.from_pretrained(path if path.is_dir() else resolve_target(spec))
+        tok = AutoTokenizer.from_pretrained(resolve_tokenizer(spec))
     except (OSError, ValueError) as e:
         raise FledgeError(f"{spec}: no tokenizer could be loaded ({str(e).splitlines()[0][:200]})") from None
     if not tok.chat_template:
@@ -164,8 +170,8 @@ def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict
 def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) -> dict:
     partial = out_path.with_name(out_path.name + ".partial")
     done = [rec for _, rec in read_jsonl(partial, on_bad=lambda *_: None)] if partial.exists() else []
-    if partial.exists():  # rewrite without a torn last line before appending to it
-        atomic_write_text(partial, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
+    # rewrite without a torn last line before appending to it
+    atomic_write_text(partial, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
     done_ids = {r["id"] for r in done}
     convs = [rec for _, rec in read_jsonl(conversations_path)]
     todo = [c for c in convs if c["id"] not in done_ids]
@@ -176,36 +182,27 @@ def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) 
             if status.startswith("truncated"):
                 line["truncated"] = status
             f.write(json.dumps(line, ensure_ascii=False) + "\n")  # no fsync per line: a torn tail is redone
-    stats = Counter(conversations=len(convs))
-    lengths, trained = [], 0
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as dst:
+    stats, sizes = Counter(conversations=len(convs)), Counter(samples=0, tokens=0, trained_tokens=0)
+
+    def samples():
         for _, r in read_jsonl(partial):
             stats[r.get("dropped") or r.get("truncated") or "ok"] += 1
-            if "dropped" in r:
-                continue
-            lengths.append(len(r["input_ids"]))
-            trained += sum(r["loss_mask"])
-            dst.write(json.dumps({"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}) + "\n")
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, out_path)
+            if "dropped" not in r:
+                sizes.update(samples=1, tokens=len(r["input_ids"]), trained_tokens=sum(r["loss_mask"]))
+                yield (json.dumps({"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}) + "\n").encode()
+
+    atomic_write_bytes(out_path, samples())
     partial.unlink()
-    stats.update(samples=len(lengths), tokens=sum(lengths), trained_tokens=trained)
+    stats.update(sizes)
     return _merge_stats([stats], max_len)
 
 
 def render_sample(tokenizer, record: dict, color: bool) -> str:
     """The sample's text with trained tokens highlighted (ANSI green) or marked [[...]]."""
-    ids, mask = record["input_ids"], record["loss_mask"]
-    parts, start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or mask[i] != mask[start]:
-            text = tokenizer.decode(ids[start:i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            if mask[start]:
-                text = f"\033[42;30m{text}\033[0m" if color else f"[[{text}]]"
-            parts.append(text)
-            start = i
+    parts = []
+    for trained, run in itertools.groupby(zip(record["input_ids"], record["loss_mask"]), key=lambda p: p[1]):
+        text = tokenizer.decode([t for t, _ in run], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        parts.append((f"\033[42;30m{text}\033[0m" if color else f"[[{text}]]") if trained else text)
     return "".join(parts)
 
 
@@ -306,29 +303,25 @@ def _merge_stats(parts: list[dict], max_len: int) -> dict:
 def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048, workers: int = 1,
              heldout: list[Path] = (), overwrite: bool = False) -> dict:
     """Tokenize `inputs` (+ `heldout` files) into `out`/{train,heldout}.tok.jsonl; returns the summary."""
-    from fledge.target import resolve_target
-
     for path in [*inputs, *heldout]:  # --overwrite would delete an input inside the output
         check_no_overlap(out, {"conversations": path})
-    if out.exists() and not overwrite:
-        raise FledgeError(f"{out}: already exists (pass --overwrite to replace it)")
     if workers < 1:
         raise FledgeError(f"--workers {workers}: must be >= 1")
-    sets = split_sets(list(inputs), list(heldout))
-    if not any(sets.values()):
-        raise FledgeError(f"{', '.join(map(str, inputs))}: no conversations to tokenize")
-    tokenizer_dir = tokenizer if Path(tokenizer).is_dir() else str(resolve_target(tokenizer))
-    load_tokenizer(tokenizer_dir)  # fail here, once, rather than in every worker
-    t0 = time.time()
-    key = {"sha256": hashlib.sha256(json.dumps(sets).encode()).hexdigest(), "workers": workers,
-           "max_len": max_len, "tokenizer": tokenizer_dir}
-    work = out.with_name(f".{out.name}.shards")
-    # A few shards per worker, so the progress bar moves and a slow shard does not hold the rest.
-    shards = _plan_shards(sets, work, key, shards_per_set=1 if workers == 1 else 4 * workers)
-    _run_shards(shards, tokenizer_dir, max_len, workers)
-    summary = {"inputs": [str(p) for p in inputs], "heldout_inputs": [str(p) for p in heldout],
-               "tokenizer": tokenizer_dir, "workers": workers}
     with atomic_dir(out, overwrite=overwrite) as tmp:
+        sets = split_sets(list(inputs), list(heldout))
+        if not any(sets.values()):
+            raise FledgeError(f"{', '.join(map(str, inputs))}: no conversations to tokenize")
+        tokenizer_dir = resolve_tokenizer(tokenizer)
+        load_tokenizer(tokenizer_dir)  # fail here, once, rather than in every worker
+        t0 = time.time()
+        key = {"sha256": hashlib.sha256(json.dumps(sets).encode()).hexdigest(), "workers": workers,
+               "max_len": max_len, "tokenizer": tokenizer_dir}
+        work = out.with_name(f".{out.name}.shards")
+        # A few shards per worker, so the progress bar moves and a slow shard does not hold the rest.
+        shards = _plan_shards(sets, work, key, shards_per_set=1 if workers == 1 else 4 * workers)
+        _run_shards(shards, tokenizer_dir, max_len, workers)
+        summary = {"inputs": [str(p) for p in inputs], "heldout_inputs": [str(p) for p in heldout],
+                   "tokenizer": tokenizer_dir, "workers": workers}
         for name in SETS:
             mine = [s for s in shards if s["set"] == name]
             with open(tmp / f"{name}.tok.jsonl", "wb") as dst:  # shard order is fine: training shuffles
@@ -349,9 +342,6 @@ def run_tokenize(args) -> int:
     summary = tokenize([Path(p) for p in args.conversations], Path(args.out), args.tokenizer, args.max_len,
                        args.workers, [Path(p) for p in args.heldout], args.overwrite)
     keys = ("conversations", "samples", "tokens", "trained_tokens", "mean_len", "share_truncated")
-    width = max(map(len, keys))
-    print(f"{'':{width}}  {'train':>10}  {'heldout':>10}")
-    for k in keys:
-        print(f"{k:{width}}  {summary['train'].get(k, 0):>10}  {summary['heldout'].get(k, 0):>10}")
+    print_table([["", *SETS], *([k, *(summary[name].get(k, 0) for name in SETS)] for k in keys)])
     print(f"wrote {args.out}/train.tok.jsonl, heldout.tok.jsonl in {summary['wall_s']} s", file=sys.stderr)
     return 0

