@@ -141,6 +141,35 @@ def capture_cuda_graph(fn, reset=None, warmup: int = 3):
     return replay
 
 
+class PinnedCopies:
+    """Copies of a device tensor taken behind the work queued on the stream, for the host to read
+    later, oldest first, with one sync each: the host reads step i while the device runs step
+    i+1. `depth` buffers (pinned on CUDA), so at most `depth` copies are unread."""
+
+    def __init__(self, like: torch.Tensor, depth: int):
+        self.cuda = like.device.type == "cuda"
+        self.bufs = [torch.empty(like.shape, dtype=like.dtype, pin_memory=self.cuda) for _ in range(depth)]
+        self.pending, self.count = [], 0  # (buffer, event) per unread copy, oldest first
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def push(self, src: torch.Tensor) -> None:
+        buf = self.bufs[self.count % len(self.bufs)]
+        buf.copy_(src, non_blocking=self.cuda)
+        event = torch.cuda.Event() if self.cuda else None
+        if event is not None:
+            event.record()
+        self.pending.append((buf, event))
+        self.count += 1
+
+    def pop(self) -> torch.Tensor:
+        buf, event = self.pending.pop(0)
+        if event is not None:
+            event.synchronize()
+        return buf
+
+
 class DoneWatch:
     """Whether every row has ended, as the host can learn it without stalling the stream. On CUDA
     each step's `done` is copied to pinned memory behind the step, and the host reads the copy
@@ -149,28 +178,18 @@ class DoneWatch:
     On the CPU every step reads `done` itself: nothing is queued there."""
 
     def __init__(self, done: torch.Tensor, lag: int = 2):
-        self.done, self.lag, self.cuda = done, lag, done.device.type == "cuda"
-        self.bufs = [torch.empty_like(done, device="cpu").pin_memory() for _ in range(lag + 1)] if self.cuda else []
-        self.pending, self.count = [], 0  # (buffer, event) per queued step, oldest first
+        self.done, self.lag = done, lag
+        self.copies = PinnedCopies(done, lag + 1) if done.device.type == "cuda" else None
 
     def queued(self) -> None:
         """Call after queueing each step (and once after the prefill)."""
-        if self.cuda:
-            buf = self.bufs[self.count % len(self.bufs)]
-            buf.copy_(self.done, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self.pending.append((buf, event))
-            self.count += 1
+        if self.copies is not None:
+            self.copies.push(self.done)
 
     def all_done(self) -> bool:
-        if not self.cuda:
+        if self.copies is None:
             return bool(self.done.all())
-        if len(self.pending) < self.lag:
-            return False
-        buf, event = self.pending.pop(0)
-        event.synchronize()
-        return bool(buf.all())
+        return len(self.copies) >= self.lag and bool(self.copies.pop().all())
 
 
 def now(device) -> float:

@@ -19,7 +19,8 @@ import torch
 
 from fledge.engine.attention import Prefix, kernel_available, kernel_takes, triton
 from fledge.engine.drafters import DraftInput, OracleDrafter, SpecConfig
-from fledge.engine.generate import SamplingParams, capture_cuda_graph, cut_at_eos, logits_to_probs, sample_token
+from fledge.engine.generate import (PinnedCopies, SamplingParams, capture_cuda_graph, cut_at_eos, logits_to_probs,
+                                    sample_token)
 from fledge.engine.model import KVCache
 from fledge.engine.stats import Clock, SpecStats
 from fledge.engine.tree import Tree, path_to, verify_greedy, verify_sample
@@ -159,9 +160,9 @@ def finish_round(logits, aux, state: RoundState):
     """Acceptance (verify_greedy, path_of) of the tree in `state`, then the round's bookkeeping
     written into its buffers in place: start = the old cache_len, cache_len += n, the path's n,
     tokens, bonus and aux, and `result` (n, path tokens, bonus) for the host. Returns the path
-    for `compact`. Compiled (CUDA), its ~30 small eager kernels (argmax, compares, the path's
-    scatter and gathers, the copies) become a few: at batch 1 each small kernel in a round's
-    graph costs ~2 us, the round ~1 ms."""
+    for `compact`. Compiled (CUDA), the acceptance's ~20 small eager kernels a round (argmax,
+    compares, the path's scatter and gathers) and the ~10 copies, cat and add after it become a
+    few: at batch 1 each small kernel in a round's graph costs ~2 us, the round ~1 ms."""
     best, bonus = verify_greedy(logits, state.tree)
     path, n, path_tokens, path_aux = path_of(state.tree, best, aux, state.path_tokens.shape[1])
     state.start.copy_(state.cache_len)
@@ -296,22 +297,21 @@ class FusedRound(Round):
 
 class QueuedRound(FusedRound):
     """Fused rounds of a device drafter (its observe and next propose inside the round), queued
-    ahead of the host: each round's result is copied to a pinned host buffer behind the round on
-    the stream, and read (one sync) when the host needs it. Two buffers: at most two rounds are
-    queued unread. Device drafters need nothing from the host between rounds, so the host reads
-    round i while round i+1 runs: on the H200 a round otherwise waited 0.015-0.33 ms for the
-    host, by the host's load (bench/profile_round.py's "round_gap" at commit d466fab)."""
+    ahead of the host: each round's result is copied to pinned memory behind it (PinnedCopies),
+    and read (one sync) when the host needs it; at most two rounds are queued unread. Device
+    drafters need nothing from the host between rounds, so the host reads round i while round
+    i+1 runs: on the H200 a round otherwise waited 0.015-0.33 ms for the host, by the host's
+    load (bench/profile_round.py's "round_gap" at commit d466fab)."""
 
     def __init__(self, target, cache, drafter, use_graph: bool):
         super().__init__(target, cache, drafter, use_graph)
-        self.cuda = self.state.result.device.type == "cuda"
-        self.bufs = [torch.empty(self.state.result.shape, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
-        self.count = 0
+        self.results = PinnedCopies(self.state.result, 2)
 
     def start(self, req: Request, root: torch.Tensor, cache_len: torch.Tensor) -> None:
         super().start(req, root, cache_len)
         self.state.set_tree(self.drafter.propose(DraftInput(root, self.state.cache_len, [])))
-        self.pending = []  # (buffer, sync event, clock mark) of queued rounds, oldest first
+        self.results.pending.clear()  # a round the last request queued past its end is not this one's
+        self.marks = []  # clock marks of the queued rounds, oldest first
 
     def run(self, out: list[int]) -> RoundResult:
         # Keep the next round queued while the host reads this one, as long as the cache surely
@@ -323,22 +323,12 @@ class QueuedRound(FusedRound):
         spec, req = self.drafter.spec, self.req
         free = req.size - spec.num_draft_tokens - (len(req.prompt) + len(out) - 1)
         left = req.params.max_new_tokens - len(out)
-        while len(self.pending) < 2 and (not self.pending or (free >= len(self.pending) * spec.path_len
-                                                               and left > len(self.pending) * spec.path_len)):
-            self.enqueue()
-        buf, event, end = self.pending.pop(0)
-        if event is not None:
-            event.synchronize()
-        return RoundResult.read(buf.tolist(), end)  # the round's one host sync
-
-    def enqueue(self) -> None:
-        buf = self.bufs[self.count % 2]
-        buf.copy_(self.replay(), non_blocking=self.cuda)
-        event = torch.cuda.Event() if self.cuda else None
-        if event is not None:
-            event.record()
-        self.pending.append((buf, event, self.req.clock.now()))
-        self.count += 1
+        queued = len(self.results)
+        while queued < 2 and (queued == 0 or (free >= queued * spec.path_len and left > queued * spec.path_len)):
+            self.results.push(self.replay())
+            self.marks.append(self.req.clock.now())
+            queued += 1
+        return RoundResult.read(self.results.pop().tolist(), self.marks.pop(0))  # the round's one host sync
 
 
 class PhasedRound(Round):
@@ -420,16 +410,16 @@ def round_for(target, cache, drafter, resident, use_graph: bool, phased: bool) -
 
 
 # --------------------------------------------------------------------------- a request
-def prefill(target, drafter, cache, resident, prompt: list[int], params: SamplingParams, gen):
+def prefill(target, drafter, cache, resident, req: Request):
     """The prompt into the target cache (the resident's captured prefill, if any) and into the
     drafter. Returns (root = the first new token [1], cache_len [1])."""
-    ids = torch.tensor([prompt], device=next(target.parameters()).device)
-    cache_len = torch.tensor([len(prompt)], device=ids.device)
+    ids = torch.tensor([req.prompt], device=next(target.parameters()).device)
+    cache_len = torch.tensor([len(req.prompt)], device=ids.device)
     if resident is not None:
         logits, aux = resident.prefill(ids, drafter.aux_ids)
     else:
         logits, aux = target.prefill(ids, cache, aux_ids=drafter.aux_ids, logits_idx=(cache_len - 1)[:, None])
-    root = sample_token(logits[:, 0], params, gen)
+    root = sample_token(logits[:, 0], req.params, req.gen)
     drafter.observe(ids, aux, cache_len, root, torch.zeros_like(cache_len))
     return root, cache_len
 
@@ -461,7 +451,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     eos = set(eos_ids)
 
     t0 = req.clock.now()
-    root, root_len = prefill(target, drafter, cache, resident, prompt, params, req.gen)
+    root, root_len = prefill(target, drafter, cache, resident, req)
     out = [root.item()]
     rounds.start(req, root, root_len)
     t_prefill = req.clock.now()
