@@ -228,8 +228,9 @@ class Eagle3Drafter:
         scratch = (self.spec.num_steps - 1) * self.spec.topk
         shape = (2, batch, cfg.num_key_value_heads, self.max_len + scratch, cfg.head_dim)  # K and V side by side
         if self.kv is not None and tuple(self.kv.shape) == shape:
-            # The same buffers again, zeroed: nothing is allocated per request. (New buffers cost
-            # no recompile either: bench/profile_round.py's "fresh" rows at commit d466fab.)
+            # The same buffers again, zeroed: nothing is allocated per request, and a round kept
+            # by a resident replays over them. (New buffers cost no recompile either:
+            # bench/profile_round.py's "fresh" rows at commit d466fab.)
             self.kv.zero_()
             self.last.zero_()
             return

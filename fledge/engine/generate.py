@@ -242,6 +242,14 @@ class SpanSteps:
 
 
 # --------------------------------------------------------------------------- generation
+def right_padded(rows: list[list[int]]) -> torch.Tensor:
+    """[len(rows), longest] long on the CPU: each row, then zeros."""
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+    return ids
+
+
 @dataclass
 class SortedBatch:
     """A batch's rows sorted by prompt length, in groups of neighbours: each group prefills
@@ -260,13 +268,6 @@ class SortedBatch:
         lens = [len(prompts[b]) for b in order]
         groups = row_groups(len(prompts), row_group) if row_group else [(0, len(prompts))]
         return cls(order, lens, groups, [lens[r1 - 1] for _, r1 in groups])
-
-    def padded(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The prompts in sorted order, right-padded with 0 [B, longest]."""
-        ids = torch.zeros(len(self.order), max(self.lens), dtype=torch.long)
-        for r, b in enumerate(self.order):
-            ids[r, :self.lens[r]] = torch.tensor(prompts[b])
-        return ids
 
     def unsort(self, rows: list) -> list:
         out = [None] * len(rows)
@@ -362,7 +363,7 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     batch = SortedBatch.of(prompts, row_group if model.row_groups_ok else None)
 
     t0 = now(device)
-    ids, lengths = batch.padded(prompts).to(device), torch.tensor(batch.lens, device=device)
+    ids, lengths = right_padded([prompts[b] for b in batch.order]).to(device), torch.tensor(batch.lens, device=device)
     logits = resident.prefill(ids)[0] if resident is not None else prefill_groups(model, batch, ids, lengths, cache)
     first = sample_token(logits[:, 0], params, gen)
     t1 = now(device)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from fledge.engine.generate import (ROW_GROUP, SamplingParams, SpanSteps, cut_at_eos, decode_logits, decode_spans, now,
-                                    row_groups, sample_token)
+                                    right_padded, row_groups, sample_token)
 from fledge.util import FledgeError
 
 
@@ -73,11 +73,9 @@ class Stream:
         device = self.tokens.device
         rows_t = torch.tensor(free[:len(take)], device=device)
         lens = [len(self.prompts[i]) for i in take]
-        ids = torch.zeros(len(take), max(lens), dtype=torch.long)
-        for j, i in enumerate(take):
-            ids[j, :lens[j]] = torch.tensor(self.prompts[i])
+        ids = right_padded([self.prompts[i] for i in take]).to(device)
         lens_t = torch.tensor(lens, device=device)
-        logits = self.model.prefill(ids.to(device), self.cache, logits_idx=(lens_t - 1)[:, None], rows=rows_t)[0][:, 0]
+        logits = self.model.prefill(ids, self.cache, logits_idx=(lens_t - 1)[:, None], rows=rows_t)[0][:, 0]
         t = sample_token(logits, self.params, self.gen)
         self.lengths[rows_t], self.age[rows_t], self.tokens[rows_t, 0] = lens_t, 1, t
         self.new[rows_t, 0] = t
