@@ -430,12 +430,11 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     """One prompt (batch 1). Returns (new tokens, ending at the first eos (included) or at
     max_new_tokens — the same cut as generate_ar; SpecStats).
 
-    Greedy rounds are fused (one graph replay and one host sync per round on CUDA), queued ahead
-    of the host with a device drafter (none past max_new_tokens); host drafters (n-gram,
-    probes) propose before each round and observe after it. `phased`, and sampling, run the
-    round as separate timed steps: SpecStats then splits the round into draft / verify / other.
-    `resident`: an engine.resident.Resident of `target`, whose cache and captured prefill (with
-    the drafter's aux ids) the request uses, and which keeps the round for the next request."""
+    Greedy rounds are fused (FusedRound, QueuedRound); `phased`, and sampling, run each round
+    as separate timed steps (PhasedRound), so that SpecStats splits it into draft / verify /
+    other. `resident`: an engine.resident.Resident of `target`, whose cache and captured
+    prefill (with the drafter's aux ids) the request uses, and which keeps the round built for
+    the next request (round_for)."""
     if not prompt:
         raise FledgeError("generate_spec: the prompt is empty")
     spec: SpecConfig = drafter.spec
