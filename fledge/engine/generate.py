@@ -286,7 +286,8 @@ class Decode:
     def __init__(self, model, cache, batch: SortedBatch, first, lengths, eos, params, graphs: bool):
         B, device = len(batch.order), first.device
         self.model, self.cache, self.batch, self.eos = model, cache, batch, eos
-        self.greedy, self.finish = params.temperature == 0, finish_step_compiled if graphs and B == 1 else finish_step
+        self.greedy = params.temperature == 0
+        self.finish = finish_step_compiled if graphs and B == 1 else finish_step
         self.tokens, self.lengths = first[:, None].clone(), lengths
         self.col = torch.ones(1, dtype=torch.long, device=device)
         self.new = torch.zeros(B, params.max_new_tokens + 1, dtype=torch.long, device=device)  # + a column capture may write

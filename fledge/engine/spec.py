@@ -179,24 +179,6 @@ def finish_round(logits, aux, state: RoundState):
 finish_round_compiled = torch.compile(finish_round, fullgraph=True, dynamic=False)
 
 
-def fused_round(target, cache, drafter, state: RoundState, use_graph: bool):
-    """One greedy round over `state`, as a graph replay when `use_graph`. Capture runs the round
-    a few times (each from cache_len 0, so it stays inside the cache), so it is built before the
-    prefill, which rewrites everything those runs touched; the caller then sets `state`."""
-    finish = finish_round_compiled if use_graph else finish_round
-
-    def body():
-        logits, aux = verify_forward(target, cache, state.tree, state.cache_len, drafter.aux_ids)
-        path = finish(logits, aux, state)
-        compact(cache, state.start, path)
-        if drafter.device_only:
-            drafter.observe(state.path_tokens, state.aux, state.n, state.bonus, state.start)
-            state.set_tree(drafter.propose(DraftInput(state.bonus, state.cache_len, [])))
-        return state.result
-
-    return capture_cuda_graph(body, reset=state.cache_len.zero_) if use_graph else body
-
-
 # --------------------------------------------------------------------------- round kinds
 @dataclass
 class Request:
@@ -257,7 +239,7 @@ class Round:
     def __init__(self, drafter, use_graph: bool):
         self.drafter, self.use_graph = drafter, use_graph
 
-    def captured(self) -> None:
+    def note_buffers(self) -> None:
         """Note the drafter's device buffers the graphs just captured read (call once built)."""
         self.buffers = self.drafter.buffers() if self.drafter.device_only else ()
 
@@ -278,9 +260,26 @@ class FusedRound(Round):
         super().__init__(drafter, use_graph)
         param = next(target.parameters())
         aux_width = 3 * target.dims()[0] if drafter.aux_ids is not None else None
+        self.target, self.cache = target, cache
         self.state = RoundState.allocate(drafter.spec, param.device, aux_width, param.dtype)
-        self.replay = fused_round(target, cache, drafter, self.state, use_graph and target.cuda_graph_ok)
-        self.captured()
+        graph = use_graph and target.cuda_graph_ok
+        self.finish = finish_round_compiled if graph else finish_round
+        # Capture runs the round a few times (each from cache_len 0, so it stays inside the
+        # cache): it comes before the prefill, which rewrites everything those runs touched.
+        self.replay = capture_cuda_graph(self.body, reset=self.state.cache_len.zero_) if graph else self.body
+        self.note_buffers()
+
+    def body(self) -> torch.Tensor:
+        """One greedy round over the state: verify, accept, compact, and for a device drafter
+        observe and the next propose. Returns the host's result buffer."""
+        st, drafter = self.state, self.drafter
+        logits, aux = verify_forward(self.target, self.cache, st.tree, st.cache_len, drafter.aux_ids)
+        path = self.finish(logits, aux, st)
+        compact(self.cache, st.start, path)
+        if drafter.device_only:
+            drafter.observe(st.path_tokens, st.aux, st.n, st.bonus, st.start)
+            st.set_tree(drafter.propose(DraftInput(st.bonus, st.cache_len, [])))
+        return st.result
 
     def start(self, req: Request, root: torch.Tensor, cache_len: torch.Tensor) -> None:
         self.req, self.root = req, root
@@ -355,7 +354,7 @@ class PhasedRound(Round):
         if drafter.device_only and drafter.aux_ids is not None:  # EAGLE-3; the oracle observes nothing
             aux = torch.zeros(1, D, 3 * target.dims()[0], dtype=drafter.kv.dtype, device=device)
             self.observe_call = static_call(drafter.observe, [ids[:, :D], aux, one + 1, one, one], use_graph)
-        self.captured()
+        self.note_buffers()
 
     def start(self, req: Request, root: torch.Tensor, cache_len: torch.Tensor) -> None:
         self.req, self.root, self.cache_len = req, root, cache_len
