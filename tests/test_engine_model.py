@@ -113,6 +113,18 @@ def test_row_groups_and_spans_change_nothing(monkeypatch):
         assert generate_ar(model, [p], params, [])[0][0] == row
 
 
+def test_hf_target_decodes_over_spans_narrower_than_its_cache(monkeypatch):
+    """HFTarget (no prefix kernel) is given decode masks over the first span of its cache, not
+    all of it, once the cache is longer than a span: the same text as over the whole cache."""
+    from fledge.engine import generate
+    model = build_engine_target(make_tiny("gemma3", seed=2), torch.float32, "cpu")
+    prompt, params = [5, 9, 2, 7, 11], SamplingParams(max_new_tokens=30)
+    whole = generate_ar(model, [prompt], params, [])[0][0]
+    monkeypatch.setattr(generate, "SPAN_QUANTUM", 8)
+    rows, stats = generate_ar(model, [prompt], params, [])
+    assert rows[0] == whole and min(s for s, in stats["spans"]) < 64
+
+
 def test_decode_attention_equals_sdpa():
     """The matmul decode attention is SDPA's math: fresh random q/k/v, a random key mask."""
     from fledge.engine.model import decode_attention

@@ -1,6 +1,7 @@
 """The resident target (one cache kept between requests, the prefill per padded bucket) against
 the per-request path: the same logits, aux states and cache slots, and the same generated text
-for AR, EAGLE-3 chains and trees and the oracle, request after request on one cache."""
+for AR, EAGLE-3 chains and trees and the oracle, request after request on one cache, through
+speculative rounds built once and kept."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from conftest import make_tiny
 from fledge.engine import HFTarget, SamplingParams, build_engine_target, generate_ar
 from fledge.engine.drafters import Eagle3Drafter, OracleDrafter, SpecConfig
 from fledge.engine.resident import Resident, buckets
-from fledge.engine.spec import generate_spec
+from fledge.engine.spec import PhasedRound, QueuedRound, generate_spec
 from fledge.util import FledgeError
 from test_engine_spec import tiny_setup
 
@@ -89,3 +90,46 @@ def test_resident_bad_input_is_one_fledge_error():
         res.prefill(torch.ones(1, 129, dtype=torch.long))
     with pytest.raises(FledgeError, match="compact engine"):
         Resident(HFTarget(make_tiny("gemma3")), 128)
+
+
+def test_a_kept_round_serves_request_after_request():
+    """With a resident, the round a request builds (its RoundState, the drafter's buffers and, on
+    CUDA, its captured graph) is kept and replayed by the next requests of the same drafter:
+    an EAGLE-3 chain and tree (fused and phased) and one oracle fed each prompt's text in place,
+    greedy, each give every prompt the output and stats of a fresh per-request run through one
+    round object built once. A request whose drafter cache changes shape gets a new round."""
+    hf, target, draft = tiny_setup("llama", vocab=32, initializer_range=0.15)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24)
+    res = Resident(target, 256, aux_sets=[None, tuple(draft.cfg.aux_layer_ids)])
+    batch = prompts([31, 25, 20, 9], 32, seed=5)  # one drafter cache size (64) for all, the widest oracle text first
+    texts = [generate_ar(target, [p], params, eos_ids=[])[0][0] for p in batch]
+    oracle = OracleDrafter(SpecConfig(4, 1, 5), [batch[0] + texts[0]], "cpu")
+    tree = Eagle3Drafter(draft, SpecConfig(3, 3, 9), target)
+    runs = [(Eagle3Drafter(draft, SpecConfig(3, 1, 4), target), False), (tree, False), (tree, True), (oracle, False)]
+    for drafter, phased in runs:
+        kept, accepted = None, 0
+        for prompt, ar in zip(batch, texts):
+            if drafter is oracle:
+                oracle.set_sequences([prompt + ar])
+                fresh_drafter = OracleDrafter(SpecConfig(4, 1, 5), [prompt + ar])
+            else:
+                fresh_drafter = Eagle3Drafter(draft, drafter.spec, target)
+            out, st = generate_spec(target, drafter, prompt, params, eos_ids=[], resident=res, phased=phased)
+            want, fresh = generate_spec(target, fresh_drafter, prompt, params, eos_ids=[], phased=phased)
+            assert out == want == ar
+            assert (st.accepted, st.generated_tokens, st.prompt_tokens) == (fresh.accepted, fresh.generated_tokens,
+                                                                           fresh.prompt_tokens)
+            assert len(st.round_ms) == len(fresh.round_ms) == st.steps and len(st.verify_ms) == len(fresh.verify_ms)
+            kind = PhasedRound if phased else QueuedRound
+            kept = kept or res.rounds[kind]
+            assert res.rounds[kind] is kept and kept.drafter is drafter
+            accepted += sum(st.accepted)
+        assert accepted > 0
+    assert oracle.seq.shape[1] == len(batch[0] + texts[0])  # every later text was written into the first's tensor
+    chain = runs[0][0]
+    generate_spec(target, chain, batch[0], params, eos_ids=[], resident=res)
+    short = res.rounds[QueuedRound]
+    longer = prompts([100], 32, seed=6)[0]  # a drafter cache of 192 rows, not 64: new buffers, so a new round
+    out, _ = generate_spec(target, chain, longer, params, eos_ids=[], resident=res)
+    assert res.rounds[QueuedRound] is not short and res.rounds[QueuedRound].drafter is chain
+    assert out == generate_ar(target, [longer], params, eos_ids=[])[0][0]

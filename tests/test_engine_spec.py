@@ -543,7 +543,7 @@ def test_compiled_round_finish_equals_eager_with_ties():
     over 7 tokens): the same path, and the same state buffers written in place (start, cache
     length, n, path tokens, bonus, aux rows, the host's result), so ties break to the lowest
     token id in both."""
-    from fledge.engine.spec import finish_round, finish_round_compiled
+    from fledge.engine.spec import RoundState, finish_round, finish_round_compiled
     g = torch.Generator().manual_seed(11)
     for trial in range(4):
         V, N, D = 7, 9, 4
@@ -554,11 +554,12 @@ def test_compiled_round_finish_equals_eager_with_ties():
         aux = torch.randn(1, N, 5, generator=g)
         outs = []
         for finish in (finish_round, finish_round_compiled):
-            state = [torch.tensor([20]), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                     torch.zeros(1, D, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1, D, 5),
-                     torch.zeros(D + 2, dtype=torch.long)]
-            path = finish(logits, tree.tokens, tree.parents, tree.depth, tree.anc, aux, D, *state)
-            outs.append([path, *state])
+            state = RoundState.allocate(SpecConfig(D - 1, 2, N), "cpu", 5, torch.float32)
+            state.set_tree(tree)
+            state.cache_len.fill_(20)
+            path = finish(logits, aux, state)
+            outs.append([path, state.cache_len, state.start, state.n, state.path_tokens, state.bonus, state.aux,
+                         state.result])
         for want, got in zip(*outs):
             assert torch.equal(want, got), trial
         cache_len, start, n = outs[0][1:4]

@@ -1,11 +1,13 @@
 """fledge's engine: the lab bench that runs a target and a drafter exactly.
 
 model.py: the compact target Transformer, its layers as three compilable functions, with an
-explicit, CUDA-graph-friendly forward and a flash prefill; hf.py: a transformers model as the
-engine's target (the compact Transformer from its config and weights, else HFTarget, which runs
-it through transformers behind the same forward); generate.py: autoregressive baseline
-(length-sorted row groups, attention spans), sampling, masks, CUDA-graph capture; tree.py, spec.py: EAGLE-2 trees, verification in one forward, acceptance, KV compaction,
-greedy rounds fused into one graph; drafters.py: EAGLE-3, oracle and n-gram behind one
+explicit, CUDA-graph-friendly forward and a flash prefill; attention.py, few_rows.py: its Triton
+kernels; hf.py: a transformers model as the engine's target (the compact Transformer from its
+config and weights, else HFTarget, which runs it through transformers behind the same forward);
+generate.py: autoregressive baseline (length-sorted row groups, attention spans), sampling,
+masks, CUDA-graph capture; stream.py: continuous batching; resident.py: a batch-1 target kept
+between requests; tree.py, spec.py: EAGLE-2 trees, verification in one forward, acceptance, KV
+compaction, rounds fused into one graph; drafters.py: EAGLE-3, oracle and n-gram behind one
 interface; stats.py: what every run prints.
 """
 

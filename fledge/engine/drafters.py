@@ -6,6 +6,9 @@
 accepted path after each verify step) with the target's aux hidden states for them, and the
 token that comes next (the next tree root). `propose` returns a tree of exactly
 `spec.num_draft_tokens` nodes, so the verify step always has one shape.
+
+A `device_only` drafter reads nothing from the host context, so its propose and observe run
+inside a round's CUDA graph; its `buffers()` are the device tensors such a graph captures.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 
 from fledge.checkpoint import load_checkpoint
 from fledge.draft import Eagle3Draft
-from fledge.engine.model import one_off_attention
+from fledge.engine.model import compile_static, one_off_attention
 from fledge.engine.tree import Tree, chain, select_tree, topk_by_max, topk_by_rank
 from fledge.util import FledgeError
 
@@ -58,11 +61,6 @@ class DraftInput:
     context: list[list[int]]  # host copy of every token so far, root included
 
 
-def target_dims(target) -> tuple[int, int, int]:
-    """(hidden size, vocab size, layers) of an engine target (compact or HFTarget)."""
-    return target.dims()
-
-
 def _pad_chain(tokens: list[int], n: int, fill: int) -> list[int]:
     return (tokens + [tokens[-1] if tokens else fill] * n)[:n]
 
@@ -82,7 +80,7 @@ class OracleDrafter:
     """Proposes the target's own greedy continuation (from a prior AR run): the ceiling of the
     engine — every draft is accepted under greedy decoding, so accept length = num_steps + 1.
     It reads its sequences on the device by position (the root sits at cache_len), so its
-    rounds fuse into one graph like EAGLE-3's."""
+    rounds fuse into one graph like EAGLE-3's; `set_sequences` gives it the next request's."""
 
     aux_ids = None
     device_only = True
@@ -90,15 +88,35 @@ class OracleDrafter:
     def __init__(self, spec: SpecConfig, sequences: list[list[int]], device=None):
         if spec.topk != 1:
             raise FledgeError("--oracle drafts a chain: use --topk 1")
-        if not sequences or not all(sequences):
-            raise FledgeError("--oracle: every sequence needs at least one token")
-        self.spec, self.sequences, self.seq, self.shape = spec, sequences, None, None
+        self.spec, self.seq, self.shape = spec, None, None
+        self.set_sequences(sequences)
         if device is not None:  # the sequences are the oracle's input, not its work: upload them before any clock
             self._upload(torch.device(device))
 
+    def set_sequences(self, sequences: list[list[int]]) -> None:
+        """The text to propose from now on (uploaded now if the last was)."""
+        if not sequences or not all(sequences):
+            raise FledgeError("--oracle: every sequence needs at least one token")
+        self.sequences = sequences
+        if self.seq is not None:
+            self._upload(self.seq.device)
+
     def _upload(self, dev) -> None:
-        width = max(map(len, self.sequences))  # rows padded with their last token
-        self.seq = torch.tensor([s + s[-1:] * (width - len(s)) for s in self.sequences], device=dev)
+        """The sequences as one tensor, rows padded with their last token (read past its end, a
+        row gives its last token). Where they fit the tensor already there, they are written
+        into it: a round captured over it then reads them."""
+        old, width = self.seq, max(map(len, self.sequences))
+        fits = old is not None and old.device == dev and old.shape[0] == len(self.sequences) and old.shape[1] >= width
+        width = old.shape[1] if fits else width
+        rows = torch.tensor([s + s[-1:] * (width - len(s)) for s in self.sequences])
+        if fits:
+            old.copy_(rows)
+        else:
+            self.seq = rows.to(dev)
+
+    def buffers(self) -> tuple:
+        """The device tensors a captured round reads (see spec.Round.serves)."""
+        return (self.seq,)
 
     def start(self, batch: int, max_len: int) -> None:
         pass
@@ -179,7 +197,7 @@ class Eagle3Drafter:
     device_only = True
 
     def __init__(self, draft: Eagle3Draft, spec: SpecConfig, target, compile: bool = False, fast_topk: bool = True):
-        hidden, vocab, layers = target_dims(target)
+        hidden, vocab, layers = target.dims()
         cfg = draft.cfg
         if cfg.target_hidden_size != hidden:
             raise FledgeError(f"drafter target_hidden_size {cfg.target_hidden_size} != target hidden size {hidden}")
@@ -198,10 +216,8 @@ class Eagle3Drafter:
         self.draft, self.spec, self.compiled, self.fast_topk, self.kv = draft, spec, compile, fast_topk, None
         self.aux_ids = tuple(cfg.aux_layer_ids)
         self.to_target = draft.target_ids()
-        if compile:  # one compiled entry per tree shape and cache quantum share a code object's limit (8)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         opts = {"split_reductions": False} if fast_topk else {}
-        wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False, options=opts)) if compile else (lambda f: f)
+        wrap = (lambda f: compile_static(f, options=opts)) if compile else (lambda f: f)
         self._propose, self._observe_round = wrap(self._propose_tree), wrap(self._observe)
 
     def start(self, batch: int, max_len: int) -> None:
@@ -212,13 +228,19 @@ class Eagle3Drafter:
         scratch = (self.spec.num_steps - 1) * self.spec.topk
         shape = (2, batch, cfg.num_key_value_heads, self.max_len + scratch, cfg.head_dim)  # K and V side by side
         if self.kv is not None and tuple(self.kv.shape) == shape:
-            # The same buffers again, zeroed: nothing is allocated per request. (New buffers cost
-            # no recompile either: bench/profile_round.py's "fresh" rows at commit d466fab.)
+            # The same buffers again, zeroed: nothing is allocated per request, and a round kept
+            # by a resident replays over them. (New buffers cost no recompile either:
+            # bench/profile_round.py's "fresh" rows at commit d466fab.)
             self.kv.zero_()
             self.last.zero_()
             return
         self.kv = torch.zeros(shape, dtype=w.dtype, device=w.device)
         self.last = torch.zeros(batch, cfg.hidden_size, dtype=w.dtype, device=w.device)
+
+    def buffers(self) -> tuple:
+        """The device tensors propose and observe read and write between calls: a round captured
+        over them replays right while `start` keeps them (see spec.Round.serves)."""
+        return self.kv, self.last
 
     def _step(self, ids, hidden, positions, slots, mask):
         """One draft forward of T tokens per row, written at cache `slots` [B, T], attending

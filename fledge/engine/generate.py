@@ -17,15 +17,14 @@ nothing on the host, and every graph is captured before the clock starts.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import time
 from dataclasses import dataclass
 
 import torch
 
 from fledge.engine.attention import Prefix
-from fledge.catalog import FLOAT_DTYPES
-from fledge.util import FledgeError, parse_dtype
+from fledge.util import FledgeError
 
 
 @dataclass
@@ -142,6 +141,35 @@ def capture_cuda_graph(fn, reset=None, warmup: int = 3):
     return replay
 
 
+class PinnedCopies:
+    """Copies of a device tensor taken behind the work queued on the stream, for the host to read
+    later, oldest first, with one sync each: the host reads step i while the device runs step
+    i+1. `depth` buffers (pinned on CUDA), so at most `depth` copies are unread."""
+
+    def __init__(self, like: torch.Tensor, depth: int):
+        self.cuda = like.device.type == "cuda"
+        self.bufs = [torch.empty(like.shape, dtype=like.dtype, pin_memory=self.cuda) for _ in range(depth)]
+        self.pending, self.count = [], 0  # (buffer, event) per unread copy, oldest first
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def push(self, src: torch.Tensor) -> None:
+        buf = self.bufs[self.count % len(self.bufs)]
+        buf.copy_(src, non_blocking=self.cuda)
+        event = torch.cuda.Event() if self.cuda else None
+        if event is not None:
+            event.record()
+        self.pending.append((buf, event))
+        self.count += 1
+
+    def pop(self) -> torch.Tensor:
+        buf, event = self.pending.pop(0)
+        if event is not None:
+            event.synchronize()
+        return buf
+
+
 class DoneWatch:
     """Whether every row has ended, as the host can learn it without stalling the stream. On CUDA
     each step's `done` is copied to pinned memory behind the step, and the host reads the copy
@@ -150,28 +178,18 @@ class DoneWatch:
     On the CPU every step reads `done` itself: nothing is queued there."""
 
     def __init__(self, done: torch.Tensor, lag: int = 2):
-        self.done, self.lag, self.cuda = done, lag, done.device.type == "cuda"
-        self.bufs = [torch.empty_like(done, device="cpu").pin_memory() for _ in range(lag + 1)] if self.cuda else []
-        self.pending, self.count = [], 0  # (buffer, event) per queued step, oldest first
+        self.done, self.lag = done, lag
+        self.copies = PinnedCopies(done, lag + 1) if done.device.type == "cuda" else None
 
     def queued(self) -> None:
         """Call after queueing each step (and once after the prefill)."""
-        if self.cuda:
-            buf = self.bufs[self.count % len(self.bufs)]
-            buf.copy_(self.done, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self.pending.append((buf, event))
-            self.count += 1
+        if self.copies is not None:
+            self.copies.push(self.done)
 
     def all_done(self) -> bool:
-        if not self.cuda:
+        if self.copies is None:
             return bool(self.done.all())
-        if len(self.pending) < self.lag:
-            return False
-        buf, event = self.pending.pop(0)
-        event.synchronize()
-        return bool(buf.all())
+        return len(self.copies) >= self.lag and bool(self.copies.pop().all())
 
 
 def now(device) -> float:
@@ -198,7 +216,134 @@ def finish_step(logits, eos, new, col, done, tokens, lengths) -> None:
 finish_step_compiled = torch.compile(finish_step, fullgraph=True)
 
 
+class SpanSteps:
+    """A decode step per tuple of attention spans (decode_spans), each captured as a CUDA graph
+    on first use when `graphs`. `step(spans)` reads and writes only static buffers; those it
+    changes (`state`) are put back after each capture's runs to what they held when it began."""
+
+    def __init__(self, step, state: tuple[torch.Tensor, ...], graphs: bool):
+        self.step, self.state, self.graphs, self.by_span = step, state, graphs, {}
+
+    def get(self, spans: tuple[int, ...]):
+        if spans not in self.by_span:
+            run = functools.partial(self.step, spans)
+            if self.graphs:
+                snapshot = [b.clone() for b in self.state]
+
+                def reset():
+                    for b, v in zip(self.state, snapshot):
+                        b.copy_(v)
+                # After the first capture one warm-up run suffices (it compiles a new shape, if
+                # any): at 1,024 rows each run is a full decode step, and a run meets up to ~16
+                # span tuples.
+                run = capture_cuda_graph(run, reset, 1 if self.by_span else 3)
+            self.by_span[spans] = run
+        return self.by_span[spans]
+
+
 # --------------------------------------------------------------------------- generation
+def right_padded(rows: list[list[int]]) -> torch.Tensor:
+    """[len(rows), longest] long on the CPU: each row, then zeros."""
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+    return ids
+
+
+@dataclass
+class SortedBatch:
+    """A batch's rows sorted by prompt length, in groups of neighbours: each group prefills
+    padded to its own longest prompt and decodes over its own span, so one long prompt does not
+    make the whole batch compute and read its length. Sorted row r is prompts[order[r]]."""
+
+    order: list[int]
+    lens: list[int]  # prompt lengths, sorted
+    groups: list[tuple[int, int]]  # (first, end) sorted rows
+    longest: list[int]  # each group's longest prompt (its last row)
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], row_group: int | None) -> "SortedBatch":
+        """`row_group` None: one group (a model that takes no per-group masks)."""
+        order = sorted(range(len(prompts)), key=lambda b: len(prompts[b]))
+        lens = [len(prompts[b]) for b in order]
+        groups = row_groups(len(prompts), row_group) if row_group else [(0, len(prompts))]
+        return cls(order, lens, groups, [lens[r1 - 1] for _, r1 in groups])
+
+    def unsort(self, rows: list) -> list:
+        out = [None] * len(rows)
+        for r, b in enumerate(self.order):
+            out[b] = rows[r]
+        return out
+
+
+class Decode:
+    """generate_ar's decode steps over static buffers. Greedy, a step also takes its argmax,
+    records it in column `col` of `new`, marks rows that ended and advances the row lengths:
+    one graph replay a step and no other launch. Sampling (a host-side generator) stays outside
+    it. A group's longest row is known on the host at every step (each row advances one slot a
+    step), so choosing a step's spans needs no sync."""
+
+    def __init__(self, model, cache, batch: SortedBatch, first, lengths, eos, params, graphs: bool):
+        B, device = len(batch.order), first.device
+        self.model, self.cache, self.batch, self.eos = model, cache, batch, eos
+        self.greedy = params.temperature == 0
+        self.finish = finish_step_compiled if graphs and B == 1 else finish_step
+        self.tokens, self.lengths = first[:, None].clone(), lengths
+        self.col = torch.ones(1, dtype=torch.long, device=device)
+        self.new = torch.zeros(B, params.max_new_tokens + 1, dtype=torch.long, device=device)  # + a column capture may write
+        self.new[:, 0] = first
+        self.done = (first[:, None] == eos).any(-1)
+        self.steps = SpanSteps(self.step, (self.tokens, self.lengths, self.done, self.col), graphs)
+
+    def spans_at(self, step: int) -> tuple[int, ...]:
+        return decode_spans(self.model, [w + step + 1 for w in self.batch.longest], self.cache.max_len)
+
+    def step(self, spans: tuple[int, ...]):
+        """One decode step whose group g attends to its first spans[g] slots: the logits when
+        sampling, else nothing (finish_step has recorded the argmax)."""
+        logits = decode_logits(self.model, self.tokens, self.lengths, self.batch.groups, spans, self.cache)
+        if not self.greedy:
+            return logits
+        self.finish(logits, self.eos, self.new, self.col, self.done, self.tokens, self.lengths)
+        return None
+
+    def run(self, params: SamplingParams, gen) -> int:
+        """Decode until every row has ended (as the host learns it, up to two steps late: see
+        DoneWatch) or max_new_tokens; returns the steps run."""
+        steps, watch = 0, DoneWatch(self.done)
+        watch.queued()  # the prefill's token may be an eos
+        while steps < params.max_new_tokens - 1 and not watch.all_done():
+            logits = self.steps.get(self.spans_at(steps))()
+            if not self.greedy:
+                tok = sample_token(logits, params, gen)
+                self.new[:, steps + 1] = tok
+                self.done |= (tok[:, None] == self.eos).any(-1)
+                self.tokens.copy_(tok[:, None])
+                self.lengths.add_(1)
+            watch.queued()
+            steps += 1
+        return steps
+
+
+def ar_cache(model, prompts: list[list[int]], max_new_tokens: int, cache_len: int | None, resident):
+    """The cache a generate_ar batch decodes in: the resident's, or a new one of `cache_len`
+    slots, by default the longest prompt + max_new_tokens rounded up to 64 (SDPA's mask aligned)."""
+    if resident is not None and len(prompts) != 1:
+        raise FledgeError(f"generate_ar: a resident target serves batch 1, not {len(prompts)}")
+    need = max(map(len, prompts)) + max_new_tokens
+    cache_len = resident.max_len if resident is not None else cache_len or -(-need // 64) * 64
+    if cache_len < need:
+        raise FledgeError(f"cache_len {cache_len} < longest prompt + max_new_tokens = {need}")
+    return resident.cache if resident is not None else model.new_cache(len(prompts), cache_len)
+
+
+def prefill_groups(model, batch: SortedBatch, ids, lengths, cache):
+    """Each row group's prefill, padded to its own longest prompt: logits [B, 1, V] at each
+    row's last token."""
+    return torch.cat([model.prefill(ids[r0:r1, :w], cache, logits_idx=(lengths[r0:r1] - 1)[:, None], rows=(r0, r1))[0]
+                      for (r0, r1), w in zip(batch.groups, batch.longest)])
+
+
 @torch.no_grad()
 def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids, cache_len=None,
                 use_cuda_graph=True, row_group: int = ROW_GROUP, resident=None):
@@ -207,113 +352,40 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
 
     The host learns that every row has ended up to two steps late (DoneWatch): those steps'
     tokens are discarded, their time counted.
-    `row_group`: rows per group of the length-sorted batch (see below).
+    `row_group`: rows per group of the length-sorted batch (SortedBatch).
     `resident`: an engine.resident.Resident of `model` (batch 1): its cache and captured prefill.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise FledgeError("generate_ar: every prompt needs at least one token")
     device = next(model.parameters()).device
-    B, lens = len(prompts), [len(p) for p in prompts]
-    if resident is not None and B != 1:
-        raise FledgeError(f"generate_ar: a resident target serves batch 1, not {B}")
-    need = max(lens) + params.max_new_tokens
-    cache_len = resident.max_len if resident is not None else cache_len or -(-need // 64) * 64  # 64s: SDPA's mask aligned
-    if cache_len < need:
-        raise FledgeError(f"cache_len {cache_len} < longest prompt + max_new_tokens = {need}")
-    cache = resident.cache if resident is not None else model.new_cache(B, cache_len)
+    cache = ar_cache(model, prompts, params.max_new_tokens, cache_len, resident)
     gen = torch.Generator(device=device).manual_seed(params.seed)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
-
-    # Rows sorted by length, in groups of neighbours: each group prefills padded to its own
-    # longest prompt and decodes over its own span, so one long prompt does not make the whole
-    # batch compute and read its length. Row b of the output is still prompts[b].
-    order = sorted(range(B), key=lambda b: lens[b])
-    slens = [lens[b] for b in order]
-    groups = row_groups(B, row_group) if model.row_groups_ok else [(0, B)]
-    longest = [slens[r1 - 1] for _, r1 in groups]  # sorted: a group's last row is its longest
+    batch = SortedBatch.of(prompts, row_group if model.row_groups_ok else None)
 
     t0 = now(device)
-    ids = torch.zeros(B, max(lens), dtype=torch.long)
-    for r, b in enumerate(order):
-        ids[r, :lens[b]] = torch.tensor(prompts[b])
-    ids, lengths = ids.to(device), torch.tensor(slens, device=device)
-    if resident is not None:
-        logits = resident.prefill(ids)[0]
-    else:
-        logits = torch.cat([model.prefill(ids[r0:r1, :w], cache, logits_idx=(lengths[r0:r1] - 1)[:, None], rows=(r0, r1))[0]
-                            for (r0, r1), w in zip(groups, longest)])
-    tok = sample_token(logits[:, 0], params, gen)
+    ids, lengths = right_padded([prompts[b] for b in batch.order]).to(device), torch.tensor(batch.lens, device=device)
+    logits = resident.prefill(ids)[0] if resident is not None else prefill_groups(model, batch, ids, lengths, cache)
+    first = sample_token(logits[:, 0], params, gen)
     t1 = now(device)
-
-    # Static buffers of the decode step. Greedy, the step also takes its argmax, records it in
-    # column `col` of `new`, marks rows that ended and advances the row lengths: one graph
-    # replay a step and no other launch. Sampling (a host-side generator) stays outside it.
-    greedy = params.temperature == 0
-    tokens, col = tok[:, None].clone(), torch.ones(1, dtype=torch.long, device=device)
-    new = torch.zeros(B, params.max_new_tokens + 1, dtype=torch.long, device=device)  # + a column capture may write
-    new[:, 0] = tok
-    done = (tok[:, None] == eos).any(-1)
-    start = (tokens.clone(), lengths.clone(), done.clone())
     graphs = use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok
-    steps_by_span: dict = {}
-
-    def reset():
-        for buf, value in zip((tokens, lengths, done), start):
-            buf.copy_(value)
-        col.fill_(1)
-
-    def spans_at(step: int) -> tuple[int, ...]:
-        # Every row advances one slot a step, so each group's longest is known on the host: no sync.
-        return decode_spans(model, [w + step + 1 for w in longest], cache_len)
-
-    def step_for(spans: tuple[int, ...]):
-        """The decode step whose group g attends to its first spans[g] slots (one graph each)."""
-        if spans not in steps_by_span:
-            def step():
-                logits = decode_logits(model, tokens, lengths, groups, spans, cache)
-                if not greedy:
-                    return logits
-                (finish_step_compiled if graphs and B == 1 else finish_step)(logits, eos, new, col, done, tokens, lengths)
-                return None
-            # After the first capture one warm-up run suffices (it compiles a new shape, if any):
-            # at 1,024 rows each run is a full decode step, and a run meets up to ~16 span tuples.
-            steps_by_span[spans] = capture_cuda_graph(step, reset, 1 if steps_by_span else 3) if graphs else step
-        return steps_by_span[spans]
-
-    for spans in dict.fromkeys(spans_at(s) for s in range(params.max_new_tokens)):
-        step_for(spans)  # every capture before the clock: none is decode time
+    decode = Decode(model, cache, batch, first, lengths, eos, params, graphs)
+    for spans in dict.fromkeys(decode.spans_at(s) for s in range(params.max_new_tokens)):
+        decode.steps.get(spans)  # every capture before the clock: none is decode time
     t2 = now(device)
-
-    steps, watch = 0, DoneWatch(done)
-    watch.queued()  # the prefill's token may be an eos
-    while steps < params.max_new_tokens - 1:
-        if watch.all_done():
-            break
-        logits = step_for(spans_at(steps))()
-        if not greedy:
-            tok = sample_token(logits, params, gen)
-            new[:, steps + 1] = tok
-            done |= (tok[:, None] == eos).any(-1)
-            tokens.copy_(tok[:, None])
-            lengths.add_(1)
-        watch.queued()
-        steps += 1
+    steps = decode.run(params, gen)
     t3 = now(device)
 
-    sorted_rows = [cut_at_eos(r, eos_ids) for r in new[:, :steps + 1].tolist()]
-    rows = [None] * B
-    for r, b in enumerate(order):
-        rows[b] = sorted_rows[r]
-    n_new = sum(len(r) for r in rows)
-    stats = {
-        "batch": B, "prompt_tokens": sum(lens), "generated_tokens": n_new, "decode_steps": steps,
+    rows = batch.unsort([cut_at_eos(r, eos_ids) for r in decode.new[:, :steps + 1].tolist()])
+    n_new, B = sum(len(r) for r in rows), len(prompts)
+    return rows, {
+        "batch": B, "prompt_tokens": sum(batch.lens), "generated_tokens": n_new, "decode_steps": steps,
         "prefill_ms": 1e3 * (t1 - t0), "capture_ms": 1e3 * (t2 - t1), "decode_ms": 1e3 * (t3 - t2),
-        "row_groups": len(groups),
-        "spans": sorted(steps_by_span),  # per-group attention spans captured (each a CUDA graph on the GPU)
+        "row_groups": len(batch.groups),
+        "spans": sorted(decode.steps.by_span),  # per-group attention spans captured (each a CUDA graph on the GPU)
         "tok_s": n_new / max(t3 - t2 + t1 - t0, 1e-9),
         "decode_tok_s": B * steps / max(t3 - t2, 1e-9),  # all rows' decode steps, incl. finished rows
     }
-    return rows, stats
 
 
 def cut_at_eos(row: list[int], eos_ids) -> list[int]:
@@ -323,61 +395,3 @@ def cut_at_eos(row: list[int], eos_ids) -> list[int]:
         if t in eos_ids:
             return row[:i + 1]
     return row
-
-
-# --------------------------------------------------------------------------- GPU self-test
-def _hf_generate(hf, ids, new_tokens: int, **kw):
-    """HF greedy generation of exactly `new_tokens` tokens; returns (tokens [B, new], seconds)."""
-    t0 = now(hf.device)
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                      min_new_tokens=new_tokens, do_sample=False, disable_compile=True, **kw)
-    return out[:, ids.shape[1]:], now(hf.device) - t0
-
-
-def selftest(hf, prompt: list[int], dtype, device, batches=(1,), new_tokens=128, compile=False):
-    """Engine (CUDA graph, eager) vs HF generate (static cache, dynamic cache), greedy, the same
-    prompt repeated B times; prints tok/s per row and how many leading tokens agree with HF."""
-    from fledge.engine.hf import build_engine_target
-
-    hf = hf.to(device=device, dtype=dtype).eval()
-    engine = build_engine_target(hf, dtype, device, compile=compile)
-    params, warm = SamplingParams(max_new_tokens=new_tokens), SamplingParams(max_new_tokens=8)
-    print(f"{'run':<22}{'batch':>6}{'tok/s':>11}{'ms/step':>9}{'capture ms':>11}{'agree':>7}")
-    for B in batches:
-        prompts, ids = [prompt] * B, torch.tensor([prompt] * B, device=device)
-        _hf_generate(hf, ids, 8, cache_implementation="static")  # warm-up
-        ref, secs = _hf_generate(hf, ids, new_tokens, cache_implementation="static")
-        print(f"{'hf static cache':<22}{B:>6}{B * new_tokens / secs:>11.0f}{1e3 * secs / new_tokens:>9.2f}{'':>11}{'':>7}")
-        _, secs = _hf_generate(hf, ids, new_tokens)
-        print(f"{'hf dynamic cache':<22}{B:>6}{B * new_tokens / secs:>11.0f}{1e3 * secs / new_tokens:>9.2f}{'':>11}{'':>7}")
-        for graph in (True, False) if device.type == "cuda" else (False,):
-            generate_ar(engine, prompts, warm, [], use_cuda_graph=graph)
-            rows, st = generate_ar(engine, prompts, params, [], use_cuda_graph=graph)
-            secs = (st["prefill_ms"] + st["decode_ms"]) / 1e3
-            agree = next((i for i, (a, b) in enumerate(zip(rows[0], ref[0].tolist())) if a != b), new_tokens)
-            label = "engine " + ("cuda graph" if graph else "eager") + (" compiled" if compile else "")
-            print(f"{label:<22}{B:>6}{st['generated_tokens'] / secs:>11.0f}{st['decode_ms'] / max(st['decode_steps'], 1):>9.2f}"
-                  f"{st['capture_ms']:>11.0f}{agree:>7}")
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="engine self-test: AR tok/s and agreement with HF generate")
-    p.add_argument("--selftest", action="store_true", required=True)
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=FLOAT_DTYPES)
-    p.add_argument("--batches", default="1,64,256", help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--compile", action="store_true", help="torch.compile the engine's pointwise ops")
-    a = p.parse_args(argv)
-    from fledge.target import encode_chat, load_target
-
-    target = load_target(a.target)
-    prompt = encode_chat(target.tokenizer, [{"role": "user", "content": "Explain how a CUDA graph speeds up decoding."}])
-    selftest(target.model, prompt, parse_dtype(a.dtype), torch.device(a.device),
-             [int(b) for b in a.batches.split(",")], a.new_tokens, a.compile)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

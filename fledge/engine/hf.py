@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -118,6 +119,10 @@ class HFCache:
     mask: torch.Tensor  # [B, max_len, max_len] bool; unwritten slots attend to themselves (no NaN rows)
     used: int = 0  # slots [0, used) have been written in some row
 
+    @property
+    def max_len(self) -> int:
+        return self.ids.shape[1]
+
     @classmethod
     def allocate(cls, batch: int, max_len: int, device) -> "HFCache":
         eye = torch.eye(max_len, dtype=torch.bool, device=device).expand(batch, -1, -1).clone()
@@ -174,14 +179,16 @@ class HFTarget(nn.Module):
         if rows is not None and tuple(rows) != (0, cache.ids.shape[0]):
             raise FledgeError("HFTarget prefills whole batches (row_groups_ok is False)")
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
-        cols = torch.arange(cache.ids.shape[1], device=input_ids.device)
+        cols = torch.arange(cache.max_len, device=input_ids.device)
         mask = (cols <= torch.arange(T, device=input_ids.device)[:, None])[None, None].expand(B, 1, T, -1)
         return self(input_ids, pos, pos, mask, cache, aux_ids, logits_idx)
 
     def forward(self, input_ids, positions, slots, mask, cache: HFCache, aux_ids=None, logits_idx=None):
         B = input_ids.shape[0]
         if isinstance(mask, Prefix):
-            mask = mask.dense(cache.ids.shape[1])
+            mask = mask.dense(cache.max_len)
+        elif mask.shape[-1] < cache.max_len:  # a decode step's span, the cache's first S slots: none past it
+            mask = F.pad(mask, (0, cache.max_len - mask.shape[-1]))
         rows = torch.arange(B, device=input_ids.device)[:, None]
         cache.ids[rows, slots] = input_ids
         cache.positions[rows, slots] = positions

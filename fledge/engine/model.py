@@ -230,6 +230,16 @@ def attend_cached(q, k, v, cache_kv, slots, biases, matmul_attention=None, min_r
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def compile_static(fn, **options):
+    """torch.compile(fn) whole (fullgraph) for static shapes: the engine's layer functions and
+    its drafter's halves, compiled once per shape they meet (decode, each verify width, each
+    regen batch; each tree shape and draft cache quantum). torch's default of 8 compiles per
+    function would silently fall back to eager after the eighth, so this raises that limit, a
+    process-wide setting, to 64 whenever the engine asks for a compile."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, fullgraph=True, dynamic=False, **options)
+
+
 @dataclass(frozen=True)
 class LayerFns:
     attn_in: Callable = attn_in
@@ -256,10 +266,8 @@ class LayerFns:
         bf16, both in one run of bench/profile_round.py at commit d466fab) it took 0.04 ms off a verify and a
         round: chain 7 verify 1.006 against 1.047 ms, round 1.644 against 1.683."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
-        # batch. Layer 0 (delta None) is one more. The default limit of 8 would silently fall
-        # back to eager after the eighth.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        fns = (torch.compile(f, fullgraph=True, dynamic=False, mode=mode) for f in (attn_in, attn_out, final_norm, mlp))
+        # batch. Layer 0 (delta None) is one more.
+        fns = (compile_static(f, mode=mode) for f in (attn_in, attn_out, final_norm, mlp))
         # Dynamic: decode attention meets every (rows, span) pair of a run; its kernels are a
         # matmul library call and a softmax either way.
         ain, aout, fnorm, mlp_fn = fns

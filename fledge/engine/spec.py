@@ -1,10 +1,14 @@
 """Speculative decoding: draft a tree, verify it in one target forward, keep the longest
 accepted path and a bonus token.
 
-Per round the host learns one small tensor (accepted count, path tokens, bonus) with a
-single `.tolist()`; everything else stays on the device. Exactness: with greedy sampling the
-output is token-for-token the engine's AR output; with temperature/top-p every token is
-distributed as AR's (generate.logits_to_probs), via tree.verify_sample.
+A request prefills, then runs rounds of one kind until it has its tokens: `FusedRound` (greedy,
+one graph replay a round), `QueuedRound` (the same for device drafters, queued ahead of the
+host) or `PhasedRound` (separate timed steps; also sampling). Each round returns a
+`RoundResult` that knows its own timings. Per round the host learns one small tensor (accepted
+count, path tokens, bonus) with a single `.tolist()`; everything else stays on the device.
+Exactness: with greedy sampling the output is token-for-token the engine's AR output; with
+temperature/top-p every token is distributed as AR's (generate.logits_to_probs), via
+tree.verify_sample.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from fledge.engine.attention import Prefix, kernel_available, kernel_takes, triton
-from fledge.engine.drafters import DraftInput, OracleDrafter, SpecConfig, target_dims
-from fledge.engine.generate import capture_cuda_graph, cut_at_eos, logits_to_probs, sample_token
+from fledge.engine.drafters import DraftInput, OracleDrafter, SpecConfig
+from fledge.engine.generate import (PinnedCopies, SamplingParams, capture_cuda_graph, cut_at_eos, logits_to_probs,
+                                    sample_token)
 from fledge.engine.model import KVCache
 from fledge.engine.stats import Clock, SpecStats
 from fledge.engine.tree import Tree, path_to, verify_greedy, verify_sample
@@ -112,14 +117,6 @@ def compact(cache, cache_len: torch.Tensor, path: torch.Tensor, use_kernel: bool
     cache.mask.scatter_(1, dst[..., None].expand(B, D, cols.numel()), cols <= dst[..., None])
 
 
-def keep_path(cache, tree: Tree, best: torch.Tensor, start: torch.Tensor, aux, length: int):
-    """After verification: move the accepted path root → best into the cache (compact) and
-    return (n = its nodes, accepted + 1; its tokens [B, length]; its aux states or None)."""
-    path, n, tokens, aux = path_of(tree, best, aux, length)
-    compact(cache, start, path)
-    return n, tokens, aux
-
-
 def path_of(tree: Tree, best, aux, length: int):
     """(path node indices [B, length], n = its nodes, its tokens, its aux states or None)."""
     path = path_to(best, tree, length)
@@ -128,42 +125,13 @@ def path_of(tree: Tree, best, aux, length: int):
     return path, n, tree.tokens.gather(1, path), aux
 
 
-def accept_greedy(logits, tokens, parents, depth, anc, aux, length: int):
-    """verify_greedy and path_of in one function (finish_round's first half): compiled, ~20
-    small eager kernels a round (argmax, compares, the path's scatter and gathers) become a few.
-    Returns (bonus, path, n, path tokens, path aux or None)."""
-    tree = Tree(tokens, parents, depth, anc)
-    best, bonus = verify_greedy(logits, tree)
-    return (bonus, *path_of(tree, best, aux, length))
-
-
-def finish_round(logits, tokens, parents, depth, anc, aux, length: int, cache_len, start, n_out, path_tokens_out,
-                 bonus_out, aux_out, result):
-    """accept_greedy, then the round's bookkeeping written into RoundState's buffers in place:
-    start = the old cache_len, cache_len += n, the path's n, tokens, bonus and aux, and `result`
-    (n, path tokens, bonus) for the host. Returns the path for `compact`. Compiled (CUDA), the
-    eager form's ~10 copies, cat and add after acceptance join its few kernels: at batch 1 each
-    small kernel in a round's graph costs ~2 us, the round ~1 ms."""
-    bonus, path, n, path_tokens, path_aux = accept_greedy(logits, tokens, parents, depth, anc, aux, length)
-    start.copy_(cache_len)
-    cache_len.add_(n)
-    n_out.copy_(n)
-    path_tokens_out.copy_(path_tokens)
-    bonus_out.copy_(bonus)
-    if path_aux is not None:
-        aux_out.copy_(path_aux)
-    result.copy_(torch.cat([n, path_tokens[0], bonus]))
-    return path
-
-
-finish_round_compiled = torch.compile(finish_round, fullgraph=True, dynamic=False)
-
-
+# --------------------------------------------------------------------------- the fused round
 @dataclass
 class RoundState:
     """The static buffers one greedy round reads and writes, so that on CUDA the whole round —
     verify, accept, KV compaction and, for device drafters, observe and the next propose — is
-    one graph replay, and the host learns the outcome from `result` in one copy."""
+    one graph replay, and the host learns the outcome from `result` in one copy. Allocated once
+    with its round; a request sets only `cache_len` and `tree`."""
 
     cache_len: torch.Tensor  # [1] tokens in the target cache (the root's position)
     start: torch.Tensor  # [1] cache_len at the start of the last round
@@ -188,55 +156,271 @@ class RoundState:
             dst.copy_(src)
 
 
-def fused_round(target, cache, drafter, state: RoundState, use_graph: bool):
-    """One greedy round over `state`, as a graph replay when `use_graph`. Capture runs the round
-    a few times (each from cache_len 0, so it stays inside the cache), so it is built before the
-    prefill, which rewrites everything those runs touched; the caller then sets `state`."""
-    D = drafter.spec.path_len
-    finish = finish_round_compiled if use_graph else finish_round
+def finish_round(logits, aux, state: RoundState):
+    """Acceptance (verify_greedy, path_of) of the tree in `state`, then the round's bookkeeping
+    written into its buffers in place: start = the old cache_len, cache_len += n, the path's n,
+    tokens, bonus and aux, and `result` (n, path tokens, bonus) for the host. Returns the path
+    for `compact`. Compiled (CUDA), the acceptance's ~20 small eager kernels a round (argmax,
+    compares, the path's scatter and gathers) and the ~10 copies, cat and add after it become a
+    few: at batch 1 each small kernel in a round's graph costs ~2 us, the round ~1 ms."""
+    best, bonus = verify_greedy(logits, state.tree)
+    path, n, path_tokens, path_aux = path_of(state.tree, best, aux, state.path_tokens.shape[1])
+    state.start.copy_(state.cache_len)
+    state.cache_len.add_(n)
+    state.n.copy_(n)
+    state.path_tokens.copy_(path_tokens)
+    state.bonus.copy_(bonus)
+    if path_aux is not None:
+        state.aux.copy_(path_aux)
+    state.result.copy_(torch.cat([n, path_tokens[0], bonus]))
+    return path
 
-    def body():
-        st, tree = state, state.tree
-        logits, aux = verify_forward(target, cache, tree, st.cache_len, drafter.aux_ids)
-        path = finish(logits, tree.tokens, tree.parents, tree.depth, tree.anc, aux, D, st.cache_len, st.start, st.n,
-                      st.path_tokens, st.bonus, st.aux, st.result)
-        compact(cache, st.start, path)
+
+finish_round_compiled = torch.compile(finish_round, fullgraph=True, dynamic=False)
+
+
+# --------------------------------------------------------------------------- round kinds
+@dataclass
+class Request:
+    """What the rounds of one request need from it."""
+
+    prompt: list[int]
+    params: SamplingParams
+    size: int  # cache slots the request may use (cache_size)
+    gen: torch.Generator
+    clock: Clock
+
+
+@dataclass
+class RoundResult:
+    """A round as the host sees it: drafts accepted, the tokens it adds (those drafts, then the
+    bonus), and when its work was done on the device. A fused round is one graph, timed whole:
+    from the end of the round before it."""
+
+    accepted: int
+    tokens: list[int]
+    end: object  # a Clock mark
+
+    @classmethod
+    def read(cls, host: list[int], end, **marks) -> "RoundResult":
+        """From the round's one host copy [n, path tokens (root first), bonus], n = accepted + 1."""
+        return cls(host[0] - 1, host[2:1 + host[0]] + [host[-1]], end, **marks)
+
+    def record(self, stats: SpecStats, clock: Clock, prev):
+        """Append this round's timings to `stats` (once the device has passed `end`); returns
+        the mark the next round's time starts from."""
+        stats.round_ms.append(clock.ms(prev, self.end))
+        return self.end
+
+
+@dataclass
+class PhasedResult(RoundResult):
+    """A phased round's marks between its steps: propose, verify and accept, compact, observe."""
+
+    begin: object
+    drafted: object
+    verified: object
+    compacted: object
+    observed: object
+
+    def record(self, stats: SpecStats, clock: Clock, prev):
+        ms = clock.ms
+        stats.draft_ms.append(ms(self.begin, self.drafted) + ms(self.compacted, self.observed))
+        stats.verify_ms.append(ms(self.drafted, self.verified))
+        stats.other_ms.append(ms(self.verified, self.compacted) + ms(self.observed, self.end))
+        stats.round_ms.append(ms(self.begin, self.end))
+        return self.end
+
+
+class Round:
+    """What every round kind shares: built over one target cache for one drafter (capturing its
+    graphs before any prefill), then `start`ed per request and `run` once per round."""
+
+    def __init__(self, drafter, use_graph: bool):
+        self.drafter, self.use_graph = drafter, use_graph
+
+    def note_buffers(self) -> None:
+        """Note the drafter's device buffers the graphs just captured read (call once built)."""
+        self.buffers = self.drafter.buffers() if self.drafter.device_only else ()
+
+    def serves(self, drafter, use_graph: bool) -> bool:
+        """Whether this round, built for an earlier request over the same cache, replays right
+        for `drafter` now: the same drafter, still over the same buffers (its `start` keeps
+        them while their shape holds, and rewrites them in place)."""
+        now = drafter.buffers() if drafter.device_only else ()
+        return (drafter is self.drafter and use_graph == self.use_graph and len(now) == len(self.buffers)
+                and all(a is b for a, b in zip(now, self.buffers)))
+
+
+class FusedRound(Round):
+    """Greedy rounds over one RoundState, each one graph replay and one host sync on CUDA. A host
+    drafter (n-gram, probes) proposes before each round and observes after it."""
+
+    def __init__(self, target, cache, drafter, use_graph: bool):
+        super().__init__(drafter, use_graph)
+        param = next(target.parameters())
+        aux_width = 3 * target.dims()[0] if drafter.aux_ids is not None else None
+        self.target, self.cache = target, cache
+        self.state = RoundState.allocate(drafter.spec, param.device, aux_width, param.dtype)
+        graph = use_graph and target.cuda_graph_ok
+        self.finish = finish_round_compiled if graph else finish_round
+        # Capture runs the round a few times (each from cache_len 0, so it stays inside the
+        # cache): it comes before the prefill, which rewrites everything those runs touched.
+        self.replay = capture_cuda_graph(self.body, reset=self.state.cache_len.zero_) if graph else self.body
+        self.note_buffers()
+
+    def body(self) -> torch.Tensor:
+        """One greedy round over the state: verify, accept, compact, and for a device drafter
+        observe and the next propose. Returns the host's result buffer."""
+        st, drafter = self.state, self.drafter
+        logits, aux = verify_forward(self.target, self.cache, st.tree, st.cache_len, drafter.aux_ids)
+        path = self.finish(logits, aux, st)
+        compact(self.cache, st.start, path)
         if drafter.device_only:
             drafter.observe(st.path_tokens, st.aux, st.n, st.bonus, st.start)
             st.set_tree(drafter.propose(DraftInput(st.bonus, st.cache_len, [])))
         return st.result
 
-    return capture_cuda_graph(body, reset=state.cache_len.zero_) if use_graph else body
+    def start(self, req: Request, root: torch.Tensor, cache_len: torch.Tensor) -> None:
+        self.req, self.root = req, root
+        self.state.cache_len.fill_(len(req.prompt))
+
+    def run(self, out: list[int]) -> RoundResult:
+        st = self.state
+        st.set_tree(self.drafter.propose(DraftInput(self.root, st.cache_len, [self.req.prompt + out])))
+        host = self.replay().tolist()  # the round's one host sync
+        self.drafter.observe(st.path_tokens, st.aux, st.n, st.bonus, st.start)
+        self.root = st.bonus
+        return RoundResult.read(host, self.req.clock.now())
 
 
-class Ahead:
-    """Fused rounds queued ahead of the host: each round's result [path_len + 2] is copied to a
-    pinned host buffer behind the round on the stream, and read (one sync) when the host needs it.
-    Two buffers: at most two rounds are queued unread."""
+class QueuedRound(FusedRound):
+    """Fused rounds of a device drafter (its observe and next propose inside the round), queued
+    ahead of the host: each round's result is copied to pinned memory behind it (PinnedCopies),
+    and read (one sync) when the host needs it; at most two rounds are queued unread. Device
+    drafters need nothing from the host between rounds, so the host reads round i while round
+    i+1 runs: on the H200 a round otherwise waited 0.015-0.33 ms for the host, by the host's
+    load (bench/profile_round.py's "round_gap" at commit d466fab)."""
 
-    def __init__(self, run_round, width: int, device):
-        cuda = device.type == "cuda"
-        self.run_round, self.cuda = run_round, cuda
-        self.bufs = [torch.empty(width, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
-        self.pending, self.count = [], 0  # (buffer, event) of queued rounds, oldest first
+    def __init__(self, target, cache, drafter, use_graph: bool):
+        super().__init__(target, cache, drafter, use_graph)
+        self.results = PinnedCopies(self.state.result, 2)
 
-    def queued(self) -> int:
-        return len(self.pending)
+    def start(self, req: Request, root: torch.Tensor, cache_len: torch.Tensor) -> None:
+        super().start(req, root, cache_len)
+        self.state.set_tree(self.drafter.propose(DraftInput(root, self.state.cache_len, [])))
+        self.results.pending.clear()  # a round the last request queued past its end is not this one's
+        self.marks = []  # clock marks of the queued rounds, oldest first
 
-    def enqueue(self) -> None:
-        buf = self.bufs[self.count % 2]
-        buf.copy_(self.run_round(), non_blocking=self.cuda)
-        event = torch.cuda.Event() if self.cuda else None
-        if event is not None:
-            event.record()
-        self.pending.append((buf, event))
-        self.count += 1
+    def run(self, out: list[int]) -> RoundResult:
+        # Keep the next round queued while the host reads this one, as long as the cache surely
+        # holds it (each unread round adds at most path_len slots) and the rounds already queued
+        # may leave tokens to write: a round queued past max_new_tokens is a whole round of
+        # device time wasted per request (1.05 ms of an oracle request's 32.7 on the H200 in
+        # bf16), where waiting for the host costs ~0.03 ms once. One queued past an eos is
+        # wasted, and its time counted.
+        spec, req = self.drafter.spec, self.req
+        free = req.size - spec.num_draft_tokens - (len(req.prompt) + len(out) - 1)
+        left = req.params.max_new_tokens - len(out)
+        queued = len(self.results)
+        while queued < 2 and (queued == 0 or (free >= queued * spec.path_len and left > queued * spec.path_len)):
+            self.results.push(self.replay())
+            self.marks.append(self.req.clock.now())
+            queued += 1
+        return RoundResult.read(self.results.pop().tolist(), self.marks.pop(0))  # the round's one host sync
 
-    def read(self) -> list[int]:
-        buf, event = self.pending.pop(0)
-        if event is not None:
-            event.synchronize()
-        return buf.tolist()
+
+class PhasedRound(Round):
+    """Rounds as separate steps, each timed, so that SpecStats splits a round into draft /
+    verify / other; also the sampling path. Verify and the EAGLE-3 drafter's propose and observe
+    are each a graph on CUDA (over static buffers); acceptance stays eager, host drafters too."""
+
+    def __init__(self, target, cache, drafter, use_graph: bool):
+        super().__init__(drafter, use_graph)
+        self.cache, spec, device = cache, drafter.spec, next(target.parameters()).device
+        N, D = spec.num_draft_tokens, spec.path_len
+        one = torch.zeros(1, dtype=torch.long, device=device)
+        ids = torch.zeros(1, N, dtype=torch.long, device=device)
+        anc = torch.eye(N, dtype=torch.bool, device=device)[None]
+
+        def verify(tokens, parents, depth, anc, cache_len):
+            return verify_forward(target, cache, Tree(tokens, parents, depth, anc), cache_len, drafter.aux_ids)
+
+        self.verify_call = static_call(verify, [ids, ids, ids, anc, one], use_graph and target.cuda_graph_ok)
+        self.propose_call = self.observe_call = None
+        if drafter.device_only:
+            self.propose_call = static_call(lambda root, cache_len: drafter.propose(DraftInput(root, cache_len, [])),
+                                            [one, one], use_graph)
+        if drafter.device_only and drafter.aux_ids is not None:  # EAGLE-3; the oracle observes nothing
+            aux = torch.zeros(1, D, 3 * target.dims()[0], dtype=drafter.kv.dtype, device=device)
+            self.observe_call = static_call(drafter.observe, [ids[:, :D], aux, one + 1, one, one], use_graph)
+        self.note_buffers()
+
+    def start(self, req: Request, root: torch.Tensor, cache_len: torch.Tensor) -> None:
+        self.req, self.root, self.cache_len = req, root, cache_len
+
+    def run(self, out: list[int]) -> PhasedResult:
+        req, clock, ctx = self.req, self.req.clock, self.req.prompt + out
+        begin = clock.now()
+        tree = self.propose(ctx)
+        drafted = clock.now()
+        logits, aux = self.verify_call(tree.tokens, tree.parents, tree.depth, tree.anc, self.cache_len)
+        if req.params.temperature == 0:
+            best, bonus = verify_greedy(logits, tree)
+        else:
+            best, bonus = verify_sample(logits_to_probs(logits, req.params), tree, req.gen)
+        verified = clock.now()
+        path, n, path_tokens, aux = path_of(tree, best, aux, self.drafter.spec.path_len)
+        compact(self.cache, self.cache_len, path)
+        compacted = clock.now()
+        self.observe(path_tokens, aux, n, bonus)
+        observed = clock.now()
+        host = torch.cat([n, path_tokens[0], bonus]).tolist()  # the round's one host sync
+        self.cache_len, self.root = self.cache_len + n, bonus
+        return PhasedResult.read(host, clock.now(), begin=begin, drafted=drafted, verified=verified,
+                                 compacted=compacted, observed=observed)
+
+    def propose(self, ctx: list[int]) -> Tree:
+        if self.propose_call is None:
+            return self.drafter.propose(DraftInput(self.root, self.cache_len, [ctx]))
+        return self.propose_call(self.root, self.cache_len)
+
+    def observe(self, tokens, aux, n, bonus) -> None:
+        if self.observe_call is None:
+            self.drafter.observe(tokens, aux, n, bonus, self.cache_len)
+        else:
+            self.observe_call(tokens, aux.to(self.drafter.kv.dtype), n, bonus, self.cache_len)
+
+
+def round_for(target, cache, drafter, resident, use_graph: bool, phased: bool) -> Round:
+    """The round a request runs: phased (or sampled), else fused, queued for a device drafter.
+    Built anew per request, or with a `resident` once and kept in it for the next requests of
+    the same drafter (Round.serves): a round's graphs capture the resident's cache, the drafter's
+    buffers and the round's own, all allocated once and rewritten in place, so the next request
+    replays them as captured (a capture cost ~0.13 s a request)."""
+    kind = PhasedRound if phased else QueuedRound if drafter.device_only else FusedRound
+    if resident is None:
+        return kind(target, cache, drafter, use_graph)
+    kept = resident.rounds.get(kind)
+    if kept is None or not kept.serves(drafter, use_graph):
+        resident.rounds.pop(kind, None)  # its graphs go before the next is captured
+        kept = resident.rounds[kind] = kind(target, cache, drafter, use_graph)
+    return kept
+
+
+# --------------------------------------------------------------------------- a request
+def prefill(target, drafter, cache, resident, req: Request):
+    """The prompt into the target cache (the resident's captured prefill, if any) and into the
+    drafter. Returns (root = the first new token [1], cache_len [1])."""
+    ids = torch.tensor([req.prompt], device=next(target.parameters()).device)
+    cache_len = torch.tensor([len(req.prompt)], device=ids.device)
+    if resident is not None:
+        logits, aux = resident.prefill(ids, drafter.aux_ids)
+    else:
+        logits, aux = target.prefill(ids, cache, aux_ids=drafter.aux_ids, logits_idx=(cache_len - 1)[:, None])
+    root = sample_token(logits[:, 0], req.params, req.gen)
+    drafter.observe(ids, aux, cache_len, root, torch.zeros_like(cache_len))
+    return root, cache_len
 
 
 @torch.no_grad()
@@ -245,15 +429,11 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     """One prompt (batch 1). Returns (new tokens, ending at the first eos (included) or at
     max_new_tokens — the same cut as generate_ar; SpecStats).
 
-    Greedy rounds are fused (`fused_round`: one graph replay and one host sync per round on
-    CUDA); with a device drafter the next round is queued before the host reads the last one
-    (`Ahead`; none is queued past max_new_tokens, but one queued past an eos is wasted, and its
-    time counted); host drafters
-    (n-gram, probes) propose before it and observe after it. `phased`, and
-    sampling, run the round as separate steps instead — verify and the EAGLE-3 drafter's
-    propose/observe each a graph on CUDA, acceptance eager — timing each: SpecStats then
-    splits the round into draft / verify / other. `resident`: an engine.resident.Resident of
-    `target`, whose cache and captured prefill (with the drafter's aux ids) the request uses."""
+    Greedy rounds are fused (FusedRound, QueuedRound); `phased`, and sampling, run each round
+    as separate timed steps (PhasedRound), so that SpecStats splits it into draft / verify /
+    other. `resident`: an engine.resident.Resident of `target`, whose cache and captured
+    prefill (with the drafter's aux ids) the request uses, and which keeps the round built for
+    the next request (round_for)."""
     if not prompt:
         raise FledgeError("generate_spec: the prompt is empty")
     spec: SpecConfig = drafter.spec
@@ -264,86 +444,31 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     cache = resident.cache if resident is not None else target.new_cache(1, size)
     drafter.start(1, size)
     graphs = use_cuda_graph and device.type == "cuda"
-    fused = params.temperature == 0 and not phased
-    if fused:
-        aux_width = 3 * target_dims(target)[0] if drafter.aux_ids is not None else None
-        state = RoundState.allocate(spec, device, aux_width, next(target.parameters()).dtype)
-        run_round = fused_round(target, cache, drafter, state, graphs and target.cuda_graph_ok)
-    else:
-        verify, propose, observe = _round_functions(target, cache, drafter, device, use_cuda_graph)
-    # Device drafters need nothing from the host between rounds: the host reads round i while
-    # round i+1 runs. On the H200 a round otherwise waited 0.015-0.33 ms for the host, by the
-    # host's load (bench/profile_round.py's "round_gap" at commit d466fab).
-    ahead = Ahead(run_round, spec.path_len + 2, device) if fused and drafter.device_only else None
-    gen = torch.Generator(device=device).manual_seed(params.seed)
-    clock, stats = Clock(device), SpecStats(spec.num_steps, spec.num_draft_tokens, prompt_tokens=len(prompt))
+    rounds = round_for(target, cache, drafter, resident, graphs, phased or params.temperature > 0)
+    req = Request(prompt, params, size, torch.Generator(device=device).manual_seed(params.seed), Clock(device))
     eos = set(eos_ids)
 
-    t0 = clock.now()
-    ids = torch.tensor([prompt], device=device)
-    L = len(prompt)
-    cache_len_t = torch.tensor([L], device=device)
-    if resident is not None:
-        logits, aux = resident.prefill(ids, drafter.aux_ids)
-    else:
-        logits, aux = target.prefill(ids, cache, aux_ids=drafter.aux_ids, logits_idx=(cache_len_t - 1)[:, None])
-    root = sample_token(logits[:, 0], params, gen)
-    drafter.observe(ids, aux, cache_len_t, root, torch.zeros_like(cache_len_t))
+    t0 = req.clock.now()
+    root, root_len = prefill(target, drafter, cache, resident, req)
     out = [root.item()]
-    if fused:
-        state.cache_len.fill_(L)
-        if drafter.device_only:
-            state.set_tree(drafter.propose(DraftInput(root, state.cache_len, [])))
-    t_prefill = clock.now()
-    marks, done = [], out[0] in eos
+    rounds.start(req, root, root_len)
+    t_prefill = req.clock.now()
+    results, done = [], out[0] in eos
     while len(out) < params.max_new_tokens and not done:
-        if ahead is not None:
-            # Keep the next round queued while the host reads this one, as long as the cache
-            # surely holds it (each unread round adds at most path_len slots) and the rounds
-            # already queued may leave tokens to write: a round queued past max_new_tokens is
-            # a whole round of device time wasted per request (1.05 ms of an oracle request's
-            # 32.7 on the H200 in bf16), where waiting for the host costs ~0.03 ms once.
-            free = size - spec.num_draft_tokens - (L + len(out) - 1)
-            left = params.max_new_tokens - len(out)
-            while ahead.queued() < 2 and (ahead.queued() == 0 or (free >= ahead.queued() * spec.path_len
-                                                                  and left > ahead.queued() * spec.path_len)):
-                ahead.enqueue()
-                marks.append(clock.now())
-            host = ahead.read()  # the round's one host sync
-        elif fused:
-            state.set_tree(drafter.propose(DraftInput(root, state.cache_len, [prompt + out])))
-            host = run_round().tolist()  # the round's one host sync
-            drafter.observe(state.path_tokens, state.aux, state.n, state.bonus, state.start)
-            root = state.bonus
-            marks.append(clock.now())
-        else:
-            host, cache_len_t, root, mark = _phased_round(target, cache, drafter, verify, propose, observe, root,
-                                                          cache_len_t, prompt + out, params, gen, clock)
-            marks.append(mark)
-        accepted = host[0] - 1
-        new = host[2:2 + accepted] + [host[-1]]
-        out += new
-        done = any(t in eos for t in new)
-        stats.accepted.append(accepted)
-    t_end = clock.now()  # after any round queued past the end: its time counts
-    clock.wait(t_end)
+        r = rounds.run(out)
+        results.append(r)
+        out += r.tokens
+        done = any(t in eos for t in r.tokens)
+    t_end = req.clock.now()  # after any round queued past the end: its time counts
+    req.clock.wait(t_end)
 
-    marks = marks[:len(stats.accepted)]
     out = cut_at_eos(out[:params.max_new_tokens], eos)
-    stats.generated_tokens = len(out)
-    stats.prefill_ms = clock.ms(t0, t_prefill)
-    stats.wall_ms = clock.ms(t0, t_end)
+    stats = SpecStats(spec.num_steps, spec.num_draft_tokens, prompt_tokens=len(prompt), generated_tokens=len(out),
+                      prefill_ms=req.clock.ms(t0, t_prefill), wall_ms=req.clock.ms(t0, t_end),
+                      accepted=[r.accepted for r in results])
     prev = t_prefill
-    for m in marks:
-        if fused:
-            stats.round_ms.append(clock.ms(prev, m))
-            prev = m
-        else:
-            a, b, c, d, e, f = m
-            stats.draft_ms.append(clock.ms(a, b) + clock.ms(d, e))
-            stats.verify_ms.append(clock.ms(b, c))
-            stats.other_ms.append(clock.ms(c, d) + clock.ms(e, f))
-            stats.round_ms.append(clock.ms(a, f))
+    for r in results:
+        prev = r.record(stats, req.clock, prev)
     return out, stats
 
 
@@ -359,64 +484,11 @@ def oracle_text(target, spec: SpecConfig, prompt: list[int], reference: list[int
     final once a pass returns what it was fed. Returns (text, passes run); after `max_passes`
     the last output stands (an oracle fed it then accepts less than everything, and says so).
     In fp32 the first pass already returns AR's text."""
-    device = next(target.parameters()).device
+    drafter = OracleDrafter(spec, [prompt + reference], next(target.parameters()).device)
     for n in range(1, max_passes + 1):
-        out, _ = generate_spec(target, OracleDrafter(spec, [prompt + reference], device), prompt, params, eos_ids,
-                               **generate_kw)
+        out, _ = generate_spec(target, drafter, prompt, params, eos_ids, **generate_kw)
         if out == reference:
             return out, n
         reference = out
+        drafter.set_sequences([prompt + reference])
     return reference, max_passes
-
-
-def _phased_round(target, cache, drafter, verify, propose, observe, root, cache_len_t, context, params, gen, clock):
-    """One round as separate steps, each timed: returns (host result, new cache_len, next root, marks)."""
-    spec: SpecConfig = drafter.spec
-    t_a = clock.now()
-    tree = propose(root, cache_len_t, [context])
-    t_b = clock.now()
-    logits, aux = verify(tree, cache_len_t)
-    if params.temperature == 0:
-        best, bonus = verify_greedy(logits, tree)
-    else:
-        best, bonus = verify_sample(logits_to_probs(logits, params), tree, gen)
-    t_c = clock.now()
-    n, path_tokens, aux = keep_path(cache, tree, best, cache_len_t, aux, spec.path_len)
-    t_d = clock.now()
-    observe(path_tokens, aux, n, bonus, cache_len_t)
-    t_e = clock.now()
-    host = torch.cat([n, path_tokens[0], bonus]).tolist()  # the round's one host sync
-    return host, cache_len_t + n, bonus, (t_a, t_b, t_c, t_d, t_e, clock.now())
-
-
-def _round_functions(target, cache, drafter, device, use_cuda_graph: bool):
-    """(verify, propose, observe) for the decode rounds, over static buffers so that on CUDA
-    each is one graph replay. Host-side drafters (n-gram, oracle) stay eager."""
-    spec: SpecConfig = drafter.spec
-    N, D = spec.num_draft_tokens, spec.path_len
-    graphs = use_cuda_graph and device.type == "cuda"
-    one = torch.zeros(1, dtype=torch.long, device=device)
-    ids = torch.zeros(1, N, dtype=torch.long, device=device)
-    anc = torch.eye(N, dtype=torch.bool, device=device)[None]
-
-    def verify_fn(tokens, parents, depth, anc, cache_len):
-        return verify_forward(target, cache, Tree(tokens, parents, depth, anc), cache_len, drafter.aux_ids)
-
-    run_verify = static_call(verify_fn, [ids, ids, ids, anc, one], graphs and target.cuda_graph_ok)
-
-    def verify(tree, cache_len):
-        return run_verify(tree.tokens, tree.parents, tree.depth, tree.anc, cache_len)
-
-    if not drafter.device_only:
-        return verify, (lambda root, cache_len, ctx: drafter.propose(DraftInput(root, cache_len, ctx))), drafter.observe
-    run_propose = static_call(lambda root, cache_len: drafter.propose(DraftInput(root, cache_len, [])), [one, one], graphs)
-    if drafter.aux_ids is None:  # the oracle: nothing to observe
-        return verify, (lambda root, cache_len, ctx: run_propose(root, cache_len)), drafter.observe
-    hidden = 3 * drafter.draft.cfg.target_hidden_size
-    aux = torch.zeros(1, D, hidden, dtype=drafter.kv.dtype, device=device)
-    run_observe = static_call(drafter.observe, [ids[:, :D], aux, one + 1, one, one], graphs)
-
-    def observe(tokens, aux, n, next_token, start):
-        run_observe(tokens, aux.to(drafter.kv.dtype), n, next_token, start)
-
-    return verify, (lambda root, cache_len, ctx: run_propose(root, cache_len)), observe

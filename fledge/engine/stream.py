@@ -16,9 +16,107 @@ from __future__ import annotations
 
 import torch
 
-from fledge.engine.generate import (ROW_GROUP, SamplingParams, capture_cuda_graph, cut_at_eos, decode_logits, decode_spans,
-                                    now, row_groups, sample_token)
+from fledge.engine.generate import (ROW_GROUP, SamplingParams, SpanSteps, cut_at_eos, decode_logits, decode_spans, now,
+                                    right_padded, row_groups, sample_token)
 from fledge.util import FledgeError
+
+
+class Stream:
+    """The rows in flight: device buffers the decode step reads and writes, and what the host
+    knows of each row without a sync (which prompt it answers, its length, whether it moves)."""
+
+    def __init__(self, model, prompts: list[list[int]], params: SamplingParams, eos_ids, rows: int, row_group: int,
+                 graphs: bool):
+        device = next(model.parameters()).device
+        R, M = rows, params.max_new_tokens
+        self.model, self.prompts, self.params, self.eos_ids = model, prompts, params, eos_ids
+        self.cache = model.new_cache(R, -(-(max(map(len, prompts)) + M) // 64) * 64)
+        self.gen = torch.Generator(device=device).manual_seed(params.seed)
+        self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+        self.groups = row_groups(R, row_group)
+        self.queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[::-1]  # pop() takes the shortest
+        self.owner = [-1] * R  # prompt index each row is answering (-1: none)
+        self.host_len = [0] * R  # each row's length as the host knows it (spans need no sync)
+        self.host_live = [False] * R  # rows still advancing: refilled and not yet seen to end
+        self.tokens = torch.zeros(R, 1, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(R, dtype=torch.long, device=device)
+        self.age = torch.zeros(R, dtype=torch.long, device=device)  # tokens a row has produced
+        self.done = torch.ones(R, dtype=torch.bool, device=device)
+        self.new = torch.zeros(R, M + 1, dtype=torch.long, device=device)  # + a column done rows write into
+        self.results: list[list[int] | None] = [None] * len(prompts)
+        # Captured mid-stream: a capture's runs are undone from a snapshot of these.
+        self.steps = SpanSteps(self.step, (self.tokens, self.lengths, self.age, self.done, self.new), graphs)
+
+    def advance(self, t) -> None:
+        """Record token t of every live row; a row ends at eos or at M tokens, and stops moving."""
+        M, live = self.params.max_new_tokens, ~self.done
+        self.new.scatter_(1, torch.where(live, self.age, M)[:, None], t[:, None])
+        self.lengths.add_(live.long())
+        self.age.add_(live.long())
+        self.done.logical_or_(live & (((t[:, None] == self.eos).any(-1)) | (self.age >= M)))
+        self.tokens.copy_(t[:, None])
+
+    def step(self, spans: tuple[int, ...]):
+        """One decode step of every row: the logits when sampling, else nothing (advanced)."""
+        logits = decode_logits(self.model, self.tokens, self.lengths, self.groups, spans, self.cache)
+        if self.params.temperature != 0:
+            return logits
+        self.advance(logits.argmax(dim=-1))
+        return None
+
+    def refill(self) -> None:
+        """Prefill the next prompts into the free rows (shortest first, padded to their longest)."""
+        free = [r for r, o in enumerate(self.owner) if o < 0]
+        take = [self.queue.pop() for _ in range(min(len(free), len(self.queue)))]
+        if not take:
+            return
+        device = self.tokens.device
+        rows_t = torch.tensor(free[:len(take)], device=device)
+        lens = [len(self.prompts[i]) for i in take]
+        ids = right_padded([self.prompts[i] for i in take]).to(device)
+        lens_t = torch.tensor(lens, device=device)
+        logits = self.model.prefill(ids, self.cache, logits_idx=(lens_t - 1)[:, None], rows=rows_t)[0][:, 0]
+        t = sample_token(logits, self.params, self.gen)
+        self.lengths[rows_t], self.age[rows_t], self.tokens[rows_t, 0] = lens_t, 1, t
+        self.new[rows_t, 0] = t
+        self.done[rows_t] = ((t[:, None] == self.eos).any(-1)) | (self.params.max_new_tokens <= 1)
+        for r, i, n in zip(free, take, lens):
+            self.owner[r], self.host_len[r], self.host_live[r] = i, n, True
+
+    def harvest(self) -> None:
+        """The answers of rows that have ended (the host's one sync here), their rows freed."""
+        ended = [r for r, d in zip(range(len(self.owner)), self.done.tolist()) if d and self.owner[r] >= 0]
+        if not ended:
+            return
+        idx = torch.tensor(ended, device=self.tokens.device)
+        for r, row, k in zip(ended, self.new[idx].tolist(), self.age[idx].tolist()):
+            self.results[self.owner[r]] = cut_at_eos(row[:k], self.eos_ids)
+            self.owner[r], self.host_live[r] = -1, False
+
+    def decode(self) -> None:
+        """One step of every row, its spans from the host's lengths."""
+        spans = decode_spans(self.model, [max(self.host_len[r0:r1]) + 1 for r0, r1 in self.groups], self.cache.max_len)
+        logits = self.steps.get(spans)()
+        if self.params.temperature != 0:
+            self.advance(sample_token(logits, self.params, self.gen))
+        # The host cannot see which rows ended since the last sync: it advances them all, which
+        # over-estimates a span by at most refill_every slots, never under.
+        for r, live in enumerate(self.host_live):
+            if live:
+                self.host_len[r] = min(self.host_len[r] + 1, self.cache.max_len - 1)
+
+    def run(self, refill_every: int) -> int:
+        """Until every prompt is answered; returns the decode steps run."""
+        self.refill()
+        steps = 0
+        while True:
+            if steps % refill_every == 0:
+                self.harvest()
+                self.refill()
+                if all(o < 0 for o in self.owner):
+                    return steps
+            self.decode()
+            steps += 1
 
 
 @torch.no_grad()
@@ -32,108 +130,12 @@ def generate_stream(model, prompts: list[list[int]], params: SamplingParams, eos
     if not model.row_groups_ok:
         raise FledgeError("generate_stream needs the compact engine (prefill into chosen rows)")
     device = next(model.parameters()).device
-    R, M = min(rows, len(prompts)), params.max_new_tokens
-    cache_len = -(-(max(map(len, prompts)) + M) // 64) * 64
-    cache = model.new_cache(R, cache_len)
-    gen = torch.Generator(device=device).manual_seed(params.seed)
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
-    groups = row_groups(R, row_group)
-    greedy = params.temperature == 0
     graphs = use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok
-
-    queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[::-1]  # pop() takes the shortest
-    owner = [-1] * R  # prompt index each row is answering (-1: none)
-    host_len = [0] * R  # each row's length as the host knows it (spans need no sync)
-    host_live = [False] * R  # rows still advancing: refilled and not yet seen to end
-    tokens = torch.zeros(R, 1, dtype=torch.long, device=device)
-    lengths = torch.zeros(R, dtype=torch.long, device=device)
-    age = torch.zeros(R, dtype=torch.long, device=device)  # tokens a row has produced
-    done = torch.ones(R, dtype=torch.bool, device=device)
-    new = torch.zeros(R, M + 1, dtype=torch.long, device=device)  # + a column done rows write into
-    results: list[list[int] | None] = [None] * len(prompts)
-
-    def advance(t):
-        """Record token t of every live row; a row ends at eos or at M tokens, and stops moving."""
-        live = ~done
-        new.scatter_(1, torch.where(live, age, M)[:, None], t[:, None])
-        lengths.add_(live.long())
-        age.add_(live.long())
-        done.logical_or_(live & (((t[:, None] == eos).any(-1)) | (age >= M)))
-        tokens.copy_(t[:, None])
-
-    def refill(free: list[int]) -> None:
-        """Prefill the next prompts into rows `free` (shortest first, padded to their longest)."""
-        take = [queue.pop() for _ in range(min(len(free), len(queue)))]
-        if not take:
-            return
-        rows_t = torch.tensor(free[:len(take)], device=device)
-        lens = [len(prompts[i]) for i in take]
-        ids = torch.zeros(len(take), max(lens), dtype=torch.long)
-        for j, i in enumerate(take):
-            ids[j, :lens[j]] = torch.tensor(prompts[i])
-        lens_t = torch.tensor(lens, device=device)
-        logits = model.prefill(ids.to(device), cache, logits_idx=(lens_t - 1)[:, None], rows=rows_t)[0][:, 0]
-        t = sample_token(logits, params, gen)
-        lengths[rows_t], age[rows_t], tokens[rows_t, 0] = lens_t, 1, t
-        new[rows_t, 0] = t
-        done[rows_t] = ((t[:, None] == eos).any(-1)) | (M <= 1)
-        for r, i, n in zip(free, take, lens):
-            owner[r], host_len[r], host_live[r] = i, n, True
-
-    def harvest(ended: list[int]) -> None:
-        if not ended:
-            return
-        idx = torch.tensor(ended, device=device)
-        got = new[idx].tolist()
-        n = age[idx].tolist()
-        for r, row, k in zip(ended, got, n):
-            results[owner[r]] = cut_at_eos(row[:k], eos_ids)
-            owner[r], host_live[r] = -1, False
-
-    steps_by_span: dict = {}
-
-    def step_for(spans):
-        if spans not in steps_by_span:
-            def step():
-                logits = decode_logits(model, tokens, lengths, groups, spans, cache)
-                if not greedy:
-                    return logits
-                advance(logits.argmax(dim=-1))
-                return None
-
-            if graphs:  # captured mid-stream: the warm-up run's changes are undone from a snapshot
-                snap = [b.clone() for b in (tokens, lengths, age, done, new)]
-
-                def reset():
-                    for b, v in zip((tokens, lengths, age, done, new), snap):
-                        b.copy_(v)
-                steps_by_span[spans] = capture_cuda_graph(step, reset, 1 if steps_by_span else 3)
-            else:
-                steps_by_span[spans] = step
-        return steps_by_span[spans]
-
+    stream = Stream(model, prompts, params, eos_ids, min(rows, len(prompts)), row_group, graphs)
     t0 = now(device)
-    refill(list(range(R)))
-    steps = 0
-    while True:
-        if steps % refill_every == 0:
-            ended = [r for r, d in zip(range(R), done.tolist()) if d and owner[r] >= 0]  # the sync
-            harvest(ended)
-            refill([r for r in range(R) if owner[r] < 0])
-            if all(o < 0 for o in owner):
-                break
-        spans = decode_spans(model, [max(host_len[r0:r1]) + 1 for r0, r1 in groups], cache_len)
-        logits = step_for(spans)()
-        if not greedy:
-            advance(sample_token(logits, params, gen))
-        # The host cannot see which rows ended since the last sync: it advances them all, which
-        # over-estimates a span by at most refill_every slots, never under.
-        for r in range(R):
-            if host_live[r]:
-                host_len[r] = min(host_len[r] + 1, cache_len - 1)
-        steps += 1
+    steps = stream.run(refill_every)
     t1 = now(device)
-    n_new = sum(map(len, results))
-    return results, {"prompts": len(prompts), "rows": R, "prompt_tokens": sum(map(len, prompts)),
-                     "generated_tokens": n_new, "decode_steps": steps, "graphs": len(steps_by_span),
-                     "seconds": t1 - t0, "tok_s": n_new / max(t1 - t0, 1e-9)}
+    n_new = sum(map(len, stream.results))
+    return stream.results, {"prompts": len(prompts), "rows": len(stream.owner), "prompt_tokens": sum(map(len, prompts)),
+                            "generated_tokens": n_new, "decode_steps": steps, "graphs": len(stream.steps.by_span),
+                            "seconds": t1 - t0, "tok_s": n_new / max(t1 - t0, 1e-9)}
