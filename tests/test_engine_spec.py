@@ -166,7 +166,7 @@ def test_greedy_spec_equals_ar(family):
 
 def test_rounds_queued_ahead_stay_inside_an_exact_cache():
     """With the cache exactly prompt + max_new_tokens + num_draft_tokens slots and an oracle
-    that fills every round, the round queued ahead of the host (spec.Ahead) must wait where it
+    that fills every round, the round queued ahead of the host (spec.QueuedRound) must wait where it
     could overrun the cache (an index error here); the text, accepted counts and round count
     are those of the unqueued phased rounds."""
     hf, target, draft = tiny_setup("llama", vocab=32, initializer_range=0.15)
