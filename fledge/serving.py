@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fledge.acceptance import chain_profile
 from fledge.conventions import accept_length
 from fledge.openai_client import Client
 from fledge.util import FledgeError
@@ -89,11 +90,10 @@ def _vllm_summary(rows: list[dict]) -> dict:
         w = int(r["drafted"]) / k
         for i, x in enumerate(float(v) for v in r["rates"].split(",")[:k]):
             reach[i] += w * x / max(drafts, 1e-9)
-    cond = [reach[0]] + [b / a if a > 0 else 0.0 for a, b in zip(reach, reach[1:])]
     return {"engine": "vllm", "lines": len(rows), "speculative": True, "num_speculative_tokens": k,
             "accept_length": accept_length(accepted, round(drafts)) if drafts else float("nan"),
             "accepted_tokens": accepted, "drafted_tokens": drafted, "reached_depth": reach,
-            "profile": [[p] for p in cond]}
+            "profile": chain_profile(reach)}
 
 
 def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float, ignore_eos: bool = False) -> dict:
