@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fledge.acceptance import Shape
+from fledge.catalog import BUILTINS
 from fledge.util import FledgeError, short_dtype
 
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 4.5 / 8}
@@ -263,11 +264,10 @@ def distinct_experts(experts: int, active: int, rows: int) -> float:
     return experts * (1 - (1 - active / experts) ** rows)
 
 
-def _need(cfg: dict, where: str, *names):
-    for n in names:
-        if cfg.get(n) is not None:
-            return cfg[n]
-    raise FledgeError(f"{where}: no {' or '.join(names)}; pass an HF config.json with the model's fields")
+def _need(cfg: dict, where: str, name: str):
+    if cfg.get(name) is None:
+        raise FledgeError(f"{where}: no {name}; pass an HF config.json with the model's fields")
+    return cfg[name]
 
 
 def spec_from_config(cfg: dict, where: str, dtype: str = "bf16", quant: str | None = None,
@@ -309,10 +309,10 @@ def load_config(spec: str) -> tuple[dict, str]:
     """A config dict from a config.json, a model directory, or a built-in target name."""
     path = Path(spec).expanduser()
     if not path.exists():
-        from fledge.target import BUILTINS, resolve_target  # downloads a built-in once
-
         if spec not in BUILTINS:
             raise FledgeError(f"--model {spec!r}: not a config.json, a model directory, or a built-in ({', '.join(BUILTINS)})")
+        from fledge.target import resolve_target  # loads torch, and converts a built-in once
+
         path = resolve_target(spec)
     if path.is_dir():
         path = path / "config.json"
@@ -325,9 +325,8 @@ def load_config(spec: str) -> tuple[dict, str]:
 def default_drafter(target: ModelSpec, draft_vocab: int = 32000) -> ModelSpec:
     """The EAGLE-3 layer fledge (and SpecForge) build for a target: attention geometry and MLP
     width of one dense target layer (MoE targets: the dense MLP width)."""
-    heads = target.heads
-    head_dim = target.head_dim if not target.mla else target.mla[4]
-    return ModelSpec(1, target.hidden, heads, target.kv_heads, head_dim, target.intermediate,
+    head_dim = target.mla[4] if target.mla else target.head_dim
+    return ModelSpec(1, target.hidden, target.heads, target.kv_heads, head_dim, target.intermediate,
                      min(draft_vocab, target.vocab), draft=True, dtype=target.dtype, quant=target.dtype)
 
 

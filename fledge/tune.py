@@ -11,10 +11,9 @@ the profile is fledge.acceptance's sibling prior fitted to it.
 
 Timings (fledge.hwmodel.Timings) come from the user (--what-if), from the hardware model
 (--model: the configs and the hardware, optionally calibrated on a live server), or from the
-engine (--target). A shape
-"pays" only if its predicted gain exceeds `--margin` (default 5%): below that the difference is
-inside what the timings and the model can resolve, and the verdict is to serve without
-speculation.
+engine (--target). A shape "pays" only if its predicted gain exceeds `--margin` (default 5%):
+below that the difference is inside what the timings and the model can resolve, and the verdict
+is to serve without speculation.
 """
 
 from __future__ import annotations
@@ -174,16 +173,19 @@ def _pred_dict(p: Prediction, drafter: str) -> dict:
             "sglang": p.shape.sglang_flags(), "vllm": p.shape.vllm_flags(drafter)}
 
 
-def plot(preds: list[Prediction], ar_tok_s: float, path, measured: dict | None = None, conc: list[dict] | None = None):
-    """Speed-up by shape (measured points on top when validating) and, given a sweep, the best
+def plot(preds: list[Prediction], ar_tok_s: float, path, validation: list[dict] | None = None,
+         conc: list[dict] | None = None):
+    """Speed-up by shape (`validate`'s measured points on top) and, given a sweep, the best
     speed-up by concurrency."""
     shown = preds[:24]
+    measured = {r["label"]: r["tok_s_measured"] for r in validation or []}
     fig, axes = subplots(1, 2 if conc else 1, figsize=(max(6, 0.45 * len(shown)) + (5 if conc else 0), 4), squeeze=False)
     ax = axes[0][0]
     ax.bar(range(len(shown)), [p.speedup for p in shown], color="#4c78a8", label="predicted")
     if measured:
-        xs = [i for i, p in enumerate(shown) if p.shape in measured]
-        ax.scatter(xs, [measured[shown[i].shape] / ar_tok_s for i in xs], color="#e45756", zorder=3, label="measured")
+        xs = [i for i, p in enumerate(shown) if p.shape.label in measured]
+        ax.scatter(xs, [measured[shown[i].shape.label] / ar_tok_s for i in xs], color="#e45756", zorder=3,
+                   label="measured")
     ax.axhline(1.0, color="black", linestyle="--", label=f"no speculation ({ar_tok_s:.0f} tok/s)")
     ax.set_xticks(range(len(shown)), [p.shape.label for p in shown], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("speed-up per request")
@@ -231,12 +233,12 @@ def run_tune(args) -> int:
         raise FledgeError(f"--max-steps {args.max_steps}: must be >= 1")
     if not 0 <= args.margin < 1:
         raise FledgeError(f"--margin {args.margin}: a fraction in [0, 1), e.g. 0.05")
-    text, data, preds, measured = mode(args)
+    text, data, preds = mode(args)
     print(text)
     if args.json:
         atomic_write_json(args.json, data)
     if args.png:
-        plot(preds, data["ar_tok_s"], args.png, measured, data.get("concurrency"))
+        plot(preds, data["ar_tok_s"], args.png, data.get("validation"), data.get("concurrency"))
     return 0
 
 
@@ -264,7 +266,7 @@ def _what_if(args):
                           "--gpu NAME to predict it from the drafter's size (one decoder layer and its LM head)")
     timings = Timings(args.ar_ms, parse_ms_table(args.verify_ms, "--verify-ms"), draft, args.overhead_ms, args.batch)
     profile, ref_shape, note = profile_from_args(args)
-    return (*_ranked(args, profile, timings, grid(args.max_steps), ref_shape, (*notes, note)), None)
+    return _ranked(args, profile, timings, grid(args.max_steps), ref_shape, (*notes, note))
 
 
 def _hardware_model(args):
@@ -284,7 +286,7 @@ def _hardware_model(args):
     conc = sweep(profile, timings_at, shapes, parse_levels(args.concurrency, "--concurrency"), args.margin)
     text, data, preds = _ranked(args, profile, timings, shapes, ref_shape, (src, note), conc)
     data.update(hardware=asdict(hw), breakdown=hwmodel.breakdown(target, drafter, hw, args.batch, args.context))
-    return text, data, preds, None
+    return text, data, preds
 
 
 def measured_tune(args):
@@ -312,14 +314,12 @@ def measured_tune(args):
     note = f"timings: measured on fledge's engine ({bench.engine_path(rig)}), batch 1"
     text, data, preds = _ranked(args, profile, timings, shapes, None, (note,))
     data["ar_measured_tok_s"] = ar["tok_s"]
-    measured = None
     if args.validate:
         picks = parse_shapes(args.shapes) if args.shapes else validation_shapes(preds)
-        rows, measured = validate(rig, prompts, [predict(profile, timings, s) for s in picks], args.max_new_tokens,
-                                  ar["tok_s"])
-        text += "\n" + validation_table(rows)
-        data["validation"] = rows
-    return text, data, preds, measured
+        data["validation"] = validate(rig, prompts, [predict(profile, timings, s) for s in picks], args.max_new_tokens,
+                                      ar["tok_s"])
+        text += "\n" + validation_table(data["validation"])
+    return text, data, preds
 
 
 def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
@@ -334,16 +334,15 @@ def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
     return list(dict.fromkeys(chains[:1] + trees[:1] + fixed + turns))[:want]
 
 
-def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> tuple[list[dict], dict]:
+def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> list[dict]:
     """Run each predicted shape on the engine: measured against predicted tok/s, and its two
     factors apart — accept length (the profile) and round time (the timings)."""
     def err(predicted, measured):
         return 100 * (predicted - measured) / measured
 
-    rows, measured = [], {}
+    rows = []
     for p in preds:
         stats, tok_s = bench.run_shape(rig, rig.drafter(p.shape), prompts, max_new_tokens, f"validate {p.shape.label}")
-        measured[p.shape] = tok_s
         accept, round_ms = stats.accept_length(), stats.summary()["round_ms_per_step"]
         rows.append({**asdict(p.shape), "label": p.shape.label,
                      "accept_predicted": p.accept_length, "accept_measured": accept,
@@ -352,7 +351,7 @@ def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_
                      "round_error_percent": err(p.iter_ms, round_ms),
                      "tok_s_predicted": p.tok_s, "tok_s_measured": tok_s, "speedup_measured": tok_s / ar_tok_s,
                      "error_percent": err(p.tok_s, tok_s)})
-    return rows, measured
+    return rows
 
 
 def validation_table(rows: list[dict]) -> str:
