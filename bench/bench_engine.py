@@ -34,14 +34,16 @@ from fledge.engine.model import GEMV_ROWS, LayerFns
 from fledge.engine.resident import Resident
 from fledge.engine.spec import generate_spec, oracle_text
 from fledge.engine.stats import SpecStats
+from fledge.features import padded_length
 from fledge.target import eos_ids, load_target
-from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, print_table as print_rows
+from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, print_table
 from machine import machine_name, result_path
 
 SPEC_KEYS = ("accept_length", "accept_rate", "round_ms_per_step", "draft_ms_per_step", "verify_ms_per_step",
              "other_ms_per_step", "depth_acceptance", "histogram")
 
 
+# Each runner: run(prompt, params, AR's output) -> (output, seconds, SpecStats or None, prefill ms or None).
 def hf_runner(hf, eos, device, static_len: int | None = None):
     """HF generate; with `static_len`, one StaticCache reused (reset) for every prompt, so the
     auto-compiled decode step (CUDA) never sees a new shape."""
@@ -49,12 +51,11 @@ def hf_runner(hf, eos, device, static_len: int | None = None):
 
     def run(prompt, params, _ar):
         ids = torch.tensor([prompt], device=device)
-        kw = {} if cache is None else {"past_key_values": cache}
         if cache is not None:
             cache.reset()
         t0 = now(device)
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
-                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
+                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0], past_key_values=cache)
         return out[0, len(prompt):].tolist(), now(device) - t0, None, None
     return run
 
@@ -66,9 +67,9 @@ def ar_runner(target, eos, graphs: bool, resident=None):
     return run
 
 
-def spec_runner(target, eos, graphs: bool, make_drafter, resident=None):
-    def run(prompt, params, ar):  # the timing path fledge tune validates with
-        out, st = generate_spec(target, make_drafter(prompt, ar), prompt, params, eos, use_cuda_graph=graphs, resident=resident)
+def spec_runner(target, eos, graphs: bool, drafter, resident=None):
+    def run(prompt, params, _ar):  # the timing path fledge tune validates with
+        out, st = generate_spec(target, drafter, prompt, params, eos, use_cuda_graph=graphs, resident=resident)
         return out, st.wall_ms / 1e3, st, st.prefill_ms
     return run
 
@@ -105,47 +106,44 @@ def results_writer(path: Path, variant: str):
     return lambda report: atomic_write_json(path, {"variants": {**variants, variant: report}})
 
 
-def engine_configs(args, t, target, device, dtype, prompts, graphs) -> tuple[dict, set, Resident | None]:
+def engine_configs(args, t, target, device, dtype, prompts, graphs) -> tuple[dict, Resident | None]:
     """The rows to run, in run order: the baseline and the drafters first, then the references
     and the AR variants, so that a run cut short loses the least."""
-    def compiled(**kw):
-        return LayerFns.compiled(**{"gemv_rows": args.gemv_rows, "few_rows": args.few_rows, **kw})
-
     def drafter(spec):
         return load_drafter(args.drafter, spec, t.model, target, device, dtype, args.compile, args.fast_topk)
     eos, chain7 = eos_ids(t.tokenizer, t.model.generation_config), SpecConfig(7, 1, 8)
+    trees = args.tree or ["5,4,16"]
     eagle_chain = drafter(chain7) if args.drafter else None
     # One cache per engine target for every request, the prefill captured per bucket before any
     # clock (engine.resident), with room past the answer for the widest verify (a round's tree
     # is written before acceptance); --eager-prefill: a fresh cache and prefill per request.
-    room = max([64] + [parse_tree(x).num_draft_tokens for x in args.tree or []])
+    room = max([64] + [parse_tree(x).num_draft_tokens for x in trees])
     longest = max(map(len, prompts)) + args.max_new_tokens
     aux_sets = [None] + ([eagle_chain.aux_ids] if eagle_chain else [])
 
     def resident(model):
-        return None if args.eager_prefill else Resident(model, -(-(longest + room) // 64) * 64, aux_sets, use_graph=graphs)
+        return None if args.eager_prefill else Resident(model, padded_length(longest + room, 64), aux_sets, graphs)
     res = resident(target)
     configs = {"engine AR": ar_runner(target, eos, graphs, res)}
     if eagle_chain:
-        configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, lambda *_: eagle_chain, res)
-        for text in args.tree or ["5,4,16"]:
-            tree = drafter(parse_tree(text))
-            configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, lambda *_, d=tree: d, res)
+        configs["eagle3 chain 7"] = spec_runner(target, eos, graphs, eagle_chain, res)
+        for text in trees:
+            configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, drafter(parse_tree(text)), res)
     configs["oracle chain 7"] = oracle_runner(target, eos, graphs, chain7, res)
-    ngram = SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1)
-    configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(
-        target, eos, graphs, lambda *_: NgramDrafter(ngram, args.ngram), res)
+    ngram = NgramDrafter(SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1), args.ngram)
+    configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(target, eos, graphs, ngram, res)
     if res is not None:
         configs["engine AR (eager prefill)"] = ar_runner(target, eos, graphs)
         configs["oracle chain 7 (eager prefill)"] = oracle_runner(target, eos, graphs, chain7)
     if not args.skip_hf:
         configs["hf eager"] = hf_runner(t.model, eos, device)
         if device.type == "cuda":
-            configs["hf static (compiled)"] = hf_runner(t.model, eos, device, -(-longest // 64) * 64)
+            configs["hf static (compiled)"] = hf_runner(t.model, eos, device, padded_length(longest, 64))
     if args.compile:
-        variants = {"not compiled": LayerFns(), "SDPA over spans": compiled(prefix_kernel=False)}
+        fast = {"gemv_rows": args.gemv_rows, "few_rows": args.few_rows}
+        variants = {"not compiled": LayerFns(), "SDPA over spans": LayerFns.compiled(**fast, prefix_kernel=False)}
         if args.gemv_rows:
-            variants["cuBLAS matmuls"] = compiled(gemv_rows=0, few_rows=0)
+            variants["cuBLAS matmuls"] = LayerFns.compiled(gemv_rows=0, few_rows=0)
         for name, fns in variants.items():
             model = build_engine_target(t.model, dtype, device, fns=fns)
             configs[f"engine AR ({name})"] = ar_runner(model, eos, graphs, resident(model))
@@ -155,7 +153,25 @@ def engine_configs(args, t, target, device, dtype, prompts, graphs) -> tuple[dic
         if unknown:
             raise FledgeError(f"--only {unknown}: not a row of this run; rows: {'; '.join(configs)}")
         configs = {n: run for n, run in configs.items() if n == "engine AR" or n in want}
-    return configs, {n for n in configs if n.startswith("hf ")}, res
+    return configs, res
+
+
+def measure(name: str, run, todo, params) -> tuple[dict, list[tuple[int, float]]]:
+    """A row: each (prompt, AR's output) of `todo` through `run`; and each prompt's (tokens, seconds)."""
+    timed, matches, stats, prefill = [], 0, [], []
+    for p, ar in tqdm(todo, desc=name, leave=False):
+        out, seconds, st, pre = run(p, params, ar)
+        timed.append((len(out), seconds))
+        prefill += [] if pre is None else [pre]
+        stats += [] if st is None else [st]
+        matches += out == ar
+    tokens, seconds = sum(n for n, _ in timed), sum(s for _, s in timed)
+    row = {"prompts": len(todo), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "match_ar": matches}
+    if prefill:  # the request's time before its first decode step or round (prefill, drafter's first look)
+        row["prefill_ms_per_prompt"] = sum(prefill) / len(prefill)
+    if stats:
+        row |= {k: v for k, v in SpecStats.merge(stats).summary().items() if k in SPEC_KEYS}
+    return row, timed
 
 
 def bench(args, device, write) -> dict:
@@ -165,7 +181,8 @@ def bench(args, device, write) -> dict:
     target = build_engine_target(t.model, dtype, device, fns=fns)
     prompts = load_prompts(args.prompts, args.num_prompts, t.tokenizer)
     graphs = not args.no_cuda_graph
-    configs, hf_names, res = engine_configs(args, t, target, device, dtype, prompts, graphs)
+    configs, res = engine_configs(args, t, target, device, dtype, prompts, graphs)
+    hf_names = {n for n in configs if n.startswith("hf ")}
     n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
     header = {"device": machine_name(device), "target": args.target, "dtype": str(dtype).removeprefix("torch."),
               "cuda_graphs": graphs, "compiled_layers": args.compile, "gemv_rows": args.gemv_rows,
@@ -176,49 +193,31 @@ def bench(args, device, write) -> dict:
     params = SamplingParams(0.0, 1.0, args.max_new_tokens, 0)
     # Engine AR's outputs feed the oracle and are what every other output must match.
     ar_out = [configs["engine AR"](p, params, None)[0] for p in tqdm(prompts, desc="engine AR outputs", leave=False)]
-    results, per_prompt = {}, {}
-    for name, run in configs.items():
+    results = {}
+    for name, run in configs.items():  # engine AR first: every ratio's base
         run(prompts[0], SamplingParams(0.0, 1.0, min(16, args.max_new_tokens), 0), ar_out[0][:16])  # untimed warm-up
-        todo = list(zip(prompts, ar_out))[:n_hf if name in hf_names else None]
-        timed, matches, stats, prefill = [], 0, [], []
-        for i, (p, ar) in enumerate(tqdm(todo, desc=name, leave=False)):
-            out, s, st, pre = run(p, params, ar)
-            timed.append((i, len(out), s))
-            prefill += [] if pre is None else [pre]
-            stats += [] if st is None else [st]
-            matches += out == ar
-        per_prompt[name] = timed
-        tokens, seconds = sum(x[1] for x in timed), sum(x[2] for x in timed)
-        row = {"prompts": len(todo), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "match_ar": matches}
-        if prefill:  # the request's time before its first decode step or round (prefill, drafter's first look)
-            row["prefill_ms_per_prompt"] = sum(prefill) / len(prefill)
-        if stats:
-            row |= {k: v for k, v in SpecStats.merge(stats).summary().items() if k in SPEC_KEYS}
+        hf = name in hf_names
+        row, timed = measure(name, run, list(zip(prompts, ar_out))[:n_hf if hf else None], params)
+        if name == "engine AR":  # HF rows are compared with its rate on the prompts HF ran
+            ar_tok_s = row["tok_s"]
+            ar_on_hf = sum(n for n, _ in timed[:n_hf]) / sum(s for _, s in timed[:n_hf])
+        row["vs_engine_ar"] = row["tok_s"] / (ar_on_hf if hf else ar_tok_s)
+        if hf:
+            row["engine_ar_same_prompts_tok_s"] = ar_on_hf
         results[name] = row
-        with_ratios(results, per_prompt, n_hf, hf_names)
         write({**header, "partial": True, "results": results})
     return {**header, "results": results}
 
 
-def with_ratios(results: dict, per_prompt: dict, n_hf: int, hf_names: set) -> None:
-    """Each row's tok/s against engine AR's, HF rows against engine AR's on the prompts HF ran."""
-    ar_sub = [x for x in per_prompt["engine AR"] if x[0] < n_hf]
-    base_hf = sum(x[1] for x in ar_sub) / sum(x[2] for x in ar_sub)
-    for name, row in results.items():
-        row["vs_engine_ar"] = row["tok_s"] / (base_hf if name in hf_names else results["engine AR"]["tok_s"])
-        if name in hf_names:
-            row["engine_ar_same_prompts_tok_s"] = base_hf
-
-
-def print_table(report: dict) -> None:
+def show(report: dict) -> None:
+    print(f"{report['device']}  {report['target']}  {report['dtype']}  {report['prompts']} prompts x "
+          f"{report['max_new_tokens']} new tokens, batch 1, greedy (HF rows: vs engine AR on the same prompts)")
     rows = [["config", "prompts", "tok/s", "vs AR", "match AR", "accept len", "round ms", "prefill ms"]]
     for name, r in report["results"].items():
         rows.append([name, r["prompts"], f"{r['tok_s']:.1f}", f"{r['vs_engine_ar']:.2f}x", f"{r['match_ar']}/{r['prompts']}",
                      *(f"{r[k]:{f}}" if k in r else "-" for k, f in (("accept_length", ".2f"), ("round_ms_per_step", ".3f"),
                                                                   ("prefill_ms_per_prompt", ".1f")))])
-    print(f"{report['device']}  {report['target']}  {report['dtype']}  {report['prompts']} prompts x "
-          f"{report['max_new_tokens']} new tokens, batch 1, greedy (HF rows: vs engine AR on the same prompts)")
-    print_rows(rows)
+    print_table(rows)
 
 
 def main(argv=None) -> int:
@@ -258,7 +257,7 @@ def main(argv=None) -> int:
     except FledgeError as e:
         print(f"bench_engine: error: {e}", file=sys.stderr)
         return 2
-    print_table(report)
+    show(report)
     write(report)
     print(f"wrote {out}")
     return 0

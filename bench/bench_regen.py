@@ -25,7 +25,7 @@ from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype,
 from machine import machine_name, result_path
 
 
-def hf_batch(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: int, device):
+def hf_run(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: int, device) -> tuple[list, dict]:
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -35,20 +35,26 @@ def hf_batch(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: in
     out = hf.generate(ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new, do_sample=False,
                       eos_token_id=eos, pad_token_id=pad, disable_compile=True)
     seconds = now(device) - t0
-    return [cut_at_eos(r, eos) for r in out[:, width:].tolist()], seconds
-
-
-def engine_batch(engine, prompts, max_new: int, eos: list[int], device, row_group: int = ROW_GROUP):
-    t0 = now(device)
-    rows, stats = generate_ar(engine, prompts, SamplingParams(max_new_tokens=max_new), eos, row_group=row_group)
-    return rows, now(device) - t0, stats
-
-
-def engine_row(rows, seconds, st) -> dict:
+    rows = [cut_at_eos(r, eos) for r in out[:, width:].tolist()]
     n = sum(map(len, rows))
-    return {"tokens": n, "seconds": seconds, "tok_s": n / seconds, "decode_tok_s": st["decode_tok_s"],
-            "decode_steps": st["decode_steps"], "prefill_ms": st["prefill_ms"], "row_groups": st["row_groups"],
-            "spans": st["spans"]}
+    return rows, {"tokens": n, "seconds": seconds, "tok_s": n / seconds}
+
+
+def engine_run(engine, prompts, max_new: int, eos: list[int], device, row_group: int = ROW_GROUP) -> tuple[list, dict]:
+    t0 = now(device)
+    rows, st = generate_ar(engine, prompts, SamplingParams(max_new_tokens=max_new), eos, row_group=row_group)
+    seconds, n = now(device) - t0, sum(map(len, rows))
+    return rows, {"tokens": n, "seconds": seconds, "tok_s": n / seconds,
+                  **{k: st[k] for k in ("decode_tok_s", "decode_steps", "prefill_ms", "row_groups", "spans")}}
+
+
+def stream_run(engine, prompts, rows: int, max_new: int, eos: list[int], device) -> dict:
+    """A stream of prompts through `rows` rows, each refilled when it ends (regen's way)."""
+    t0 = now(device)
+    _, st = generate_stream(engine, prompts, SamplingParams(max_new_tokens=max_new), eos, rows=rows)
+    seconds, n = now(device) - t0, st["generated_tokens"]
+    return {"prompts": len(prompts), "tokens": n, "seconds": seconds, "tok_s": n / seconds,
+            "decode_steps": st["decode_steps"], "graphs": st["graphs"]}
 
 
 def bench(args) -> dict:
@@ -68,35 +74,27 @@ def bench(args) -> dict:
         raise FledgeError(f"{args.prompts}: {len(prompts)} prompts, fewer than the {need} asked for")
     # Untimed warm-up of both paths (CUDA graph capture, allocator, kernel selection, compiles).
     for b in every:
-        engine_batch(engine, sorted(prompts[:b], key=len), 8, eos, device)
+        engine_run(engine, sorted(prompts[:b], key=len), 8, eos, device)
         if args.compare_one_group:
-            engine_batch(engine, sorted(prompts[:b], key=len), 8, eos, device, row_group=b)
+            engine_run(engine, sorted(prompts[:b], key=len), 8, eos, device, row_group=b)
         if args.stream:
-            generate_stream(engine, prompts[:args.stream], SamplingParams(max_new_tokens=8), eos, rows=b)
+            stream_run(engine, prompts[:args.stream], b, 8, eos, device)
     if sizes:
-        hf_batch(t.model, prompts[:2], 8, eos, pad, device)
+        hf_run(t.model, prompts[:2], 8, eos, pad, device)
     results = []
     for b in every:
         batch = sorted(prompts[:b], key=len)
-        rows, seconds, st = engine_batch(engine, batch, args.max_new_tokens, eos, device)
-        row = {"batch": b, "prompt_tokens": sum(map(len, batch)), "engine": engine_row(rows, seconds, st)}
+        rows, timed = engine_run(engine, batch, args.max_new_tokens, eos, device)
+        row = {"batch": b, "prompt_tokens": sum(map(len, batch)), "engine": timed}
         if args.compare_one_group:  # the same engine with the whole batch as one group (one span)
-            one_rows, one_s, one_st = engine_batch(engine, batch, args.max_new_tokens, eos, device, row_group=b)
-            row["engine_one_group"] = engine_row(one_rows, one_s, one_st)
-            row["grouped_vs_one_group"] = row["engine"]["tok_s"] / row["engine_one_group"]["tok_s"]
+            one_rows, row["engine_one_group"] = engine_run(engine, batch, args.max_new_tokens, eos, device, row_group=b)
+            row["grouped_vs_one_group"] = timed["tok_s"] / row["engine_one_group"]["tok_s"]
             row["same_rows_one_group"] = sum(x == y for x, y in zip(rows, one_rows))
-        if args.stream:  # a stream of prompts through b rows, each refilled when it ends (regen's way)
-            t0 = now(device)
-            _, sst = generate_stream(engine, prompts[:args.stream], SamplingParams(max_new_tokens=args.max_new_tokens), eos, rows=b)
-            sec = now(device) - t0
-            row["engine_stream"] = {"prompts": args.stream, "tokens": sst["generated_tokens"], "seconds": sec,
-                                    "tok_s": sst["generated_tokens"] / sec, "decode_steps": sst["decode_steps"],
-                                    "graphs": sst["graphs"]}
+        if args.stream:
+            row["engine_stream"] = stream_run(engine, prompts[:args.stream], b, args.max_new_tokens, eos, device)
         if b in sizes:
-            hf_rows, hf_s = hf_batch(t.model, batch, args.max_new_tokens, eos, pad, device)
-            hn = sum(map(len, hf_rows))
-            row["hf"] = {"tokens": hn, "seconds": hf_s, "tok_s": hn / hf_s}
-            row["engine_vs_hf"] = row["engine"]["tok_s"] / row["hf"]["tok_s"]
+            hf_rows, row["hf"] = hf_run(t.model, batch, args.max_new_tokens, eos, pad, device)
+            row["engine_vs_hf"] = timed["tok_s"] / row["hf"]["tok_s"]
             if args.stream:
                 row["stream_vs_hf"] = row["engine_stream"]["tok_s"] / row["hf"]["tok_s"]
             row["same_rows"] = sum(x == y for x, y in zip(rows, hf_rows))

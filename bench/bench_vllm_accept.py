@@ -56,13 +56,10 @@ def run_vllm(target_dir: Path, drafter: str, prompts: list[str], k: int, max_tok
 def run_fledge(target, drafter: str, prompts: list[str], k: int, max_tokens: int):
     engine = build_engine_target(target.model, torch.float32, "cpu")
     d = load_drafter(drafter, SpecConfig(k, 1, k + 1), target.model, engine, "cpu", torch.float32)
-    outs, stats = [], []
-    for text in prompts:
-        ids = target.tokenizer(text)["input_ids"]  # as vLLM tokenizes a string prompt
-        out, st = generate_spec(engine, d, ids, SamplingParams(max_new_tokens=max_tokens), eos_ids=[])
-        outs.append(out)
-        stats.append(st)
-    return outs, SpecStats.merge(stats)
+    params = SamplingParams(max_new_tokens=max_tokens)
+    # Each prompt tokenized as vLLM tokenizes a string prompt; no EOS, as vLLM's ignore_eos.
+    runs = [generate_spec(engine, d, target.tokenizer(text)["input_ids"], params, eos_ids=[]) for text in prompts]
+    return [out for out, _ in runs], SpecStats.merge([st for _, st in runs])
 
 
 def main(argv=None) -> int:

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 from fledge import hwmodel
-from fledge.acceptance import Profile, Shape, profile_from_json
+from fledge.acceptance import Shape, profile_from_json
 from fledge.calibrate import parse_levels
 from fledge.cli import main as fledge
 from fledge.serving import PROMPTS, ServerBench, bench_server
 from fledge.target import resolve_target
-from fledge.tune import Timings, predict
-from fledge.util import atomic_write_json
+from fledge.tune import predict
+from fledge.util import atomic_write_json, print_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTER = ROOT / "drafters" / "smollm2-135m"
@@ -47,7 +47,7 @@ def misranked(rows: list[dict], noise: float) -> list[tuple[int, int]]:
 
 
 def run(ks: list[int], calibrate_ks: list[int], levels: str, max_new_tokens: int, requests: int, out_dir: Path) -> dict:
-    """vLLM's logs and the calibrated profile go to `out_dir`."""
+    """vLLM's logs and the calibrated profile (also the report's "profile") go to `out_dir`."""
     target = resolve_target("smollm2-135m")
     profile_path = out_dir / "tune_vllm_cpu_profile.json"
     measured, starts = {}, {}
@@ -82,9 +82,8 @@ def run(ks: list[int], calibrate_ks: list[int], levels: str, max_new_tokens: int
     prof = json.loads(profile_path.read_text())
     tgt, drf = hwmodel.load_specs(str(target), str(DRAFTER), "float32", None, None)
     hw = hwmodel.hardware("cpu", 1, "nvlink", cuda_graphs=False, **prof["hardware"]["overrides"])
-    st = hwmodel.step_times(tgt, drf, hw, 1, 128, verify_sizes=tuple(k + 1 for k in ks), topks=(1,))
-    t = Timings(st.ar_ms, st.verify_ms, st.draft_ms, st.overhead_ms)
-    acceptance: Profile = profile_from_json(profile_path)
+    t = hwmodel.step_times(tgt, drf, hw, 1, 128, verify_sizes=tuple(k + 1 for k in ks), topks=(1,))
+    acceptance = profile_from_json(profile_path)
     rows = []
     for k in ks:
         p = predict(acceptance, t, Shape(k, 1, k + 1))
@@ -99,7 +98,7 @@ def run(ks: list[int], calibrate_ks: list[int], levels: str, max_new_tokens: int
             "plain_tok_s_predicted": 1e3 / t.ar_ms, "server_start_s": starts, "rows": rows,
             "ranking_predicted": rank_pred, "ranking_measured": rank_meas, "ranking_same": rank_pred == rank_meas,
             "ranking_noise": NOISE, "misranked_beyond_noise": misranked(ranked, NOISE),
-            "profile_fit": prof["fit"]["mean_abs_error_percent"]}
+            "profile_fit": prof["fit"]["mean_abs_error_percent"], "profile": prof}
 
 
 def main(argv=None) -> int:
@@ -112,15 +111,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tune_vllm_cpu.json")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tune_vllm_cpu."))
-    report = run(parse_levels(args.ks, "--ks"), parse_levels(args.calibrate_ks, "--calibrate-ks"), args.levels, args.max_new_tokens, args.requests, work)
-    report["profile"] = json.loads((work / "tune_vllm_cpu_profile.json").read_text())
+    report = run(parse_levels(args.ks, "--ks"), parse_levels(args.calibrate_ks, "--calibrate-ks"), args.levels,
+                 args.max_new_tokens, args.requests, work)
     print(f"vLLM logs in {work}")
     print(f"plain decoding: measured {report['plain_tok_s_measured']:.1f} tok/s, calibrated model "
           f"{report['plain_tok_s_predicted']:.1f}")
-    print(f"{'k':>3}{'accept':>8}{'predicted':>11}{'measured':>10}{'error':>8}")
-    for r in report["rows"]:
-        print(f"{r['k']:>3}{r['accept_predicted']:>8.2f}{r['tok_s_predicted']:>11.1f}{r['tok_s_measured']:>10.1f}"
-              f"{r['error_percent']:>+7.1f}%")
+    print_table([["k", "accept", "predicted", "measured", "error"]] + [
+        [r["k"], f"{r['accept_predicted']:.2f}", f"{r['tok_s_predicted']:.1f}", f"{r['tok_s_measured']:.1f}",
+         f"{r['error_percent']:+.1f}%"] for r in report["rows"]])
     print(f"ranking of k: predicted {report['ranking_predicted']}, measured {report['ranking_measured']}"
           f" ({'same' if report['ranking_same'] else 'differs'}; k = 0 is plain decoding); pairs measured more than"
           f" {100 * NOISE:.0f}% apart but predicted in the other order: {report['misranked_beyond_noise'] or 'none'}")

@@ -4,31 +4,27 @@ acceptance profile.
 Accept length is SGLang's (accepted drafts + 1 bonus per verify step,
 fledge.conventions.accept_length). The profile is the probability that, once the accepted path
 has reached a node at depth d-1, its rank-r child (rank 0 = the drafter's top guess) is the one
-the target accepts, in two tables by the node reached: `spine[d][r]` where every node on its
-path is a top guess (the root included: the spine, which a chain drafts), `ranks[d][r]`
-elsewhere. Agreement is correlated along the greedy path, so the spine accepts more than the
-tree's other nodes at the same depth, and one table over both under-predicts chains. A chain
-only uses the spine's rank 0: `spine[d][0]` is the per-depth conditional acceptance p_d.
-Approximations, stated once:
+the target accepts, in two tables: `spine[d][r]` where every node on the path is a top guess
+(the root included: the spine, which a chain drafts), `ranks[d][r]` elsewhere. Agreement is
+correlated along the greedy path, so the spine accepts more than the tree's other nodes at the
+same depth, and one table over both under-predicts chains. A chain reads only `spine[d][0]`, the
+per-depth conditional acceptance. Approximations, stated once:
   * acceptance at (depth, rank) depends on the path that led there only through whether that
     path is the spine;
   * trees are built by the engine's EAGLE-2 rule (grow the topk best beams per depth, keep the
     num_draft_tokens-1 best candidates by cumulative score) with the profile's mean rank
-    probabilities standing in for the drafter's scores — a calibrated drafter. The real tree
-    is re-chosen every round from that round's scores, so it adapts where this fixed shape
-    cannot; expect the model to be slightly pessimistic for wide trees;
+    probabilities standing in for the drafter's scores. The real tree is re-chosen every round
+    from that round's scores, so expect the model to be slightly pessimistic for wide trees;
   * the probe's rounds stand for every shape's. A round starts where the last one ended, so a
-    shape that accepts less than the probe's full tree starts relatively more of its rounds in
-    the stretches where the drafter agrees at length: predictions for shapes far from the
-    probe's read slightly low.
-Under the first two assumptions `expected_accept_length` is exact (tests check it against
-a Monte Carlo walk).
+    shape that accepts less than the probe's full tree starts more of its rounds where the
+    drafter agrees at length: predictions for shapes far from the probe's read slightly low.
+Under the first two, `expected_accept_length` is exact (tests check it against a Monte Carlo walk).
 
-Where only an accept length is known, the profile is one table for the spine and the rest: one
-p per depth for the top guess and p((1-p)/2)^r for the rank-r sibling — a prior that lets trees
-be ranked at all, shaped after the shipped SmolLM2 drafter's probe on an H200 (depth 1: 0.301,
-0.107, 0.041, 0.027 by rank; the prior gives 0.301, 0.105, 0.037, 0.013). `fledge bench --probe`
-measures the real one. Acceptance is taken not to depend on the batch size.
+Where only an accept length is known, one table serves the spine and the rest: p per depth for
+the top guess and p((1-p)/2)^r for the rank-r sibling, a prior that lets trees be ranked at all,
+shaped after the shipped SmolLM2 drafter's probe on an H200 (depth 1: 0.301, 0.107, 0.041, 0.027
+by rank; the prior gives 0.301, 0.105, 0.037, 0.013). `fledge bench --probe` measures the real
+one. Acceptance is taken not to depend on the batch size.
 """
 
 from __future__ import annotations
@@ -105,10 +101,9 @@ def parse_shapes(text: str, flag: str = "--shapes") -> list[Shape]:
 
 @dataclass
 class Profile:
-    """ranks[d-1][r]: P(rank-r child at depth d is accepted | the path reached a node at depth
-    d-1 off the spine); spine[d-1][r] the same for a node on it (module doc). Without `spine`
-    one table serves both. Depths past a table's last row repeat it; ranks past a row's end are
-    never accepted."""
+    """The two tables of the module doc, indexed [depth - 1][rank]; without `spine` one table
+    serves both. Depths past a table's last row repeat it; ranks past a row's end are never
+    accepted."""
 
     ranks: list[list[float]]
     spine: list[list[float]] | None = None
@@ -123,8 +118,8 @@ class Profile:
                     raise FledgeError(f"acceptance profile ({name}) depth {d}: {row} — each value in [0, 1], sum <= 1")
 
     @classmethod
-    def sibling_prior(cls, p: float, width: int = 8) -> "Profile":
-        return cls([[p * ((1 - p) / 2) ** r for r in range(width)]])
+    def sibling_prior(cls, p: float) -> "Profile":
+        return cls([[p * ((1 - p) / 2) ** r for r in range(8)]])
 
     @classmethod
     def fit(cls, accept_length: float, shape: Shape) -> "Profile":
@@ -191,6 +186,12 @@ def profile_from_args(args) -> tuple[Profile, Shape | None, str]:
     return prof, shape, (f"acceptance: accept length {args.accept_length:.2f} taken as measured at {shape.label} "
                          f"(--accept-shape); fitted top-guess acceptance {prof.spine[0][0]:.3f} per depth, rank-r siblings "
                          "p((1-p)/2)^r (a prior: `fledge bench --probe` measures them)")
+
+
+def chain_profile(reached: list[float]) -> list[list[float]]:
+    """A chain's table from P(the accepted path reached depth i), i = 1..k: the conditional
+    acceptance per depth, what serving logs and counters give."""
+    return [[reached[0]]] + [[b / a if a > 0 else 0.0] for a, b in zip(reached, reached[1:])]
 
 
 def chain_accept_length(p: list[float]) -> float:

@@ -10,11 +10,10 @@ position. A point then predicts, with fledge.hwmodel at batch = concurrency,
     speculating: ms per token = (round of a k-chain, as `fledge tune` counts it) / accept length
 
 and scipy's least squares fits, on log time so every point weighs the same, the effective memory
-bandwidth, the effective FLOP/s, the host time per step, the fixed time per forward, the time per kernel
-launch and, when a server speculates, the extra host time per round. The profile written (`--out`) holds them as
-hardware overrides that `fledge tune --profile` reads, the points with the fit's error on each,
-and (when a server speculated) the measured chain acceptance as `ranks`, which
-`fledge tune --profile-json` reads.
+bandwidth, the effective FLOP/s, the host time per step, the fixed time per forward, the time per
+kernel launch and, when a server speculates, the extra host time per round. The profile written
+(`--out`) holds them as hardware overrides (`fledge tune --profile`), the points with the fit's
+error on each, and the measured chain acceptance as `ranks` (`fledge tune --profile-json`).
 
 `--merge PROFILE` adds the points of an earlier profile to the fit: servers that take minutes to
 start can be measured one at a time (plain, then a chain of 1, then of 5) into one profile.
@@ -33,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fledge import hwmodel
+from fledge.acceptance import Shape, chain_profile
 from fledge.openai_client import Client, metrics_url
 from fledge.serving import PROMPTS, ServerBench, run_level
 from fledge.util import FledgeError, atomic_write_json
@@ -45,16 +45,15 @@ def scrape(text: str) -> dict | None:
     """vLLM's speculative-decoding counters in a Prometheus text, summed over engines; None
     when it holds none (no speculation, or another server)."""
     found = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
-    any_seen = False
-    for name, labels, value in _SAMPLE.findall(text):
-        any_seen = True
+    samples = _SAMPLE.findall(text)
+    for name, labels, value in samples:
         key = name.removeprefix("vllm:spec_decode_num_").removesuffix("_total")
         if key == "accepted_tokens_per_pos":
             pos = int(re.search(r'position="(\d+)"', labels or "").group(1))
             found["per_pos"][pos] = found["per_pos"].get(pos, 0.0) + float(value)
         else:
             found[{"accepted_tokens": "accepted"}.get(key, key)] += float(value)
-    return found if any_seen else None
+    return found if samples else None
 
 
 def measure(url: str, metrics: str, levels, requests: int, max_tokens: int, timeout: float) -> list[dict]:
@@ -102,10 +101,9 @@ def _hardware(base: str, tp: int, link: str, graphs: bool, x: dict) -> hwmodel.H
 
 def predict_point(p: dict, target, drafter, hw: hwmodel.Hardware, context: int) -> float:
     """Predicted decode ms per token per request at the point's concurrency and speculation."""
-    st = hwmodel.step_times(target, drafter, hw, p["concurrency"], context, verify_sizes=(p["k"] + 1,), topks=(1,))
-    if not p["k"]:
-        return st.ar_ms
-    return (p["k"] * st.draft_ms[1] + st.verify_ms[p["k"] + 1] + st.overhead_ms) / p["accept_length"]
+    k = p["k"]
+    t = hwmodel.step_times(target, drafter, hw, p["concurrency"], context, verify_sizes=(k + 1,), topks=(1,))
+    return t.round_ms(Shape(k, 1, k + 1)) / p["accept_length"] if k else t.ar_ms
 
 
 def fit(points: list[dict], target, drafter, base: str, tp: int, link: str, graphs: bool, context: int) -> dict:
@@ -144,8 +142,16 @@ def chain_ranks(points: list[dict]) -> list[list[float]] | None:
         return None
     k = max(p["k"] for p in spec)
     drafts = sum(p["drafts"] for p in spec if p["k"] == k)
-    reach = [sum(p["accepted_per_pos"][i] for p in spec if p["k"] == k) / drafts for i in range(k)]
-    return [[reach[0]]] + [[b / a if a > 0 else 0.0] for a, b in zip(reach, reach[1:])]
+    return chain_profile([sum(p["accepted_per_pos"][i] for p in spec if p["k"] == k) / drafts for i in range(k)])
+
+
+def load_profile(path: str, flag: str) -> dict:
+    """A profile `cmd_calibrate` wrote, with the keys `fledge tune` reads."""
+    try:
+        profile = json.loads(Path(path).read_text())
+        return {"hardware": profile["hardware"], "points": profile["points"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FledgeError(f"{flag} {path}: not a `fledge tune calibrate` profile ({e})") from None
 
 
 def parse_levels(text: str, flag: str) -> list[int]:
@@ -171,13 +177,9 @@ def cmd_calibrate(args) -> int:
         raise FledgeError("--metrics-url: give one per --url, in the same order (or none)")
     target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
     levels = parse_levels(args.levels, "--levels")
-    points = []
-    if args.merge:  # servers measured earlier, one at a time: fit them all together
-        try:
-            points = json.loads(Path(args.merge).read_text())["points"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise FledgeError(f"--merge {args.merge}: not a `fledge tune calibrate` profile ({e})") from None
-    points += [pt for u, m in zip(args.url, metrics) for pt in measure(u, m, levels, args.requests, args.max_new_tokens, 120.0)]
+    points = load_profile(args.merge, "--merge")["points"] if args.merge else []  # servers measured one at a time
+    for url, metrics_at in zip(args.url, metrics):
+        points += measure(url, metrics_at, levels, args.requests, args.max_new_tokens, 120.0)
     tp, link, graphs = args.tp or 1, args.interconnect or "nvlink", not args.no_cuda_graphs
     x = fit(points, target, drafter, args.gpu, tp, link, graphs, args.context)
     hw = _hardware(args.gpu, tp, link, graphs, x)
@@ -200,8 +202,8 @@ def cmd_calibrate(args) -> int:
         print(f"{p['url'][:31]:<32}{p['concurrency']:>5}{p['k']:>3}{p['accept_length']:>8.2f}{p['ms_per_token']:>10.2f}"
               f"{p['predicted_ms_per_token']:>9.2f}{p['error_percent']:>+7.1f}%")
     print(f"fitted: {x['hbm_gbs']:.1f} GB/s, {x['tflops']:.3f} TFLOP/s, host {x['host_ms']:.2f} ms a step, "
-          f"{x['forward_ms']:.2f} ms a forward, {x['launch_us']:.1f} us a kernel, round extra {x['round_host_ms']:.2f} ms; mean |error| "
-          f"{profile['fit']['mean_abs_error_percent']:.1f}%, max {profile['fit']['max_abs_error_percent']:.1f}%")
+          f"{x['forward_ms']:.2f} ms a forward, {x['launch_us']:.1f} us a kernel, round extra {x['round_host_ms']:.2f} ms; "
+          f"mean |error| {profile['fit']['mean_abs_error_percent']:.1f}%, max {profile['fit']['max_abs_error_percent']:.1f}%")
     print(f"wrote {out}: `fledge tune --model {args.model} --profile {out} ...` reads it"
           + (f"; `--profile-json {out}` its measured acceptance" if ranks else ""))
     return 0

@@ -1,4 +1,5 @@
-"""Step times of a target and its EAGLE-3 drafter from their configs and the hardware, no GPU.
+"""Step times (Timings, what `fledge tune` ranks shapes with) of a target and its EAGLE-3 drafter
+from their configs and the hardware, no GPU.
 
 One forward of `tokens` rows per sequence for `batch` sequences at `context` cached tokens, per
 GPU of a tensor-parallel group of `tp`:
@@ -42,6 +43,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from fledge.acceptance import Shape
+from fledge.catalog import BUILTINS
 from fledge.util import FledgeError, short_dtype
 
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 4.5 / 8}
@@ -86,8 +89,8 @@ class Link:
 
 LINKS = {
     # 8 GPUs on PCIe without NVLink: an 8-byte NCCL all_reduce_perf takes 42 us on 8 x RTX 4090
-    # (NVIDIA/nccl issue 1530) and 54 us on 8 x RTX 3090 (issue 1439); 8 x RTX 5090 on PCIe 5
-    # reach 28 GB/s bus bandwidth on large messages (issue 1639).
+    # (github.com/NVIDIA/nccl/issues/1530) and 54 us on 8 x RTX 3090 (NVIDIA/nccl#1439); 8 x RTX
+    # 5090 on PCIe 5 reach 28 GB/s bus bandwidth on large messages (NVIDIA/nccl#1639).
     "pcie": Link(45.0, 28.0),
     # NVLink 4 through NVSwitch (HGX H100/H200): 450 GB/s each way per GPU (datasheet), of which
     # NCCL's ring reaches ~80% on large messages; small all-reduces take ~10 us.
@@ -132,6 +135,75 @@ def hardware(gpu: str, tp: int = 1, interconnect: str = "nvlink", **overrides) -
         g = replace(g, tflops={**g.tflops, **o.pop("tflops")})
     link = replace(LINKS[interconnect], **{k: o.pop(k) for k in ("latency_us", "bus_gbs") if k in o})
     return Hardware(g, tp, link, **o)
+
+
+# --------------------------------------------------------------------------- timings
+@dataclass
+class Timings:
+    """Milliseconds per step of one batch, what `fledge tune` ranks shapes with. `verify_ms`
+    maps tokens verified per request (the tree size n) to the target forward time; `draft_ms`
+    maps topk to one draft step; `overhead_ms` is the rest of a round.
+
+    With `output_len` > 0, rates are of whole requests, as a serving benchmark's output
+    throughput counts them: each request's prefill (`prefill_ms`, which the whole batch waits
+    for) is spread over its `output_len` new tokens. Speculation shortens only the decode part,
+    so its speed-up shrinks as prefill's share grows (batch x prefill against output_len steps).
+    With 0, rates are of decode rounds alone."""
+
+    ar_ms: float
+    verify_ms: dict[int, float]
+    draft_ms: dict[int, float]
+    overhead_ms: float = 0.0
+    batch: int = 1
+    prefill_ms: float = 0.0
+    output_len: int = 0
+
+    def __post_init__(self):
+        self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
+        self.draft_ms = {int(k): float(v) for k, v in sorted(self.draft_ms.items())}
+        if not self.ar_ms > 0:
+            raise FledgeError(f"--ar-ms {self.ar_ms}: must be > 0")
+        if not self.verify_ms or min(self.verify_ms) < 1 or min(self.verify_ms.values()) <= 0:
+            raise FledgeError(f"--verify-ms {self.verify_ms}: need n >= 1 tokens and times > 0")
+        if self.output_len < 0 or self.prefill_ms < 0:
+            raise FledgeError(f"--output-len {self.output_len}: must be >= 1 (or unset for decode rounds only)")
+        if not self.draft_ms or min(self.draft_ms.values()) < 0 or self.overhead_ms < 0:
+            raise FledgeError("--draft-ms and --overhead-ms must be >= 0")
+
+    def verify(self, n: int) -> float:
+        return _interp(self.verify_ms, n)
+
+    def draft(self, topk: int) -> float:
+        return _interp(self.draft_ms, topk)
+
+    def round_ms(self, shape: Shape) -> float:
+        """One speculative round of `shape`: its draft steps, its verify, the rest."""
+        return shape.num_steps * self.draft(shape.topk) + self.verify(shape.num_draft_tokens) + self.overhead_ms
+
+    @property
+    def prefill_per_token_ms(self) -> float:
+        """Prefill time a request's stream pays per new token (0 for decode-only rates)."""
+        return self.batch * self.prefill_ms / self.output_len if self.output_len else 0.0
+
+    @property
+    def plain_ms(self) -> float:
+        """Milliseconds per token of a request without speculation."""
+        return self.ar_ms + self.prefill_per_token_ms
+
+    def spec_ms(self, accept_length: float, round_ms: float) -> float:
+        """Milliseconds per token of a request whose rounds take `round_ms` and accept `accept_length`."""
+        return round_ms / accept_length + self.prefill_per_token_ms
+
+
+def _interp(table: dict[int, float], x: float) -> float:
+    """Piecewise linear through the measured points; flat below the first (and everywhere for a
+    single point), extended along the last segment beyond the last (forward time grows ~linearly
+    once compute-bound)."""
+    xs = sorted(table)
+    if x <= xs[0] or len(xs) == 1:
+        return table[xs[0]]
+    a, b = next(((a, b) for a, b in zip(xs, xs[1:]) if x <= b), xs[-2:])
+    return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
 
 
 # --------------------------------------------------------------------------- models
@@ -192,11 +264,10 @@ def distinct_experts(experts: int, active: int, rows: int) -> float:
     return experts * (1 - (1 - active / experts) ** rows)
 
 
-def _need(cfg: dict, where: str, *names):
-    for n in names:
-        if cfg.get(n) is not None:
-            return cfg[n]
-    raise FledgeError(f"{where}: no {' or '.join(names)}; pass an HF config.json with the model's fields")
+def _need(cfg: dict, where: str, name: str):
+    if cfg.get(name) is None:
+        raise FledgeError(f"{where}: no {name}; pass an HF config.json with the model's fields")
+    return cfg[name]
 
 
 def spec_from_config(cfg: dict, where: str, dtype: str = "bf16", quant: str | None = None,
@@ -238,10 +309,10 @@ def load_config(spec: str) -> tuple[dict, str]:
     """A config dict from a config.json, a model directory, or a built-in target name."""
     path = Path(spec).expanduser()
     if not path.exists():
-        from fledge.target import BUILTINS, resolve_target  # downloads a built-in once
-
         if spec not in BUILTINS:
             raise FledgeError(f"--model {spec!r}: not a config.json, a model directory, or a built-in ({', '.join(BUILTINS)})")
+        from fledge.target import resolve_target  # loads torch, and converts a built-in once
+
         path = resolve_target(spec)
     if path.is_dir():
         path = path / "config.json"
@@ -254,9 +325,8 @@ def load_config(spec: str) -> tuple[dict, str]:
 def default_drafter(target: ModelSpec, draft_vocab: int = 32000) -> ModelSpec:
     """The EAGLE-3 layer fledge (and SpecForge) build for a target: attention geometry and MLP
     width of one dense target layer (MoE targets: the dense MLP width)."""
-    heads = target.heads
-    head_dim = target.head_dim if not target.mla else target.mla[4]
-    return ModelSpec(1, target.hidden, heads, target.kv_heads, head_dim, target.intermediate,
+    head_dim = target.mla[4] if target.mla else target.head_dim
+    return ModelSpec(1, target.hidden, target.heads, target.kv_heads, head_dim, target.intermediate,
                      min(draft_vocab, target.vocab), draft=True, dtype=target.dtype, quant=target.dtype)
 
 
@@ -322,28 +392,25 @@ def prefill_ms(target: ModelSpec, hw: Hardware, prompt: int) -> float:
     return hw.host_ms + forward(target, hw, prompt, 1, prompt // 2).total_ms
 
 
-@dataclass
-class StepTimes:
-    """What `fledge tune` ranks shapes with: ms per AR step, per verify by tokens per sequence,
-    per draft step by topk, and the rest of a round."""
-
-    ar_ms: float
-    verify_ms: dict
-    draft_ms: dict
-    overhead_ms: float
-    breakdown: dict
+VERIFY_SIZES, TOPKS = (1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8)
 
 
-def step_times(target: ModelSpec, drafter: ModelSpec, hw: Hardware, batch: int, context: int,
-               verify_sizes=(1, 2, 4, 8, 16, 32, 64), topks=(1, 2, 4, 8)) -> StepTimes:
+def step_times(target: ModelSpec, drafter: ModelSpec, hw: Hardware, batch: int, context: int, output_len: int = 0,
+               verify_sizes=VERIFY_SIZES, topks=TOPKS) -> Timings:
     """AR step = host + one-row forward; a round = steps x draft(topk) + verify(n) + overhead,
-    overhead = host + the drafter's pass over the accepted tokens + `round_host_ms`."""
-    ar = forward(target, hw, 1, batch, context)
-    verify = {n: forward(target, hw, n, batch, context) for n in verify_sizes}
-    draft = {k: forward(drafter, hw, k, batch, context) for k in topks}
-    extend = forward(drafter, hw, 2, batch, context)
+    overhead = host + the drafter's pass over the accepted tokens + `round_host_ms`. With
+    `output_len`, of whole requests whose prompt is `context` tokens (Timings)."""
+    verify = {n: forward(target, hw, n, batch, context).total_ms for n in verify_sizes}
+    draft = {k: forward(drafter, hw, k, batch, context).total_ms for k in topks}
+    extend = forward(drafter, hw, 2, batch, context).total_ms
     fc_ms = 1e3 * 3 * drafter.hidden ** 2 * BYTES[drafter.dtype] / hw.tp / (hw.gpu.hbm_gbs * 1e9 * hw.bw_efficiency)
-    return StepTimes(hw.host_ms + ar.total_ms, {n: v.total_ms for n, v in verify.items()},
-                     {k: d.total_ms for k, d in draft.items()}, hw.host_ms + hw.round_host_ms + extend.total_ms + fc_ms,
-                     {"ar": asdict(ar), **{f"verify_{n}": asdict(v) for n, v in verify.items()},
-                      **{f"draft_topk{k}": asdict(d) for k, d in draft.items()}})
+    return Timings(hw.host_ms + forward(target, hw, 1, batch, context).total_ms, verify, draft,
+                   hw.host_ms + hw.round_host_ms + extend + fc_ms, batch,
+                   prefill_ms(target, hw, context) if output_len else 0.0, output_len)
+
+
+def breakdown(target: ModelSpec, drafter: ModelSpec, hw: Hardware, batch: int, context: int) -> dict:
+    """The forwards `step_times` adds up, each in its parts."""
+    return {"ar": asdict(forward(target, hw, 1, batch, context)),
+            **{f"verify_{n}": asdict(forward(target, hw, n, batch, context)) for n in VERIFY_SIZES},
+            **{f"draft_topk{k}": asdict(forward(drafter, hw, k, batch, context)) for k in TOPKS}}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fledge.acceptance import chain_profile
 from fledge.conventions import accept_length
 from fledge.openai_client import Client
 from fledge.util import FledgeError
@@ -36,8 +37,8 @@ PROMPTS = ["Explain speculative decoding in three paragraphs.", "Write a Python 
 # is absent in older versions and its denominator has changed between versions (num_draft_tokens vs
 # num_draft_tokens - 1), so it is reported as logged, never compared. Without speculation the line
 # has no "accept len": its gen throughput is the baseline.
-_SGLANG_FIELDS = {"running": r"#running-req: (\d+)", "accept_len": r"accept len: ([\d.]+)",
-                  "accept_rate": r"accept rate: ([\d.]+)", "gen": r"gen throughput \(token/s\): ([\d.]+)"}
+_SGLANG_FIELDS = {"accept_len": r"accept len: ([\d.]+)", "accept_rate": r"accept rate: ([\d.]+)",
+                  "gen": r"gen throughput \(token/s\): ([\d.]+)"}
 
 # vLLM, vllm/v1/spec_decode/metrics.py (SpecDecodingLogging.log):
 #   "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, Drafted
@@ -89,11 +90,10 @@ def _vllm_summary(rows: list[dict]) -> dict:
         w = int(r["drafted"]) / k
         for i, x in enumerate(float(v) for v in r["rates"].split(",")[:k]):
             reach[i] += w * x / max(drafts, 1e-9)
-    cond = [reach[0]] + [b / a if a > 0 else 0.0 for a, b in zip(reach, reach[1:])]
     return {"engine": "vllm", "lines": len(rows), "speculative": True, "num_speculative_tokens": k,
             "accept_length": accept_length(accepted, round(drafts)) if drafts else float("nan"),
             "accepted_tokens": accepted, "drafted_tokens": drafted, "reached_depth": reach,
-            "profile": [[p] for p in cond]}
+            "profile": chain_profile(reach)}
 
 
 def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float, ignore_eos: bool = False) -> dict:
@@ -161,9 +161,10 @@ def run_level(cfg: ServerBench, model: str, conc: int) -> dict:
     if not results:
         raise FledgeError(errors[0] if errors else f"{cfg.url}: no request finished within {cfg.duration_s} s")
     ttft = sorted(r["ttft_ms"] for r in results)
-    rates = [r["decode_tok_s"] for r in results if r["decode_tok_s"] == r["decode_tok_s"]]
+    rates = [r["decode_tok_s"] for r in results if r["decode_tok_s"] == r["decode_tok_s"]]  # NaN: one token only
+    tokens = sum(r["tokens"] for r in results)
     return {"concurrency": conc, "requests": len(results), "errors": len(errors), "wall_s": wall,
-            "tokens": sum(r["tokens"] for r in results), "total_tok_s": sum(r["tokens"] for r in results) / wall,
+            "tokens": tokens, "total_tok_s": tokens / wall,
             "per_request_tok_s": statistics.mean(rates) if rates else float("nan"),
             "ttft_ms_median": statistics.median(ttft), "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))]}
 

@@ -9,89 +9,25 @@ speculation pays iff E[accept length] > t_iter / t_ar — the break-even accept 
 reports. Where only an accept length is known (`--accept-length`, measured at `--accept-shape`),
 the profile is fledge.acceptance's sibling prior fitted to it.
 
-Timings come from the user (--what-if), from fledge.hwmodel (--model: the configs and the
-hardware, optionally calibrated from a live server), or from the engine (--target). A shape
-"pays" only if its predicted gain exceeds `--margin` (default 5%): below that the difference is
-inside what the timings and the model can resolve, and the verdict is to serve without
-speculation.
+Timings (fledge.hwmodel.Timings) come from the user (--what-if), from the hardware model
+(--model: the configs and the hardware, optionally calibrated on a live server), or from the
+engine (--target). A shape "pays" only if its predicted gain exceeds `--margin` (default 5%):
+below that the difference is inside what the timings and the model can resolve, and the verdict
+is to serve without speculation.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from fledge import bench, hwmodel
 from fledge.acceptance import (Profile, Shape, expected_accept_length, max_nodes, parse_shapes, profile_from_args,
                                profile_from_json)
-from fledge.calibrate import cmd_calibrate, parse_levels
+from fledge.calibrate import cmd_calibrate, load_profile, parse_levels
+from fledge.hwmodel import Timings
 from fledge.util import FledgeError, atomic_write_json, save_figure, subplots
-
-
-@dataclass
-class Timings:
-    """Milliseconds per step of one batch. `verify_ms` maps tokens verified per request (the
-    tree size n) to the target forward time; `draft_ms` maps topk to one draft step.
-
-    With `output_len` > 0, rates are of whole requests, as a serving benchmark's output
-    throughput counts them: each request's prefill (`prefill_ms`, which the whole batch waits
-    for) is spread over its `output_len` new tokens. Speculation shortens only the decode part,
-    so its speed-up shrinks as prefill's share grows (batch x prefill against output_len steps).
-    With 0, rates are of decode rounds alone."""
-
-    ar_ms: float
-    verify_ms: dict[int, float]
-    draft_ms: dict[int, float]
-    overhead_ms: float = 0.0
-    batch: int = 1
-    prefill_ms: float = 0.0
-    output_len: int = 0
-
-    def __post_init__(self):
-        self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
-        self.draft_ms = {int(k): float(v) for k, v in sorted(self.draft_ms.items())}
-        if not self.ar_ms > 0:
-            raise FledgeError(f"--ar-ms {self.ar_ms}: must be > 0")
-        if not self.verify_ms or min(self.verify_ms) < 1 or min(self.verify_ms.values()) <= 0:
-            raise FledgeError(f"--verify-ms {self.verify_ms}: need n >= 1 tokens and times > 0")
-        if self.output_len < 0 or self.prefill_ms < 0:
-            raise FledgeError(f"--output-len {self.output_len}: must be >= 1 (or unset for decode rounds only)")
-        if not self.draft_ms or min(self.draft_ms.values()) < 0 or self.overhead_ms < 0:
-            raise FledgeError("--draft-ms and --overhead-ms must be >= 0")
-
-    def verify(self, n: int) -> float:
-        return _interp(self.verify_ms, n)
-
-    @property
-    def prefill_per_token_ms(self) -> float:
-        """Prefill time a request's stream pays per new token (0 for decode-only rates)."""
-        return self.batch * self.prefill_ms / self.output_len if self.output_len else 0.0
-
-    @property
-    def plain_ms(self) -> float:
-        """Milliseconds per token of a request without speculation."""
-        return self.ar_ms + self.prefill_per_token_ms
-
-    def spec_ms(self, accept_length: float, round_ms: float) -> float:
-        """Milliseconds per token of a request whose rounds take `round_ms` and accept `accept_length`."""
-        return round_ms / accept_length + self.prefill_per_token_ms
-
-    def draft(self, topk: int) -> float:
-        return _interp(self.draft_ms, topk)
-
-
-def _interp(table: dict[int, float], x: float) -> float:
-    """Piecewise linear through the measured points; flat below the first (and everywhere for a
-    single point), extended along the last segment beyond the last (forward time grows ~linearly
-    once compute-bound)."""
-    xs = sorted(table)
-    if x <= xs[0] or len(xs) == 1:
-        return table[xs[0]]
-    a, b = next(((a, b) for a, b in zip(xs, xs[1:]) if x <= b), xs[-2:])
-    return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
 
 
 def parse_ms_table(text: str, arg: str) -> dict[int, float]:
@@ -117,7 +53,7 @@ class Prediction:
 
 def predict(profile: Profile, timings: Timings, shape: Shape) -> Prediction:
     L = expected_accept_length(profile, shape)
-    t = shape.num_steps * timings.draft(shape.topk) + timings.verify(shape.num_draft_tokens) + timings.overhead_ms
+    t = timings.round_ms(shape)
     ms = timings.spec_ms(L, t)
     return Prediction(shape, L, t, 1e3 / ms, timings.plain_ms / ms, t / timings.ar_ms)
 
@@ -188,7 +124,7 @@ def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Predi
 
 
 def report(preds: list[Prediction], timings: Timings, drafter: str, margin: float = 0.05, ref: Prediction | None = None,
-           notes: tuple[str, ...] = (), conc: list[dict] | None = None, top: int = 12) -> tuple[str, dict]:
+           notes: tuple[str, ...] = (), conc: list[dict] | None = None) -> tuple[str, dict]:
     """One screen: where the figures come from, the table, the verdict, flags only if it pays,
     the break-even accept length, what would have to change; and the same as a JSON-able dict."""
     ar = 1e3 / timings.ar_ms
@@ -198,7 +134,7 @@ def report(preds: list[Prediction], timings: Timings, drafter: str, margin: floa
              "accept length = SGLang's (accepted + bonus per verify step)",
              f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept':>7} {'iter ms':>8} {'tok/s':>8} {'speedup':>8} "
              f"{'break-even':>10}"]
-    for p in preds[:top]:
+    for p in preds[:12]:
         s = p.shape
         lines.append(f"{s.num_steps:>5} {s.topk:>4} {s.num_draft_tokens:>6} {p.accept_length:>7.2f} {p.iter_ms:>8.2f} "
                      f"{p.tok_s:>8.1f} {p.speedup:>7.2f}x {p.break_even:>10.2f}")
@@ -237,17 +173,19 @@ def _pred_dict(p: Prediction, drafter: str) -> dict:
             "sglang": p.shape.sglang_flags(), "vllm": p.shape.vllm_flags(drafter)}
 
 
-def plot(preds: list[Prediction], ar_tok_s: float, path, measured: dict | None = None, conc: list[dict] | None = None,
-         top: int = 24) -> None:
-    """Speed-up by shape (measured points on top when validating) and, given a sweep, the best
+def plot(preds: list[Prediction], ar_tok_s: float, path, validation: list[dict] | None = None,
+         conc: list[dict] | None = None):
+    """Speed-up by shape (`validate`'s measured points on top) and, given a sweep, the best
     speed-up by concurrency."""
-    shown = preds[:top]
+    shown = preds[:24]
+    measured = {r["label"]: r["tok_s_measured"] for r in validation or []}
     fig, axes = subplots(1, 2 if conc else 1, figsize=(max(6, 0.45 * len(shown)) + (5 if conc else 0), 4), squeeze=False)
     ax = axes[0][0]
     ax.bar(range(len(shown)), [p.speedup for p in shown], color="#4c78a8", label="predicted")
     if measured:
-        xs = [i for i, p in enumerate(shown) if p.shape in measured]
-        ax.scatter(xs, [measured[shown[i].shape] / ar_tok_s for i in xs], color="#e45756", zorder=3, label="measured")
+        xs = [i for i, p in enumerate(shown) if p.shape.label in measured]
+        ax.scatter(xs, [measured[shown[i].shape.label] / ar_tok_s for i in xs], color="#e45756", zorder=3,
+                   label="measured")
     ax.axhline(1.0, color="black", linestyle="--", label=f"no speculation ({ar_tok_s:.0f} tok/s)")
     ax.set_xticks(range(len(shown)), [p.shape.label for p in shown], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("speed-up per request")
@@ -267,12 +205,7 @@ def plot(preds: list[Prediction], ar_tok_s: float, path, measured: dict | None =
 # --------------------------------------------------------------------------- inputs from the CLI
 def machine(args) -> tuple[hwmodel.Hardware, str]:
     """Hardware from --profile (a `tune calibrate` output), then the CLI's table names and overrides."""
-    base = {}
-    if args.profile:
-        try:
-            base = json.loads(Path(args.profile).read_text())["hardware"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise FledgeError(f"--profile {args.profile}: not a `fledge tune calibrate` profile ({e})") from None
+    base = load_profile(args.profile, "--profile")["hardware"] if args.profile else {}
     gpu = args.gpu or base.get("gpu")
     if not gpu:
         raise FledgeError(f"--model needs --gpu NAME (one of {', '.join(hwmodel.GPUS)}) or --profile FROM_CALIBRATE")
@@ -285,13 +218,6 @@ def machine(args) -> tuple[hwmodel.Hardware, str]:
     hw = hwmodel.hardware(gpu, tp, link, cuda_graphs=not args.no_cuda_graphs and base.get("cuda_graphs", True), **over)
     label = f"{tp} x {gpu}" + (f" over {link}" if tp > 1 else "") + (f", calibrated by {args.profile}" if args.profile else "")
     return hw, label
-
-
-def model_timings(target, drafter, hw, batch: int, context: int, output_len: int = 0) -> Timings:
-    """The hardware model's Timings; with `output_len`, of whole requests whose prompt is `context` tokens."""
-    st = hwmodel.step_times(target, drafter, hw, batch, context)
-    prefill = hwmodel.prefill_ms(target, hw, context) if output_len else 0.0
-    return Timings(st.ar_ms, st.verify_ms, st.draft_ms, st.overhead_ms, batch, prefill, output_len or 0)
 
 
 # --------------------------------------------------------------------------- modes
@@ -307,12 +233,12 @@ def run_tune(args) -> int:
         raise FledgeError(f"--max-steps {args.max_steps}: must be >= 1")
     if not 0 <= args.margin < 1:
         raise FledgeError(f"--margin {args.margin}: a fraction in [0, 1), e.g. 0.05")
-    text, data, preds, measured = mode(args)
+    text, data, preds = mode(args)
     print(text)
     if args.json:
         atomic_write_json(args.json, data)
     if args.png:
-        plot(preds, data["ar_tok_s"], args.png, measured, data.get("concurrency"))
+        plot(preds, data["ar_tok_s"], args.png, data.get("validation"), data.get("concurrency"))
     return 0
 
 
@@ -332,7 +258,7 @@ def _what_if(args):
         draft = parse_ms_table(args.draft_ms, "--draft-ms")
     elif args.model:
         target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
-        draft = model_timings(target, drafter, machine(args)[0], args.batch, args.context).draft_ms
+        draft = hwmodel.step_times(target, drafter, machine(args)[0], args.batch, args.context).draft_ms
         notes.append("draft step predicted from the drafter's config (--model/--drafter, --gpu): "
                      + ", ".join(f"topk {k}: {v:.3f} ms" for k, v in draft.items()))
     else:
@@ -340,25 +266,27 @@ def _what_if(args):
                           "--gpu NAME to predict it from the drafter's size (one decoder layer and its LM head)")
     timings = Timings(args.ar_ms, parse_ms_table(args.verify_ms, "--verify-ms"), draft, args.overhead_ms, args.batch)
     profile, ref_shape, note = profile_from_args(args)
-    return (*_ranked(args, profile, timings, grid(args.max_steps), ref_shape, (*notes, note)), None)
+    return _ranked(args, profile, timings, grid(args.max_steps), ref_shape, (*notes, note))
 
 
 def _hardware_model(args):
     target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
     hw, label = machine(args)
     profile, ref_shape, note = profile_from_args(args)
-    timings = model_timings(target, drafter, hw, args.batch, args.context, args.output_len)
-    shapes = grid(args.max_steps)
+
+    def timings_at(batch: int) -> Timings:
+        return hwmodel.step_times(target, drafter, hw, batch, args.context, args.output_len or 0)
+
+    timings, shapes = timings_at(args.batch), grid(args.max_steps)
     moe = f", MoE {target.active}/{target.experts} experts" if target.experts else ""
     src = (f"hardware model: {args.model} ({target.layers} layers{moe}, {target.quant} weights) on {label}, "
            f"batch {args.batch}, context {args.context}, CUDA graphs {'on' if hw.cuda_graphs else 'off'}"
            + (f"; whole requests: a {args.context}-token prompt's prefill ({timings.prefill_ms:.1f} ms, the batch waits) "
               f"and {args.output_len} new tokens" if args.output_len else "; decode rounds only"))
-    conc = sweep(profile, lambda c: model_timings(target, drafter, hw, c, args.context, args.output_len), shapes,
-                 parse_levels(args.concurrency, "--concurrency"), args.margin)
+    conc = sweep(profile, timings_at, shapes, parse_levels(args.concurrency, "--concurrency"), args.margin)
     text, data, preds = _ranked(args, profile, timings, shapes, ref_shape, (src, note), conc)
-    data.update(hardware=asdict(hw), breakdown=hwmodel.step_times(target, drafter, hw, args.batch, args.context).breakdown)
-    return text, data, preds, None
+    data.update(hardware=asdict(hw), breakdown=hwmodel.breakdown(target, drafter, hw, args.batch, args.context))
+    return text, data, preds
 
 
 def measured_tune(args):
@@ -386,14 +314,12 @@ def measured_tune(args):
     note = f"timings: measured on fledge's engine ({bench.engine_path(rig)}), batch 1"
     text, data, preds = _ranked(args, profile, timings, shapes, None, (note,))
     data["ar_measured_tok_s"] = ar["tok_s"]
-    measured = None
     if args.validate:
         picks = parse_shapes(args.shapes) if args.shapes else validation_shapes(preds)
-        rows, measured = validate(rig, prompts, [predict(profile, timings, s) for s in picks], args.max_new_tokens,
-                                  ar["tok_s"])
-        text += "\n" + validation_table(rows)
-        data["validation"] = rows
-    return text, data, preds, measured
+        data["validation"] = validate(rig, prompts, [predict(profile, timings, s) for s in picks], args.max_new_tokens,
+                                      ar["tok_s"])
+        text += "\n" + validation_table(data["validation"])
+    return text, data, preds
 
 
 def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
@@ -408,16 +334,15 @@ def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
     return list(dict.fromkeys(chains[:1] + trees[:1] + fixed + turns))[:want]
 
 
-def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> tuple[list[dict], dict]:
+def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> list[dict]:
     """Run each predicted shape on the engine: measured against predicted tok/s, and its two
     factors apart — accept length (the profile) and round time (the timings)."""
     def err(predicted, measured):
         return 100 * (predicted - measured) / measured
 
-    rows, measured = [], {}
+    rows = []
     for p in preds:
         stats, tok_s = bench.run_shape(rig, rig.drafter(p.shape), prompts, max_new_tokens, f"validate {p.shape.label}")
-        measured[p.shape] = tok_s
         accept, round_ms = stats.accept_length(), stats.summary()["round_ms_per_step"]
         rows.append({**asdict(p.shape), "label": p.shape.label,
                      "accept_predicted": p.accept_length, "accept_measured": accept,
@@ -426,7 +351,7 @@ def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_
                      "round_error_percent": err(p.iter_ms, round_ms),
                      "tok_s_predicted": p.tok_s, "tok_s_measured": tok_s, "speedup_measured": tok_s / ar_tok_s,
                      "error_percent": err(p.tok_s, tok_s)})
-    return rows, measured
+    return rows
 
 
 def validation_table(rows: list[dict]) -> str:

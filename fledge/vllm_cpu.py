@@ -17,23 +17,22 @@ def venv_dir() -> Path:
     return cache_dir() / "vllm-venv"
 
 
-def venv_ready(venv: Path | None = None) -> bool:
-    return ((venv or venv_dir()) / ".fledge-complete").is_file()
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
 
 
-def venv_env(venv: Path | None = None) -> dict:
+def venv_ready() -> bool:
+    return (venv_dir() / ".fledge-complete").is_file()
+
+
+def venv_env() -> dict:
     """os.environ plus the venv's vllm.env (LD_PRELOAD of tcmalloc and libiomp5, CPU settings)."""
-    venv = venv or venv_dir()
-    if not venv_ready(venv):
-        raise FledgeError(f"{venv}: no finished vLLM venv; run scripts/setup_vllm.sh")
+    if not venv_ready():
+        raise FledgeError(f"{venv_dir()}: no finished vLLM venv; run scripts/setup_vllm.sh")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # fledge's CPU tests run its Triton kernel interpreted; vLLM's own must not be
-    for line in (venv / "vllm.env").read_text().splitlines():
+    for line in (venv_dir() / "vllm.env").read_text().splitlines():
         key, _, value = line.partition("=")
         if key:
             env[key] = value
     return env
-
-
-def venv_python(venv: Path | None = None) -> Path:
-    return (venv or venv_dir()) / "bin" / "python"

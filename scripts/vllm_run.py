@@ -18,6 +18,7 @@ import logging.handlers
 import os
 import re
 import time
+from pathlib import Path
 
 # The engine core must run in this process, so its log records (the aux-layer line) reach
 # our handler; and vLLM must not configure logging, because its dictConfig, re-applied when
@@ -56,8 +57,7 @@ def main():
     spec = None
     if args.drafter:
         spec = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.num_spec_tokens}
-    with open(args.prompts) as f:
-        prompts = json.load(f)
+    prompts = json.loads(Path(args.prompts).read_text())
 
     t0 = time.perf_counter()
     llm = LLM(model=args.target, speculative_config=spec, dtype=args.dtype, enforce_eager=True,
@@ -80,10 +80,8 @@ def main():
         "generate_s": round(t2 - t1, 3),
         "tok_per_s": round(sum(map(len, tokens)) / (t2 - t1), 2),
     }
-    tmp = f"{args.out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, args.out)
+    Path(f"{args.out}.tmp").write_text(json.dumps(result, indent=2))
+    os.replace(f"{args.out}.tmp", args.out)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ of its own, so stopping it leaves no orphaned engine. Tests import `start` from 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import os
 import signal
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from fledge.target import resolve_target
 from fledge.util import FledgeError
-from fledge.vllm_cpu import venv_dir, venv_env
+from fledge.vllm_cpu import venv_env, venv_python
 
 HOST = "127.0.0.1"
 
@@ -64,26 +65,20 @@ def healthy(url: str) -> bool:
 
 
 def start(target: Path, name: str, port: int = 0, max_model_len: int = 1024, dtype: str = "float32",
-          log: Path | None = None, timeout: float = 300.0, venv: Path | None = None, extra: tuple = ()) -> Server:
+          log: Path | None = None, timeout: float = 300.0, extra: tuple = ()) -> Server:
     """Start the server, wait at most `timeout` s for /health. `log`: vLLM's output (None: this
     terminal); `extra`: more vLLM arguments (e.g. --speculative-config JSON)."""
-    venv = venv or venv_dir()
-    env = venv_env(venv)
+    env = venv_env()
     port = port or free_port()
     # `python -m` on the module, not `vllm serve`: the CLI looks up package metadata named
     # `vllm`, but the CPU build is installed as `vllm-cpu`.
-    cmd = [str(venv / "bin" / "python"), "-W", "ignore::DeprecationWarning", "-m",
+    cmd = [str(venv_python()), "-W", "ignore::DeprecationWarning", "-m",
            "vllm.entrypoints.openai.api_server", "--model", str(target), "--served-model-name", name,
            "--host", HOST, "--port", str(port), "--max-model-len", str(max_model_len), "--dtype", dtype,
            "--enforce-eager", "--seed", "0", *extra]
-    out = open(log, "ab") if log else None
     t0 = time.monotonic()
-    try:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
-    finally:
-        if out:
-            out.close()  # the child holds its own descriptor
+    with open(log, "ab") if log else contextlib.nullcontext() as out:  # the child holds its own descriptor
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, process_group=0)
     server = Server(proc, f"http://{HOST}:{port}", 0.0)
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:

@@ -16,7 +16,7 @@ import pytest
 from fledge import calibrate, hwmodel
 from fledge.cli import main
 from fledge.acceptance import Shape, profile_from_json
-from fledge.tune import Timings, predict
+from fledge.tune import predict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tune"
 TARGET = FIXTURES / "llama31_8b_config.json"
@@ -127,8 +127,7 @@ def test_fit_reproduces_the_servers_and_predicts_another_chain(servers, tmp_path
     acc = profile_from_json(out)
 
     def chain2(h):
-        st = hwmodel.step_times(target, drafter, h, 1, 256)
-        return predict(acc, Timings(st.ar_ms, st.verify_ms, st.draft_ms, st.overhead_ms), Shape(2, 1, 3)).tok_s
+        return predict(acc, hwmodel.step_times(target, drafter, h, 1, 256), Shape(2, 1, 3)).tok_s
 
     assert chain2(hw) == pytest.approx(chain2(truth_hw()), rel=0.1)
     # and `fledge tune --profile` reads it

@@ -14,7 +14,6 @@ import pytest
 from conftest import make_tiny
 from fledge import hwmodel as H
 from fledge.cli import main
-from fledge.tune import model_timings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tune"
 UNIT = H.Hardware(H.Gpu(1.0, {"fp32": 1.0}), bw_efficiency=1.0, flops_efficiency=1.0)  # 1 GB/s, 1 TFLOP/s
@@ -119,7 +118,7 @@ def specbundle_predictions(gpu: str = "h200", output_len: int = 512):
                                 ("Llama-3.3-70B-Instruct", "llama33_70b_config.json", 4)]:
         m = H.spec_from_config(json.loads((FIXTURES / cfg_file).read_text()), cfg_file)
         mine = [r for r in rows if r["model"] == model]
-        t = model_timings(m, H.default_drafter(m), H.hardware(gpu, tp, "nvlink"), mine[0]["batch_size"], 1024, output_len)
+        t = H.step_times(m, H.default_drafter(m), H.hardware(gpu, tp, "nvlink"), mine[0]["batch_size"], 1024, output_len)
         for r in mine:
             it = r["steps"] * t.draft(1) + t.verify(r["num_draft_tokens"]) + t.overhead_ms
             out.append({**r, "predicted": t.plain_ms / t.spec_ms(r["accept_length"], it),
