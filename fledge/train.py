@@ -123,18 +123,17 @@ def draft_loss(logits, probs, top, rows, kind: str = "kl"):
               row, not per batch, so any split across ranks and micro-batches gives the same
               gradient."""
     logp = logits.float().log_softmax(-1)
-    p = probs[rows]
+    p, t = probs[rows], top[rows]
     ce = -(p * logp).sum(-1)
     if kind == "kl":
         objective = ce
     elif kind == "greedy":
-        t = top[rows]
         objective = ce - torch.where(t >= 0, logp.gather(-1, t.clamp_min(0)[:, None])[:, 0], 0.0)
     else:
         alpha = torch.minimum(p, logp.exp()).sum(-1)
         lam = 1 - alpha.detach()
         objective = lam * ce + (1 - lam) * (1 - alpha)
-    return ce.sum(), objective.sum(), logp.argmax(-1) == top[rows]
+    return ce.sum(), objective.sum(), logp.argmax(-1) == t
 
 
 # On CUDA the loss is compiled: eager, each TTT step wrote the gathered fp32 target rows, the
