@@ -106,6 +106,9 @@ TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes ove
                  ("ttt-steps", int, "training-time-test unroll: draft steps trained per position"),
                  ("step-decay", float, "loss weight of TTT step j is step-decay**j"),
                  ("max-len", int, "samples are cut to this many tokens"),
+                 ("loop-cut", int, "cut each training sample once its answer repeats a stretch of this many "
+                                   "tokens (one lap of a loop kept); 0 keeps whole samples; the held-out set is "
+                                   "never cut"),
                  ("eval-samples", int, "held-out samples split off --data when --eval-data is unset"),
                  ("draft-intermediate-size", int, "the draft's MLP width (unset: the target's, or --init's); with "
                                                   "--init, the warm start is widened to it (Eagle3Draft.widen_mlp)"),
@@ -117,7 +120,8 @@ TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes ove
 # The ones `fledge adapt` passes through to its fine-tune: the draft's shape is OLD's, and the
 # loss and optimizer constants stay fledge train's.
 ADAPT_TRAIN_OPTIONS = tuple(o for o in TRAIN_OPTIONS if o[0] not in ("weight-decay", "clip", "step-decay",
-                                                                     "draft-intermediate-size", "time-budget"))
+                                                                     "draft-intermediate-size", "time-budget",
+                                                                     "loop-cut"))
 
 
 @dataclass
@@ -135,6 +139,7 @@ class TrainConfig:
     aux_layers: tuple[int, ...] | None = None
     draft_intermediate_size: int | None = None  # the draft's MLP width (default: the target's or --init's; engines read it from config.json)
     max_len: int = 2048
+    loop_cut: int = 0                 # cut training samples after the first repeat of this many tokens; 0: whole
     ttt_steps: int = 7
     step_decay: float = 0.8
     batch_size: int = 8               # sequences per rank per micro-batch
@@ -160,7 +165,10 @@ class TrainConfig:
             self.aux_layers = tuple(self.aux_layers)
         checks = [(self.ttt_steps >= 1, "ttt_steps must be >= 1"), (0 < self.step_decay <= 1, "step_decay must be in (0, 1]"),
                   (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
-                  (self.max_len >= 3, "max_len must be >= 3"), (self.lr > 0, "lr must be > 0"),
+                  (self.max_len >= 3, "max_len must be >= 3"),
+                  (self.loop_cut >= 0, "loop_cut must be >= 0 (0 keeps whole samples)"),
+                  (not (self.loop_cut and self.features), "--loop-cut cuts samples the stored --features cover whole; "
+                                                          "drop one"), (self.lr > 0, "lr must be > 0"),
                   (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.head in HEADS, f"head {self.head!r}: one of {', '.join(HEADS)}"),

@@ -62,6 +62,48 @@ def load_samples(path, max_len: int, vocab_size: int) -> list[Sample]:
     return samples
 
 
+def loop_end(ids: torch.Tensor, mask: torch.Tensor, width: int) -> int | None:
+    """Where a sample stops once its answer loops: the end of the first stretch of `width`
+    trained tokens that repeats an earlier stretch of the same answer (one run of the mask),
+    or None if none repeats.
+
+    A small target's greedy answers often fall into loops (most of SmolLM2-135M's 512-token
+    answers end in one), and a drafter predicts repeated text almost always right; cutting
+    after the first repeat keeps one lap of each loop and spends the rest of the batch on
+    text the drafter still gets wrong."""
+    keys = ids.to(torch.int64).numpy().tobytes()
+    trained = mask.tolist()
+    start = 0
+    while start < len(trained):
+        if not trained[start]:
+            start += 1
+            continue
+        end = start
+        while end < len(trained) and trained[end]:
+            end += 1
+        seen = set()
+        for i in range(start, end - width + 1):
+            key = keys[8 * i: 8 * (i + width)]
+            if key in seen:
+                return i + width
+            seen.add(key)
+        start = end
+    return None
+
+
+def cut_loops(samples: list[Sample], width: int) -> tuple[list[Sample], dict]:
+    """Each sample cut at its `loop_end`; the counts of samples cut and trained tokens kept."""
+    out, cut, before = [], 0, 0
+    for s in samples:
+        before += int(s.loss_mask.sum())
+        end = loop_end(s.input_ids, s.loss_mask, width)
+        if end is not None:
+            s, cut = Sample(s.id, s.index, s.input_ids[:end], s.loss_mask[:end]), cut + 1
+        out.append(s)
+    return out, {"samples": len(out), "cut": cut, "trained_tokens": before,
+                 "trained_tokens_kept": sum(int(s.loss_mask.sum()) for s in out)}
+
+
 def padded_length(n: int, multiple: int) -> int:
     """The length a batch whose longest sample has `n` tokens is padded to (pad_batch)."""
     return -(-n // multiple) * multiple

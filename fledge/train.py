@@ -66,8 +66,8 @@ from fledge.checkpoint import export_checkpoint, load_checkpoint
 from fledge.config import DraftConfig, TrainConfig
 from fledge.conventions import accept_length, chain_replay
 from fledge.draft import Eagle3Draft
-from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, feature_model, features_meta,
-                             load_samples, online_features, pad_batch, padded_length)
+from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, cut_loops, feature_model,
+                             features_meta, load_samples, online_features, pad_batch, padded_length)
 from fledge.util import (FledgeError, atomic_dir, atomic_write_text, pick_device, read_jsonl,
                          save_figure, settle_dir, subplots, write_file)
 from fledge.vocab import load_vocab_ids
@@ -294,6 +294,11 @@ def setup(cfg: TrainConfig, target) -> Run:
         store = FeatureStore(cfg.features, {**features_meta(target.name, cfg.data, cfg.max_len),
                                             "num_samples": len(samples)}, tcfg.hidden_size)
     train, evals = split_eval(samples, cfg, tcfg.vocab_size)
+    if cfg.loop_cut:
+        train, cut = cut_loops(train, cfg.loop_cut)
+        if rank == 0:
+            print(f"fledge train: --loop-cut {cfg.loop_cut} cut {cut['cut']} of {cut['samples']} samples; "
+                  f"{cut['trained_tokens_kept']:,} of {cut['trained_tokens']:,} trained tokens kept", file=sys.stderr)
     draft = build_draft(cfg, target)
     aux_ids = aux_layer_ids_for(model, draft.cfg.aux_layer_ids)
     if store and tuple(store.meta["aux_layer_ids"]) != aux_ids:

@@ -23,8 +23,8 @@ from fledge.cli import main as cli_main
 from fledge.checkpoint import load_checkpoint
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
-from fledge.features import (FeatureStore, Sample, TargetHead, feature_model, features_meta, load_samples,
-                             online_features, write_features)
+from fledge.features import (FeatureStore, Sample, TargetHead, cut_loops, feature_model, features_meta,
+                             load_samples, loop_end, online_features, write_features)
 from fledge.target import Target
 from fledge.train import (EXIT_BUDGET, TTT, Paused, Run, TrainConfig, budget_steps, epoch_batches, fit_step_time, plan_budget,
                           planned_seconds, replay_counts, summarize, train, unroll)
@@ -708,3 +708,77 @@ def test_bad_inputs_refused(tmp_path, target_dir, capsys):
     before = state.read_bytes()
     _cli_fails(capsys, tmp_path, target_dir, "--lr", "0.5", match="another config (lr differ")
     assert state.read_bytes() == before
+
+
+# --------------------------------------------------------------------------- loops cut
+def _loop_end_brute(ids: list[int], mask: list[int], width: int):
+    """Every window of every trained run against every earlier window of the same run."""
+    runs, i = [], 0
+    while i < len(mask):
+        if mask[i]:
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    for a, b in runs:
+        for i in range(a, b - width + 1):
+            if any(ids[j:j + width] == ids[i:i + width] for j in range(a, i)):
+                return i + width
+    return None
+
+
+def test_loop_end_against_brute_force():
+    g = torch.Generator().manual_seed(0)
+    found = 0
+    for trial in range(400):
+        n, alphabet, width = int(torch.randint(1, 60, (), generator=g)), int(torch.randint(2, 9, (), generator=g)), \
+            int(torch.randint(1, 6, (), generator=g))
+        ids = torch.randint(0, alphabet, (n,), generator=g)
+        mask = torch.rand(n, generator=g) < 0.85  # several trained runs, some split by a prompt token
+        want = _loop_end_brute(ids.tolist(), mask.int().tolist(), width)
+        assert loop_end(ids, mask, width) == want, (ids.tolist(), mask.int().tolist(), width)
+        found += want is not None
+    assert 50 < found < 350  # both outcomes are exercised
+    # a repeat that straddles an untrained token is not a loop of one answer
+    ids, mask = torch.tensor([5, 6, 7, 5, 6, 7]), torch.tensor([1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    assert loop_end(ids, mask, 2) is None and loop_end(ids, mask.fill_(True), 2) == 5
+
+
+def test_loop_cut_trains_as_if_the_data_were_cut(tmp_path, target_dir, capsys):
+    """`--loop-cut W` on looping answers runs the same steps as training, uncut, on the samples
+    cut at their loop_end by hand; it is part of the run's config and refused beside --features."""
+    g = torch.Generator().manual_seed(3)
+    whole, cut = [], []
+    for i in range(16):
+        lap = torch.randint(0, V, (int(torch.randint(3, 7, (), generator=g)),), generator=g).tolist()
+        ids = [1, 2, 3] + torch.randint(0, V, (8,), generator=g).tolist() + lap * 6
+        mask = [0, 0, 0] + [1] * (len(ids) - 3)
+        end = _loop_end_brute(ids, mask, 4)
+        whole.append({"id": f"s{i}", "input_ids": ids, "loss_mask": mask})
+        cut.append({"id": f"s{i}", "input_ids": ids[:end], "loss_mask": mask[:end]})
+    for name, rows in (("whole", whole), ("cut", cut)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--target", str(target_dir), "--max-steps", "3", "--batch-size", "2", "--ttt-steps", "2",
+              "--log-every", "1", "--eval-samples", "2"]
+    assert cli_main(["train", "--data", str(tmp_path / "whole.jsonl"), "--out", str(tmp_path / "a"),
+                     "--loop-cut", "4", *common]) == 0
+    assert "--loop-cut 4 cut 15 of 15 samples" in capsys.readouterr().err
+    assert cli_main(["train", "--data", str(tmp_path / "cut.jsonl"), "--out", str(tmp_path / "b"), *common]) == 0
+    assert len(curve(tmp_path / "a")) == 3 and curve(tmp_path / "a") == curve(tmp_path / "b")
+    samples = load_samples(tmp_path / "whole.jsonl", 2048, V)
+    kept, counts = cut_loops(samples, 4)
+    assert counts["cut"] == 16 and counts["trained_tokens_kept"] == sum(sum(r["loss_mask"]) for r in cut)
+    assert [s.input_ids.tolist() for s in kept] == [r["input_ids"] for r in cut]
+    capsys.readouterr()
+    state = tmp_path / "a" / "checkpoint" / "state.pt"
+    before = state.read_bytes()
+    assert cli_main(["train", "--data", str(tmp_path / "whole.jsonl"), "--out", str(tmp_path / "a"),
+                     "--loop-cut", "5", *common]) == 2
+    assert "another config (loop_cut differ" in capsys.readouterr().err and state.read_bytes() == before
+    (tmp_path / "feats").mkdir()
+    assert cli_main(["train", "--data", str(tmp_path / "whole.jsonl"), "--out", str(tmp_path / "c"),
+                     "--loop-cut", "4", "--features", str(tmp_path / "feats"), *common]) == 2
+    assert "--loop-cut cuts samples the stored --features cover whole" in capsys.readouterr().err
