@@ -183,7 +183,7 @@ def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warm
     replaying earlier graphs in turn can read freed memory: an illegal memory access on CUDA)."""
     import torch
 
-    from fledge.engine import spec
+    from fledge.engine import rounds
     from fledge.engine.generate import now
     from fledge.engine.tree import chain
 
@@ -194,10 +194,10 @@ def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warm
         tree = chain(torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, n - 1, dtype=torch.long, device=dev))
 
         def fn(tok, cl, tree=tree, cache=cache):
-            return spec.verify_forward(rig.target, cache, tree, cl, rig.draft.cfg.aux_layer_ids)
+            return rounds.verify_forward(rig.target, cache, tree, cl, rig.draft.cfg.aux_layer_ids)
 
         graph = dev.type == "cuda" and rig.target.cuda_graph_ok
-        call = spec.static_call(fn, [tree.tokens, cache_len], graph) if graph else fn
+        call = rounds.static_call(fn, [tree.tokens, cache_len], graph) if graph else fn
         for _ in range(warmup):
             call(tree.tokens, cache_len)
         times = []

@@ -179,7 +179,7 @@ def test_rank_probe_counts_sibling_ranks_on_the_spine_and_off_it():
 def test_verify_timing_warms_each_size_and_takes_the_median(monkeypatch):
     """A size whose one call stalls keeps its median; each size is warmed, then timed, before
     the next is built (the engine replays a graph only until its next capture)."""
-    from fledge.engine import spec
+    from fledge.engine import rounds
 
     calls = []
 
@@ -189,7 +189,7 @@ def test_verify_timing_warms_each_size_and_takes_the_median(monkeypatch):
         stall = n == 4 and calls.count(4) == 5  # the third timed call of size 4
         time.sleep(0.3 if stall else 0.004 * n)
 
-    monkeypatch.setattr(spec, "verify_forward", fake_verify)
+    monkeypatch.setattr(rounds, "verify_forward", fake_verify)
     target = type("T", (), {"new_cache": lambda self, b, n: None, "cuda_graph_ok": False})()
     draft = type("D", (), {"cfg": type("C", (), {"aux_layer_ids": None})()})()
     rig = EngineRig(None, None, target, draft, [], torch.device("cpu"))

@@ -12,7 +12,8 @@ from conftest import make_tiny
 from fledge.engine import HFTarget, SamplingParams, build_engine_target, generate_ar
 from fledge.engine.drafters import Eagle3Drafter, OracleDrafter, SpecConfig
 from fledge.engine.resident import Resident, buckets
-from fledge.engine.spec import PhasedRound, QueuedRound, generate_spec
+from fledge.engine.rounds import PhasedRound, QueuedRound
+from fledge.engine.spec import generate_spec
 from fledge.util import FledgeError
 from test_engine_spec import tiny_setup
 

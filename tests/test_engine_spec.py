@@ -12,7 +12,8 @@ from fledge.draft import Eagle3Draft
 from fledge.engine import HFTarget, SamplingParams, build_engine_target, generate_ar, logits_to_probs, make_causal_mask
 from fledge.engine.attention import Prefix
 from fledge.engine.drafters import DraftInput, Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
-from fledge.engine.spec import generate_spec, verify_forward
+from fledge.engine.rounds import verify_forward
+from fledge.engine.spec import generate_spec
 from fledge.engine.tree import chain, make_tree, path_to, select_tree, verify_greedy, verify_sample
 from fledge.util import FledgeError
 
@@ -166,7 +167,7 @@ def test_greedy_spec_equals_ar(family):
 
 def test_rounds_queued_ahead_stay_inside_an_exact_cache():
     """With the cache exactly prompt + max_new_tokens + num_draft_tokens slots and an oracle
-    that fills every round, the round queued ahead of the host (spec.QueuedRound) must wait where it
+    that fills every round, the round queued ahead of the host (rounds.QueuedRound) must wait where it
     could overrun the cache (an index error here); the text, accepted counts and round count
     are those of the unqueued phased rounds."""
     hf, target, draft = tiny_setup("llama", vocab=32, initializer_range=0.15)
@@ -226,11 +227,11 @@ def test_compiled_engine_equals_eager():
 
 
 def test_compaction_kernel_equals_gather_scatter():
-    """spec.compact's one-kernel move (Triton; the interpreter here) writes the cache exactly as
+    """rounds.compact's one-kernel move (Triton; the interpreter here) writes the cache exactly as
     the gather-then-scatter form, for random tree paths whose nodes sit in slots other path
     entries move into, padded paths included, at two rows."""
     from fledge.engine.model import KVCache
-    from fledge.engine.spec import compact, path_of
+    from fledge.engine.rounds import compact, path_of
     g = torch.Generator().manual_seed(6)
     for trial in range(3):
         N, D = 12, 6
@@ -538,12 +539,12 @@ def test_topk_forms_equal_torch_topk():
 
 
 def test_compiled_round_finish_equals_eager_with_ties():
-    """The fused round's compiled acceptance and bookkeeping (spec.finish_round through
+    """The fused round's compiled acceptance and bookkeeping (rounds.finish_round through
     torch.compile, as on CUDA) against eager on random trees whose logits tie often (values 0-2
     over 7 tokens): the same path, and the same state buffers written in place (start, cache
     length, n, path tokens, bonus, aux rows, the host's result), so ties break to the lowest
     token id in both."""
-    from fledge.engine.spec import RoundState, finish_round, finish_round_compiled
+    from fledge.engine.rounds import RoundState, finish_round, finish_round_compiled
     g = torch.Generator().manual_seed(11)
     for trial in range(4):
         V, N, D = 7, 9, 4

@@ -6,9 +6,9 @@ kernels; hf.py: a transformers model as the engine's target (the compact Transfo
 config and weights, else HFTarget, which runs it through transformers behind the same forward);
 generate.py: autoregressive baseline (length-sorted row groups, attention spans), sampling,
 masks, CUDA-graph capture; stream.py: continuous batching; resident.py: a batch-1 target kept
-between requests; tree.py, spec.py: EAGLE-2 trees, verification in one forward, acceptance, KV
-compaction, rounds fused into one graph; drafters.py: EAGLE-3, oracle and n-gram behind one
-interface; stats.py: what every run prints.
+between requests; tree.py, rounds.py: EAGLE-2 trees, verification in one forward, acceptance,
+KV compaction, rounds fused into one graph; spec.py: a request's prefill and rounds;
+drafters.py: EAGLE-3, oracle and n-gram behind one interface; stats.py: what every run prints.
 """
 
 from fledge.engine.generate import (SamplingParams, capture_cuda_graph, generate_ar, logits_to_probs,

@@ -115,7 +115,7 @@ class OracleDrafter:
             self.seq = rows.to(dev)
 
     def buffers(self) -> tuple:
-        """The device tensors a captured round reads (see spec.Round.serves)."""
+        """The device tensors a captured round reads (see rounds.Round.serves)."""
         return (self.seq,)
 
     def start(self, batch: int, max_len: int) -> None:
@@ -239,7 +239,7 @@ class Eagle3Drafter:
 
     def buffers(self) -> tuple:
         """The device tensors propose and observe read and write between calls: a round captured
-        over them replays right while `start` keeps them (see spec.Round.serves)."""
+        over them replays right while `start` keeps them (see rounds.Round.serves)."""
         return self.kv, self.last
 
     def _step(self, ids, hidden, positions, slots, mask):

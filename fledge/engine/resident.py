@@ -1,6 +1,6 @@
 """A batch-1 target kept between requests: one KV cache that every request reuses, the
 prefill captured as a CUDA graph per prompt-length bucket, and the speculative rounds last
-built over that cache (engine.spec.round_for), whose graphs the next request of the same
+built over that cache (engine.rounds.round_for), whose graphs the next request of the same
 drafter replays.
 
 Why: an eager prefill launches ~600 kernels from Python. On the H200 a request spent 13-26 ms on
@@ -49,7 +49,7 @@ class Resident:
                               f"not {type(model).__name__}")
         dev = model.output.weight.device
         self.model, self.cache = model, model.new_cache(1, max_len)
-        self.rounds = {}  # engine.spec's rounds over this cache, one per kind
+        self.rounds = {}  # the rounds built over this cache (engine.rounds), one per kind
         self.last = torch.zeros(1, 1, dtype=torch.long, device=dev)  # the prompt's last position
         self.ids = {b: torch.zeros(1, b, dtype=torch.long, device=dev) for b in buckets(max_len)}
         graphs = use_graph and dev.type == "cuda" and model.cuda_graph_ok
