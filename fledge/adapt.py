@@ -247,8 +247,8 @@ def run_adapt(args) -> int:
                       train_options={k: v for k, v in opts.items() if v is not None})
     report = adapt(cfg, load_target(cfg.target))
     if (report.get("train") or {}).get("eval"):
-        from fledge.train import print_table
-        print_table(report["train"]["eval"])
+        from fledge.train import print_eval
+        print_eval(report["train"]["eval"])
     print_report(report)
     print(f"wrote {Path(cfg.out) / 'adapt.json'}")
     return 0

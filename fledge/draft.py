@@ -105,18 +105,25 @@ class Eagle3Draft(nn.Module):
     def init_head_from(self, target_model) -> None:
         """Start the output side where the target's is: `lm_head` = the target's output rows of
         the draft vocab, `norm` = its final norm, so that a draft landing on the target's final
-        hidden state of the next position predicts as the target does. The norm is copied only
-        where the target's is a plain weighted RMSNorm, or 1 + weight (Gemma), checked
-        numerically; other norms keep the ones of a fresh draft. Not the default: a random draft
-        state through a copied head gives confident wrong logits at first (on SmolLM2, CPU, 400
-        answers: soft CE 12.9 against 7.6 over the first 10 steps), which the draft must unlearn.
+        hidden state of the next position predicts as the target does. The target must be a
+        Llama-family HF model, its decoder's final norm at `.norm.weight` (a FledgeError
+        otherwise). That norm is copied only where it is a plain weighted RMSNorm, or
+        1 + weight (Gemma), checked numerically; other norms keep the ones of a fresh draft.
+        Not the default: a random draft state through a copied head gives confident wrong
+        logits at first (on SmolLM2, CPU, 400 answers: soft CE 12.9 against 7.6 over the first
+        10 steps), which the draft must unlearn.
         """
+        try:
+            norm = target_model.get_decoder().norm
+            w = norm.weight
+        except AttributeError:
+            raise FledgeError(f"the drafter's head starts from the target's, but {type(target_model).__name__} "
+                              "has no final norm at get_decoder().norm.weight (Llama-family models do)") from None
+        if w.shape != self.norm.weight.shape:
+            raise FledgeError(f"the target's final norm {list(w.shape)} does not fit the drafter's "
+                              f"{list(self.norm.weight.shape)}")
         head = target_model.get_output_embeddings().weight
         self.lm_head.weight.copy_(head[self.target_ids().to(head.device)].float())
-        norm = getattr(target_model.get_decoder(), "norm", None)
-        w = getattr(norm, "weight", None)
-        if w is None or w.shape != self.norm.weight.shape:
-            return
         x = torch.randn(4, w.numel(), generator=torch.Generator().manual_seed(0))
         ref = norm(x.to(w)).float().cpu()
         plain = LlamaRMSNorm(w.numel(), eps=self.cfg.rms_norm_eps)

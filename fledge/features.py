@@ -200,13 +200,24 @@ def _shard_path(root: Path, i: int) -> Path:
     return root / f"shard_{i:05d}.safetensors"
 
 
-def write_features(model, aux_ids, samples: list[Sample], out, meta: dict, dtype: str = "bf16",
-                   shard_size: int = 256, batch_size: int = 8, device="cpu") -> dict:
-    """Write aux+hidden for every sample, `shard_size` samples a shard. Resumable: a shard
+@dataclass(frozen=True)
+class FeatureOptions:
+    """How `write_features` runs: the stored dtype and samples per shard (recorded in
+    meta.json, so a resumed run must keep them), and the batch size and device of the target's
+    forward passes (not recorded: a resumed run may change them)."""
+    dtype: str = "bf16"
+    shard_size: int = 256
+    batch_size: int = 8
+    device: str | torch.device = "cpu"
+
+
+def write_features(model, aux_ids, samples: list[Sample], out, meta: dict,
+                   opts: FeatureOptions = FeatureOptions()) -> dict:
+    """Write aux+hidden for every sample, `opts.shard_size` samples a shard. Resumable: a shard
     that exists is complete (each is written atomically), so a rerun computes only the rest.
     `meta` identifies the data and target; a directory holding other features is refused."""
-    out, torch_dtype = Path(out), parse_dtype(dtype)
-    meta = {**meta, "aux_layer_ids": list(aux_ids), "dtype": dtype, "shard_size": shard_size,
+    out, torch_dtype = Path(out), parse_dtype(opts.dtype)
+    meta = {**meta, "aux_layer_ids": list(aux_ids), "dtype": opts.dtype, "shard_size": opts.shard_size,
             "num_samples": len(samples), "hidden_size": model.get_input_embeddings().weight.shape[1]}
     if (out / "meta.json").exists():
         old = json.loads((out / "meta.json").read_text())
@@ -215,13 +226,13 @@ def write_features(model, aux_ids, samples: list[Sample], out, meta: dict, dtype
             raise FledgeError(f"{out}: holds features of another run ({', '.join(diff)} differ); use a new --out")
     else:
         atomic_write_json(out / "meta.json", meta)
-    todo = [i for i in range(math.ceil(len(samples) / shard_size)) if not _shard_path(out, i).exists()]
+    todo = [i for i in range(math.ceil(len(samples) / opts.shard_size)) if not _shard_path(out, i).exists()]
     model = feature_model(model)
     for i in tqdm(todo, desc="features", unit="shard"):
-        chunk = samples[i * shard_size:(i + 1) * shard_size]
+        chunk = samples[i * opts.shard_size:(i + 1) * opts.shard_size]
         aux, hidden = [], []
-        for b in range(0, len(chunk), batch_size):
-            ids, _, attn = (x.to(device) for x in pad_batch(chunk[b:b + batch_size]))
+        for b in range(0, len(chunk), opts.batch_size):
+            ids, _, attn = (x.to(opts.device) for x in pad_batch(chunk[b:b + opts.batch_size]))
             a, h = online_features(model, aux_ids, ids, attn)
             aux.append(a[attn.bool()].to("cpu", torch_dtype))  # each sample's real tokens, in order
             hidden.append(h[attn.bool()].to("cpu", torch_dtype))
@@ -286,8 +297,8 @@ def run_features(args) -> int:
     model = target.model
     samples = load_samples(args.data, args.max_len, model.config.get_text_config().vocab_size)
     aux_ids = aux_layer_ids_for(model, args.aux_layers)
-    meta = write_features(model, aux_ids, samples, args.out, features_meta(target.name, args.data, args.max_len),
-                          args.dtype, args.shard_size, args.batch_size, device)
+    opts = FeatureOptions(args.dtype, args.shard_size, args.batch_size, device)
+    meta = write_features(model, aux_ids, samples, args.out, features_meta(target.name, args.data, args.max_len), opts)
     tokens = sum(len(s.input_ids) for s in samples)
     per_token = 4 * meta["hidden_size"] * parse_dtype(args.dtype).itemsize
     print(f"{len(samples)} samples, {tokens} tokens, {per_token} bytes/token ({per_token * tokens / 2**30:.2f} GiB) in {args.out}")

@@ -65,18 +65,16 @@ def with_retries(attempt: Callable[[int], T], retries: int, backoff: float,
 @dataclass
 class Client:
     """One server. `timeout`: seconds a request may take in all (connect, wait and read), and
-    for a stream the longest wait for its next line. `retries`: attempts after a failure that
-    another may fix; a stream is retried only until it opens (its events are not replayed)."""
+    for a stream the longest wait for its next line. Each call is one attempt: a caller that
+    retries wraps its calls in `with_retries` (a benchmark must see a failure, not a retry)."""
 
     url: str
     timeout: float = 120.0
-    retries: int = 0
-    backoff: float = 1.0
 
     def models(self) -> list[str]:
         """The ids of the models the server lists (vLLM refuses requests naming another)."""
         where = api_url(self.url, "models")
-        reply = self._retrying(lambda: self._json(where, self._read(where)))
+        reply = self._json(where, self._read(where))
         try:
             ids = [m["id"] for m in reply["data"]]
         except (KeyError, TypeError):
@@ -88,12 +86,12 @@ class Client:
     def chat(self, body: dict) -> dict:
         """One chat completion: the reply's JSON body, whatever it holds."""
         where = api_url(self.url, "chat/completions")
-        return self._retrying(lambda: self._json(where, self._read(where, body)))
+        return self._json(where, self._read(where, body))
 
     def chat_stream(self, body: dict) -> Iterator[dict]:
         """The JSON events of one streamed chat completion, up to `data: [DONE]`."""
         where = api_url(self.url, "chat/completions")
-        with self._retrying(lambda: self._open(where, {**body, "stream": True})) as r:
+        with self._open(where, {**body, "stream": True}) as r:
             try:
                 for raw in r:
                     line = raw.decode(errors="replace").strip()
@@ -110,12 +108,9 @@ class Client:
     def metrics(self, url: str | None = None) -> str:
         """The Prometheus text at `url` (default: `metrics_url` of the server's)."""
         where = url or metrics_url(self.url)
-        return self._retrying(lambda: self._read(where)).decode(errors="replace")
+        return self._read(where).decode(errors="replace")
 
     # ------------------------------------------------------------------ one attempt
-    def _retrying(self, fn: Callable[[], T]) -> T:
-        return with_retries(lambda k: fn(), self.retries, self.backoff)
-
     def _open(self, where: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(where, data, {"Content-Type": "application/json"} if data else {})

@@ -68,7 +68,7 @@ from fledge.conventions import accept_length, chain_replay
 from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureStore, Sample, TargetHead, aux_layer_ids_for, cut_loops, feature_model,
                              features_meta, load_samples, online_features, pad_batch, padded_length)
-from fledge.util import (FledgeError, atomic_dir, atomic_write_text, pick_device, read_jsonl,
+from fledge.util import (FledgeError, atomic_dir, atomic_write_text, pick_device, print_table, read_jsonl,
                          save_figure, settle_dir, subplots, write_file)
 from fledge.vocab import load_vocab_ids
 
@@ -745,10 +745,11 @@ def record(kind: str, step: int, stats: dict, decay: float, **extra) -> dict:
     return {"kind": kind, "step": step, "objective": objective, **stats, **extra}
 
 
-def print_table(rec: dict) -> None:
-    print(f"{'step':>5} {'soft CE':>8} {'acc':>6}")
-    for j, (l, a) in enumerate(zip(rec["loss"], rec["acc"])):
-        print(f"{j:>5} {l:8.4f} {a:6.3f}")
+def print_eval(rec: dict) -> None:
+    """An eval record as `fledge train` and `fledge adapt` print it: per TTT step soft CE and
+    accuracy, then the accept lengths."""
+    steps = enumerate(zip(rec["loss"], rec["acc"]))
+    print_table([["step", "soft CE", "acc"], *([j, f"{l:.4f}", f"{a:.3f}"] for j, (l, a) in steps)])
     print(f"simulated accept length: {rec['accept_len']:.3f} with the bonus token (SGLang), "
           f"{rec['accept_len_no_bonus']:.3f} without (SpecForge)")
     if "replay_accept_len" in rec:
@@ -855,7 +856,7 @@ def run_train(args) -> int:
         return e.exit_code
     if int(os.environ.get("RANK", 0)) == 0:
         if result["eval"]:
-            print_table(result["eval"])
+            print_eval(result["eval"])
         atomic_write_text(Path(cfg.out) / "result.json", json.dumps(result, indent=1) + "\n")
         print(f"drafter: {result['draft']}")
     if dist.is_initialized():

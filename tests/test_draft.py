@@ -8,6 +8,7 @@ import torch
 from conftest import make_tiny
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
+from fledge.util import FledgeError
 
 
 def _draft(seed=0, family="llama", draft_vocab=100):
@@ -117,3 +118,13 @@ def test_head_init_takes_the_targets_output_side(family):
     x = torch.randn(3, d.cfg.hidden_size)
     want = target.lm_head(target.get_decoder().norm(x))[:, d.target_ids()]
     torch.testing.assert_close(d.logits(x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_head_init_refuses_a_target_without_a_final_norm():
+    """A target whose decoder has no `.norm.weight` is refused before anything is copied."""
+    target, d = _draft(4)
+    target.get_decoder().norm = torch.nn.Identity()
+    head = d.lm_head.weight.clone()
+    with pytest.raises(FledgeError, match="no final norm"):
+        d.init_head_from(target)
+    assert torch.equal(d.lm_head.weight, head)

@@ -130,15 +130,15 @@ def test_retryable_statuses_are_retried_with_backoff(server, status):
     url, h = server
     h.script = [status, status]
     t0 = time.perf_counter()
-    reply = Client(url, retries=2, backoff=0.1).chat(chat("hi"))
+    reply = with_retries(lambda k: Client(url).chat(chat("hi")), 2, 0.1)
     assert reply["choices"][0]["message"]["content"] == "echo hi"
     assert len(h.calls) == 3 and time.perf_counter() - t0 >= 0.1 + 0.2  # backoff * 2**k after failure k
     h.script = [status, status]
     with pytest.raises(ServerError) as e:
-        Client(url, retries=1, backoff=0.01).chat(chat("hi"))
+        with_retries(lambda k: Client(url).chat(chat("hi")), 1, 0.01)
     assert e.value.retry and e.value.status == status and f"HTTP {status}" in e.value.problem
-    h.script = [status]  # a stream is retried until it opens
-    assert len(list(Client(url, retries=1, backoff=0.01).chat_stream(chat("stream")))) == 3
+    h.script = [status]  # a stream that fails to open fails as retryable
+    assert len(with_retries(lambda k: list(Client(url).chat_stream(chat("stream"))), 1, 0.01)) == 3
 
 
 @pytest.mark.parametrize("status", [400, 404, 422])
@@ -146,7 +146,7 @@ def test_other_statuses_are_not_retried(server, status):
     url, h = server
     h.script = [status]
     with pytest.raises(ServerError) as e:
-        Client(url, retries=3, backoff=0.01).chat(chat("hi"))
+        with_retries(lambda k: Client(url).chat(chat("hi")), 3, 0.01)
     assert len(h.calls) == 1 and not e.value.retry and e.value.status == status
     assert json.loads(e.value.detail)["message"] == f"status {status}"  # the body, for the caller to read
 

@@ -23,8 +23,8 @@ from fledge.cli import main as cli_main
 from fledge.checkpoint import load_checkpoint
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
-from fledge.features import (FeatureStore, Sample, TargetHead, cut_loops, feature_model, features_meta,
-                             load_samples, loop_end, online_features, write_features)
+from fledge.features import (FeatureOptions, FeatureStore, Sample, TargetHead, cut_loops, feature_model,
+                             features_meta, load_samples, loop_end, online_features, write_features)
 from fledge.target import Target
 from fledge.train import (EXIT_BUDGET, TTT, Paused, Run, TrainConfig, budget_steps, epoch_batches, fit_step_time, plan_budget,
                           planned_seconds, replay_counts, summarize, train, unroll)
@@ -623,14 +623,14 @@ def test_online_equals_offline_fp32(tmp_path):
     target = tiny_target()
     samples = load_samples(data, 2048, V)
     feats = tmp_path / "feats"
-    write_features(target.model, (2, 4, 5), samples, feats, features_meta("tiny", data, 2048), "fp32",
-                   shard_size=10, batch_size=3)
+    write_features(target.model, (2, 4, 5), samples, feats, features_meta("tiny", data, 2048),
+                   FeatureOptions("fp32", shard_size=10, batch_size=3))
     first = sorted(feats.glob("shard_*"))[0]
     stamp = first.stat().st_mtime_ns
     first_bytes = first.read_bytes()
     (feats / "shard_00001.safetensors").unlink()  # resume: only the missing shard is recomputed
-    write_features(target.model, (2, 4, 5), samples, feats, features_meta("tiny", data, 2048), "fp32",
-                   shard_size=10, batch_size=5)
+    write_features(target.model, (2, 4, 5), samples, feats, features_meta("tiny", data, 2048),
+                   FeatureOptions("fp32", shard_size=10, batch_size=5))
     assert first.stat().st_mtime_ns == stamp and first.read_bytes() == first_bytes
     store = FeatureStore(feats, {}, 64)
     aux, hidden = online_features(target.model, (2, 4, 5), samples[13].input_ids[None], None)
@@ -687,7 +687,7 @@ def test_bad_inputs_refused(tmp_path, target_dir, capsys):
     # features 2H wide (from a target of another width)
     narrow = make_tiny("llama", hidden_size=32)
     write_features(narrow, (2, 4, 5), load_samples(data, 2048, V), tmp_path / "narrow",
-                   features_meta(str(target_dir), data, 2048), "fp32")
+                   features_meta(str(target_dir), data, 2048), FeatureOptions("fp32"))
     _cli_fails(capsys, tmp_path, target_dir, "--features", str(tmp_path / "narrow"), match="3xH=192")
     assert not (tmp_path / "run").exists()
     # a time budget too small for one step, and one next to --max-steps
