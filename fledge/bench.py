@@ -178,9 +178,8 @@ def measure_verify_ms(rig: EngineRig, sizes, context: int, iters: int = 20, warm
     """Target forward time for n tokens verified per round (a chain of n, the engine's verify
     path, as a CUDA graph where the engine uses one), at `context` tokens already cached: the
     median of `iters` calls after `warmup`, so one stray slow call moves nothing. Each size is
-    built, warmed and timed before the next is built: the engine's graphs are replayed only
-    until the next capture (a later capture may reallocate buffers an earlier graph reads, so
-    replaying earlier graphs in turn can read freed memory: an illegal memory access on CUDA)."""
+    built, warmed and timed before the next, so a graph replays only while the cache and tree
+    it captured are alive (a graph reading freed memory is an illegal memory access on CUDA)."""
     import torch
 
     from fledge.engine import rounds
