@@ -164,7 +164,8 @@ def add_train(sub) -> None:
     p.add_argument("--data", required=True, help="tokenized training set JSONL")
     p.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
     p.add_argument("--target", help=train_help("target", "target model (path or built-in name)"))
-    p.add_argument("--vocab", help="d2t/t2d file from `fledge vocab`")
+    p.add_argument("--vocab", help="d2t/t2d file from `fledge vocab`; with --init, the warm start's head moves to "
+                                   "this vocabulary (Eagle3Draft.change_vocab)")
     p.add_argument("--init", help="warm start from an exported drafter directory")
     p.add_argument("--features", help="offline feature directory from `fledge features` (default: online)")
     p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")

@@ -178,7 +178,6 @@ class TrainConfig:
                   (self.time_budget is None or self.time_budget > 0, "time_budget must be > 0 seconds"),
                   (not (self.time_budget and self.max_steps), "--time-budget plans the step count; drop --max-steps"),
                   (min(self.log_every, self.eval_every, self.save_every, self.epochs) >= 1, "intervals/epochs must be >= 1"),
-                  (not (self.init and self.vocab), "--init brings its own vocab; drop --vocab"),
                   (self.draft_intermediate_size is None or self.draft_intermediate_size >= 1, "draft_intermediate_size must be >= 1")]
         for ok, msg in checks:
             if not ok:

@@ -155,6 +155,35 @@ class Eagle3Draft(nn.Module):
             layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
         self.cfg = self.cfg.replace(intermediate_size=size)
 
+    @torch.no_grad()
+    def change_vocab(self, target_ids: torch.Tensor, target_model) -> dict:
+        """Move to another draft vocabulary (ascending target ids): a token both vocabularies
+        hold keeps its trained lm_head row; a new token's row is the target's output row for
+        it mapped into the draft's head space by the one linear map that best carries the
+        target's rows of the shared tokens onto the draft's (least squares), so new tokens
+        start where the trained head would likely have put them, not at random. Returns the
+        counts of tokens kept, added and dropped."""
+        old_ids, new_ids = self.target_ids().cpu(), target_ids.to(torch.int64).cpu()
+        slot = torch.full((self.cfg.vocab_size,), -1, dtype=torch.int64)
+        slot[old_ids] = torch.arange(old_ids.numel())
+        at = slot[new_ids]
+        kept = at >= 0
+        if not kept.any():
+            raise FledgeError("the new draft vocabulary shares no token with the drafter's: nothing to carry over")
+        head = self.lm_head.weight
+        theirs = target_model.get_output_embeddings().weight.detach().cpu().double()
+        mine = head.detach().cpu().double()
+        fit = torch.linalg.lstsq(theirs[new_ids[kept]], mine[at[kept]]).solution  # [H_target, H]
+        rows = (theirs[new_ids] @ fit).to(head)
+        rows[kept] = head[at[kept].to(head.device)]
+        self.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=head.device, dtype=head.dtype)
+        self.lm_head.weight.copy_(rows)
+        self.lm_head.weight.requires_grad_(head.requires_grad)
+        self.cfg = self.cfg.replace(draft_vocab_size=new_ids.numel())
+        self.d2t = torch.zeros(new_ids.numel(), dtype=torch.int64, device=self.d2t.device)
+        self.set_vocab(new_ids)
+        return {"kept": int(kept.sum()), "added": int((~kept).sum()), "dropped": old_ids.numel() - int(kept.sum())}
+
     def cast(self, device, dtype) -> "Eagle3Draft":
         """Weights to `dtype` on `device`, RoPE frequencies kept fp32 as HF models keep them
         (bf16 frequencies shift the angles at long positions)."""

@@ -245,7 +245,14 @@ class Run:
     sched: torch.optim.lr_scheduler.LambdaLR | None = None
 
 
-def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
+def draft_vocab_ids(path: str, vocab_size: int) -> torch.Tensor:
+    ids, vocab = load_vocab_ids(path)
+    if vocab != vocab_size:
+        raise FledgeError(f"--vocab {path}: made for a {vocab}-token vocab; the target has {vocab_size}")
+    return ids
+
+
+def build_draft(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
     model = target.model
     tcfg = model.config.get_text_config()
     if cfg.init:
@@ -258,13 +265,16 @@ def build_draft(cfg: TrainConfig, target) -> Eagle3Draft:
                 draft.widen_mlp(cfg.draft_intermediate_size, cfg.seed)
             except FledgeError as e:
                 raise FledgeError(f"--init {cfg.init}: {e}") from None
+        if cfg.vocab:
+            try:
+                moved = draft.change_vocab(draft_vocab_ids(cfg.vocab, tcfg.vocab_size), model)
+            except FledgeError as e:
+                raise FledgeError(f"--vocab {cfg.vocab}: {e}") from None
+            if rank == 0:
+                print(f"fledge train: --init's head moved to --vocab: {moved['kept']:,} rows kept, {moved['added']:,} "
+                      f"added, {moved['dropped']:,} dropped", file=sys.stderr)
         return draft
-    if cfg.vocab:
-        ids, vocab = load_vocab_ids(cfg.vocab)
-        if vocab != tcfg.vocab_size:
-            raise FledgeError(f"--vocab {cfg.vocab}: made for a {vocab}-token vocab; the target has {tcfg.vocab_size}")
-    else:
-        ids = torch.arange(tcfg.vocab_size)
+    ids = draft_vocab_ids(cfg.vocab, tcfg.vocab_size) if cfg.vocab else torch.arange(tcfg.vocab_size)
     dcfg = DraftConfig.from_target(tcfg, draft_vocab_size=ids.numel(), aux_layer_ids=cfg.aux_layers,
                                    intermediate_size=cfg.draft_intermediate_size)
     draft = Eagle3Draft.from_target(dcfg, model, ids)
@@ -299,7 +309,7 @@ def setup(cfg: TrainConfig, target) -> Run:
         if rank == 0:
             print(f"fledge train: --loop-cut {cfg.loop_cut} cut {cut['cut']} of {cut['samples']} samples; "
                   f"{cut['trained_tokens_kept']:,} of {cut['trained_tokens']:,} trained tokens kept", file=sys.stderr)
-    draft = build_draft(cfg, target)
+    draft = build_draft(cfg, target, rank)
     aux_ids = aux_layer_ids_for(model, draft.cfg.aux_layer_ids)
     if store and tuple(store.meta["aux_layer_ids"]) != aux_ids:
         raise FledgeError(f"--features {cfg.features}: aux layers {store.meta['aux_layer_ids']}, drafter reads {list(aux_ids)}")

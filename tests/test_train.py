@@ -378,6 +378,50 @@ def test_widened_mlp_computes_what_it_did():
     assert mlp.down_proj.weight.grad[:, -40:].abs().max() > 0
 
 
+def test_change_vocab_keeps_trained_rows_and_maps_new_ones():
+    """Eagle3Draft.change_vocab: a kept token's logits are what they were, to the bit; a new
+    token's row is the target's row through the least-squares map of the shared rows (exact
+    when the trained head is such a map of the target's); the vocab encodings follow."""
+    target = make_tiny("llama")
+    draft = random_draft(target, draft_vocab=200)
+    theirs = target.get_output_embeddings().weight.detach()
+    old = draft.target_ids().clone()
+    fit = torch.randn(theirs.shape[1], draft.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(theirs[old] @ fit)
+    outside = torch.tensor(sorted(set(range(V)) - set(old.tolist())))
+    # more shared rows than the head is wide, so the map is determined
+    new = torch.cat([old[:150], outside[:80]]).sort().values
+    ids, aux = torch.randint(0, V, (2, 9)), torch.randn(2, 9, 3 * draft.cfg.hidden_size)
+    with torch.no_grad():
+        before = draft.logits(torch.stack(unroll(draft, ids, aux, 3)))
+        assert draft.change_vocab(new, target) == {"kept": 150, "added": 80, "dropped": 50}
+        after = draft.logits(torch.stack(unroll(draft, ids, aux, 3)))
+    assert draft.cfg.draft_vocab_size == 230 == draft.lm_head.weight.shape[0] == draft.d2t.numel()
+    assert torch.equal(draft.target_ids(), new) and torch.equal(draft.t2d.nonzero().flatten(), new)
+    kept_now, kept_before = torch.isin(new, old).nonzero().flatten(), torch.isin(old, new).nonzero().flatten()
+    assert torch.equal(after[..., kept_now], before[..., kept_before])
+    added = (~torch.isin(new, old)).nonzero().flatten()
+    torch.testing.assert_close(draft.lm_head.weight[added], theirs[new[added]] @ fit, rtol=1e-4, atol=1e-4)
+    with pytest.raises(FledgeError, match="shares no token"):
+        draft.change_vocab(outside[80:90], target)
+
+
+def test_init_with_another_vocab_trains_and_exports_it(tmp_path, capsys):
+    """`--init DIR --vocab V`: the warm start moves to V's vocabulary and the export carries it."""
+    write_data(tmp_path / "data.jsonl", n=24)
+    target = tiny_target()
+    save_vocab(tmp_path / "v1.safetensors", torch.arange(0, 120), V, {})
+    train(config(tmp_path, "first", vocab=str(tmp_path / "v1.safetensors"), max_steps=1), target)
+    save_vocab(tmp_path / "v2.safetensors", torch.arange(60, 260), V, {})
+    train(config(tmp_path, "second", init=str(tmp_path / "first" / "draft"), vocab=str(tmp_path / "v2.safetensors"),
+                 max_steps=1), target)
+    assert "60 rows kept, 140 added, 60 dropped" in capsys.readouterr().err
+    draft = load_checkpoint(tmp_path / "second" / "draft", embed_from=target.model)
+    assert torch.equal(draft.target_ids(), torch.arange(60, 260))
+    assert json.loads((tmp_path / "second" / "draft" / "config.json").read_text())["draft_vocab_size"] == 200
+
+
 # --------------------------------------------------------------------------- ranks and shards
 def _free_port() -> int:
     with socket.socket() as s:
