@@ -168,7 +168,8 @@ class TrainConfig:
                   (self.max_len >= 3, "max_len must be >= 3"),
                   (self.loop_cut >= 0, "loop_cut must be >= 0 (0 keeps whole samples)"),
                   (not (self.loop_cut and self.features), "--loop-cut cuts samples the stored --features cover whole; "
-                                                          "drop one"), (self.lr > 0, "lr must be > 0"),
+                                                          "drop one"),
+                  (self.lr > 0, "lr must be > 0"),
                   (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.head in HEADS, f"head {self.head!r}: one of {', '.join(HEADS)}"),

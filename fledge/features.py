@@ -93,15 +93,15 @@ def loop_end(ids: torch.Tensor, mask: torch.Tensor, width: int) -> int | None:
 
 def cut_loops(samples: list[Sample], width: int) -> tuple[list[Sample], dict]:
     """Each sample cut at its `loop_end`; the counts of samples cut and trained tokens kept."""
-    out, cut, before = [], 0, 0
+    out, cut, before, kept = [], 0, 0, 0
     for s in samples:
         before += int(s.loss_mask.sum())
         end = loop_end(s.input_ids, s.loss_mask, width)
         if end is not None:
             s, cut = Sample(s.id, s.index, s.input_ids[:end], s.loss_mask[:end]), cut + 1
+        kept += int(s.loss_mask.sum())
         out.append(s)
-    return out, {"samples": len(out), "cut": cut, "trained_tokens": before,
-                 "trained_tokens_kept": sum(int(s.loss_mask.sum()) for s in out)}
+    return out, {"samples": len(out), "cut": cut, "trained_tokens": before, "trained_tokens_kept": kept}
 
 
 def padded_length(n: int, multiple: int) -> int:
