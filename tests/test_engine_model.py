@@ -337,3 +337,24 @@ def test_engine_refuses_aux_ids_the_conventions_refuse(ids, phrase):
         model(x, pos, pos, make_causal_mask(torch.zeros(1, dtype=torch.long), 3, 64), cache, ids)
     _, aux = model.prefill(x, model.new_cache(1, 64), aux_ids=(1, 4, 7))  # the widest valid range
     assert aux.shape == (1, 3, 3 * 64)
+
+
+def test_a_batch_frees_its_cache_on_return():
+    """regen calls the engine once per turn: a batch's KV cache must be gone when the call
+    returns, without waiting for a gc pass, or the next turn's cache is allocated beside it."""
+    import gc
+    import weakref
+
+    from fledge.engine.stream import generate_stream
+    model = build_engine_target(make_tiny("llama", seed=2), torch.float32, "cpu")
+    made = []
+    new_cache = model.new_cache
+    model.new_cache = lambda *a: made.append(weakref.ref(c := new_cache(*a))) or c
+    prompts = [torch.randint(0, 301, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 8, 3)]
+    gc.disable()
+    try:
+        generate_ar(model, prompts, SamplingParams(max_new_tokens=6), eos_ids=[])
+        generate_stream(model, prompts, SamplingParams(max_new_tokens=6), [], rows=2)
+        assert len(made) == 2 and all(ref() is None for ref in made)
+    finally:
+        gc.enable()
