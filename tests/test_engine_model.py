@@ -339,22 +339,36 @@ def test_engine_refuses_aux_ids_the_conventions_refuse(ids, phrase):
     assert aux.shape == (1, 3, 3 * 64)
 
 
-def test_a_batch_frees_its_cache_on_return():
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
+def test_a_batch_frees_its_cache_on_return(fails, monkeypatch):
     """regen calls the engine once per turn: a batch's KV cache must be gone when the call
-    returns, without waiting for a gc pass, or the next turn's cache is allocated beside it."""
+    returns or raises, without waiting for a gc pass, or the next turn's cache is allocated
+    beside it."""
     import gc
     import weakref
 
-    from fledge.engine.stream import generate_stream
+    from fledge.engine import generate, stream
     model = build_engine_target(make_tiny("llama", seed=2), torch.float32, "cpu")
     made = []
     new_cache = model.new_cache
     model.new_cache = lambda *a: made.append(weakref.ref(c := new_cache(*a))) or c
+    if fails:
+        def broken(*a):
+            raise RuntimeError("a decode step failed")
+        monkeypatch.setattr(generate, "decode_logits", broken)
+        monkeypatch.setattr(stream, "decode_logits", broken)
     prompts = [torch.randint(0, 301, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 8, 3)]
+    calls = (lambda: generate_ar(model, prompts, SamplingParams(max_new_tokens=6), eos_ids=[]),
+             lambda: stream.generate_stream(model, prompts, SamplingParams(max_new_tokens=6), [], rows=2))
+    raised = 0
     gc.disable()
     try:
-        generate_ar(model, prompts, SamplingParams(max_new_tokens=6), eos_ids=[])
-        generate_stream(model, prompts, SamplingParams(max_new_tokens=6), [], rows=2)
+        for call in calls:
+            try:
+                call()
+            except RuntimeError:
+                raised += 1
+        assert raised == (2 if fails else 0)
         assert len(made) == 2 and all(ref() is None for ref in made)
     finally:
         gc.enable()

@@ -240,10 +240,13 @@ class SpanSteps:
             self.by_span[spans] = run
         return self.by_span[spans]
 
-    def close(self) -> None:
-        """Drop the captured steps. They hold `step`'s owner, which holds this object: a cycle
-        that would keep the owner's KV cache (tens of GB at 1,024 rows) until a gc pass, so the
-        next batch's cache would be allocated beside it."""
+    def __enter__(self) -> "SpanSteps":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Drop the captured steps, also when decoding raised. They hold `step`'s owner, which
+        holds this object: a cycle that would keep the owner's KV cache (tens of GB at 1,024
+        rows) until a gc pass, so the next batch's cache would be allocated beside it."""
         self.step, self.by_span = None, {}
 
 
@@ -376,13 +379,13 @@ def generate_ar(model, prompts: list[list[int]], params: SamplingParams, eos_ids
     t1 = now(device)
     graphs = use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok
     decode = Decode(model, cache, batch, first, lengths, eos, params, graphs)
-    for spans in dict.fromkeys(decode.spans_at(s) for s in range(params.max_new_tokens)):
-        decode.steps.get(spans)  # every capture before the clock: none is decode time
-    t2 = now(device)
-    steps = decode.run(params, gen)
-    t3 = now(device)
-    spans = sorted(decode.steps.by_span)
-    decode.steps.close()
+    with decode.steps:
+        for spans in dict.fromkeys(decode.spans_at(s) for s in range(params.max_new_tokens)):
+            decode.steps.get(spans)  # every capture before the clock: none is decode time
+        t2 = now(device)
+        steps = decode.run(params, gen)
+        t3 = now(device)
+        spans = sorted(decode.steps.by_span)
 
     rows = batch.unsort([cut_at_eos(r, eos_ids) for r in decode.new[:, :steps + 1].tolist()])
     n_new, B = sum(len(r) for r in rows), len(prompts)

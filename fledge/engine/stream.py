@@ -132,11 +132,11 @@ def generate_stream(model, prompts: list[list[int]], params: SamplingParams, eos
     device = next(model.parameters()).device
     graphs = use_cuda_graph and device.type == "cuda" and model.cuda_graph_ok
     stream = Stream(model, prompts, params, eos_ids, min(rows, len(prompts)), row_group, graphs)
-    t0 = now(device)
-    steps = stream.run(refill_every)
-    t1 = now(device)
-    graphs = len(stream.steps.by_span)
-    stream.steps.close()
+    with stream.steps:
+        t0 = now(device)
+        steps = stream.run(refill_every)
+        t1 = now(device)
+        graphs = len(stream.steps.by_span)
     n_new = sum(map(len, stream.results))
     return stream.results, {"prompts": len(prompts), "rows": len(stream.owner), "prompt_tokens": sum(map(len, prompts)),
                             "generated_tokens": n_new, "decode_steps": steps, "graphs": graphs,
