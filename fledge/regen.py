@@ -39,6 +39,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fledge.conversations import read_conversations
 from fledge.openai_client import Client, ServerError, with_retries
 from fledge.util import (FledgeError, append_jsonl, atomic_write_json, check_no_overlap, keeping, parse_dtype,
                          read_jsonl)
@@ -305,37 +306,6 @@ def _check_paths(conversations: Path, out: Path) -> None:
         raise FledgeError(f"{out}: is a directory; the output is a JSONL file")
     check_no_overlap(out, {"conversations": conversations})
     check_no_overlap(out.with_suffix(".summary.json"), {"conversations": conversations})
-
-
-def read_conversations(path: Path) -> list[dict]:
-    """Every line must be a conversation record: {"id", "messages": [{"role", "content"}]}.
-    The usual mix-ups (a raw ShareGPT file, a tokenized file) are named."""
-    rows = []
-    try:
-        for lineno, r in read_jsonl(path):
-            where = f"{path}:{lineno}"
-            if not isinstance(r, dict):
-                raise FledgeError(f"{where}: a JSON {type(r).__name__}, not a conversation record")
-            if "input_ids" in r:
-                raise FledgeError(f"{where}: a tokenized sample; regen reads the conversations (train.jsonl, "
-                                  f"not train.tok.jsonl)")
-            if "messages" not in r:
-                hint = "; run `fledge prep` on it first" if "conversations" in r or "instruction" in r else ""
-                raise FledgeError(f"{where}: no 'messages' (keys {sorted(r)[:6]}){hint}")
-            if "id" not in r:
-                raise FledgeError(f"{where}: no 'id'; regen keys its output by id (`fledge prep` adds them)")
-            msgs = r["messages"]
-            if not (isinstance(msgs, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                   and m.get("role") in ("system", "user", "assistant")
-                                                   for m in msgs)):
-                raise FledgeError(f"{where}: 'messages' must be a list of {{role: system|user|assistant, "
-                                  f"content: text}}")
-            rows.append(r)
-    except UnicodeDecodeError as e:
-        raise FledgeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
-    except RecursionError:
-        raise FledgeError(f"{path}: JSON nested too deeply to read") from None
-    return rows
 
 
 def _read_done(out: Path) -> set[str]:

@@ -52,7 +52,7 @@ import jinja2
 from tqdm import tqdm
 
 from fledge.catalog import HELDOUT_SUFFIX
-from fledge.regen import read_conversations
+from fledge.conversations import read_conversations
 from fledge.util import (FledgeError, atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text,
                          check_no_overlap, keeping, print_table, read_jsonl)
 
@@ -214,11 +214,8 @@ def is_heldout(record: dict) -> bool:
 
 
 def read_lines(path: Path) -> list[tuple[str, dict]]:
-    """(line, record) of a conversations JSONL, .gz or plain, checked as regen checks its input."""
-    try:
-        return [(json.dumps(rec, ensure_ascii=False) + "\n", rec) for rec in read_conversations(path)]
-    except (OSError, EOFError) as e:
-        raise FledgeError(f"{path}: cannot read ({e})") from None
+    """(line, record) of a conversations file, each record checked."""
+    return [(json.dumps(rec, ensure_ascii=False) + "\n", rec) for rec in read_conversations(path)]
 
 
 def split_sets(inputs: list[Path], heldout: list[Path]) -> dict[str, list[str]]:

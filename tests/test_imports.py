@@ -22,7 +22,7 @@ LAYERS = [
                                     "fledge.engine.stream", "fledge.engine.tree"}),
     ("draft/target", {"fledge.draft", "fledge.layout", "fledge.target", "fledge.weights"}),
     ("config/conventions/util", {"fledge", "fledge.catalog", "fledge.config", "fledge.conventions", "fledge.util",
-                                 "fledge.openai_client"}),
+                                 "fledge.openai_client", "fledge.conversations"}),
 ]
 LAYER = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 

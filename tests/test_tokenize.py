@@ -98,3 +98,18 @@ def test_bad_line_names_file_and_line(tmp_path, tokenizer_dir):
     with pytest.raises(FledgeError, match="the output is the input conversations"):
         tk.tokenize([conv], conv, tokenizer_dir, 64, overwrite=True)
     assert conv.is_file()
+
+
+def test_wrong_files_are_named_without_other_commands(tmp_path, tokenizer_dir):
+    """A tokenized file given back to tokenize, and a cut-off .gz: one line each, naming the
+    file and what it is, not the command that shares the reader."""
+    tok = tmp_path / "train.tok.jsonl"
+    tok.write_text(json.dumps({"id": "s0", "input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
+    with pytest.raises(FledgeError, match=r"train\.tok\.jsonl:1: a tokenized sample, not a conversation") as e:
+        tk.tokenize([tok], tmp_path / "tok", tokenizer_dir, 64)
+    assert "regen" not in str(e.value)
+    cut = tmp_path / "c.jsonl.gz"
+    cut.write_bytes(gzip.compress(conversations(50, random.Random(0)).encode())[:200])
+    with pytest.raises(FledgeError, match=r"c\.jsonl\.gz: cannot read"):
+        tk.tokenize([cut], tmp_path / "tok", tokenizer_dir, 64)
+    assert not (tmp_path / "tok").exists()
