@@ -120,8 +120,7 @@ TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes ove
 # The ones `fledge adapt` passes through to its fine-tune: the draft's shape is OLD's, and the
 # loss and optimizer constants stay fledge train's.
 ADAPT_TRAIN_OPTIONS = tuple(o for o in TRAIN_OPTIONS if o[0] not in ("weight-decay", "clip", "step-decay",
-                                                                     "draft-intermediate-size", "time-budget",
-                                                                     "loop-cut"))
+                                                                     "draft-intermediate-size", "time-budget"))
 
 
 @dataclass

@@ -158,15 +158,17 @@ def test_cli_fine_tune_writes_a_valid_drafter(tmp_path, capsys):
     data = write_data(tmp_path / "d.jsonl", seed=2)
     args = ["adapt", "--drafter", str(tmp_path / "old"), "--target", str(target_dir), "--data", data,
             "--out", str(tmp_path / "run"), "--max-steps", "2", "--batch-size", "2", "--ttt-steps", "2",
-            "--eval-samples", "2", "--pad-multiple", "1", "--rebuild-vocab", "--draft-vocab", "48"]
+            "--eval-samples", "2", "--pad-multiple", "1", "--loop-cut", "4", "--rebuild-vocab", "--draft-vocab", "48"]
     assert cli_main(args) == 0
+    printed = capsys.readouterr()
+    assert "fledge train: --loop-cut 4 cut" in printed.err  # a data option, passed to the fine-tune
     final = tmp_path / "run" / "train" / "draft"
     assert validate_checkpoint(final) == []
     draft = load_checkpoint(final, embed_from=new_model)
     assert draft.target_ids().tolist() == brute_vocab(data, 48)
     report = json.loads((tmp_path / "run" / "adapt.json").read_text())
     assert report["train"]["steps"] == 2 and report["train"]["draft"] == str(final)
-    out = capsys.readouterr().out
+    out = printed.out
     assert "lm_head rows carried / initialised" in out and "held-out accept length" in out
     before, after = report["heldout"]["before"], report["heldout"]["after"]
     assert after["accept_len"] == report["train"]["eval"]["accept_len"]
