@@ -167,7 +167,8 @@ def check_aux_ids(f: DraftFacts, t: TargetFacts | None) -> Check:
     n = t.num_layers if t else f.target_layers
     given = f.aux_top if f.aux_top is not None else f.aux_nested
     try:
-        bound = int(n) if n else max(4, max(int(i) for i in given) + 1)  # unknown depth: check order only
+        # Unknown depth: check order only. SGLang's spelling (eagle_config alone) is canonical - 1.
+        bound = int(n) if n else max(4, max(int(i) for i in given) + (1 if f.aux_top is not None else 2))
         ids = aux_ids_of(f.aux_top, f.aux_nested, bound)
     except Exception as e:  # FledgeError, or non-integers in the JSON
         return fail("aux_ids", f"{given}: {e}", fix)

@@ -35,6 +35,19 @@ class Launch:
     options: dict[str, str | None]  # "--a-b value" as {"a-b": "value"}; bare flags map to None
 
 
+def _engine_at(tokens: list[str]) -> tuple[int, str] | None:
+    """Where the server's own arguments start: the engine's module or command (`-m
+    sglang.launch_server`, `vllm serve`, `-m vllm.entrypoints...`), not a path that merely
+    names an engine (/opt/vllm-venv/bin/python); else a container image naming one
+    (vllm/vllm-openai, whose arguments follow it)."""
+    named = [(i, e) for i, tok in enumerate(tokens) for e in ("sglang", "vllm") if e in tok]
+    for i, e in named:
+        name = tokens[i].rsplit("/", 1)[-1]
+        if name == e or name.startswith(e + "."):
+            return i, e
+    return named[0] if named else None
+
+
 def parse_launch(cmd: str) -> Launch | str:
     """A Launch, or why the line could not be read. Handles env prefixes, `\\` line
     continuations, `--k=v`, `vllm serve MODEL`, and SGLang's abbreviated options."""
@@ -42,10 +55,10 @@ def parse_launch(cmd: str) -> Launch | str:
         tokens = [t for t in shlex.split(cmd.replace("\\\n", " ")) if t.strip()]
     except ValueError as e:
         return f"cannot split the command line ({e})"
-    at = next((i for i, t in enumerate(tokens) if "sglang" in t or "vllm" in t), None)
-    if at is None:
+    found = _engine_at(tokens)
+    if found is None:
         return "neither an SGLang (python -m sglang.launch_server) nor a vLLM (vllm serve) command"
-    engine = "sglang" if "sglang" in tokens[at] else "vllm"
+    at, engine = found
     rest, model = tokens[at + 1:], None
     if rest[:1] == ["serve"]:
         rest = rest[1:]

@@ -16,7 +16,7 @@ from fledge.checkpoint import export_checkpoint
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
 from fledge.layout import canonical_name, draft_facts
-from fledge.lint import launch_checks
+from fledge.lint import launch_checks, parse_launch
 
 DRAFT_VOCAB = 100
 
@@ -186,6 +186,19 @@ def _collect(fn):
     return lines
 
 
+def test_sglang_spelled_ids_alone_are_in_range_without_a_target(target, tmp_path):
+    """SpecForge writes only eagle_config's ids (SGLang's spelling, canonical - 1) and no layer
+    count: without --target, doctor checks their order and never calls them out of range."""
+    model, _ = target
+    cfg = json.loads((_export(model, tmp_path / "d") / "config.json").read_text())
+    nested = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    del cfg["eagle_aux_hidden_state_layer_ids"], cfg["fledge"]
+    check = doctor.check_aux_ids(draft_facts(cfg), None)
+    assert check.status == PASS and str([i + 1 for i in nested]) in check.why, check
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = nested[::-1]  # out of order: still refused
+    assert doctor.check_aux_ids(draft_facts(cfg), None).status == FAIL
+
+
 def test_unreadable_target_only_warns(target, tmp_path):
     model, _ = target
     results = doctor.doctor(_export(model, tmp_path / "d"), str(tmp_path / "nowhere"))
@@ -318,6 +331,18 @@ def test_speculators_verifier_must_be_loadable(target, tmp_path, verifier, statu
         assert f"--verifier {tpath}" in check.fix
     bare = _export(model, tmp_path / "bare", layout="speculators", verifier=str(tmp_path))  # a dir, no config
     assert _statuses(doctor.doctor(bare))["verifier"] == FAIL
+
+
+@pytest.mark.parametrize("cmd,engine,model", [
+    ("/opt/vllm-venv/bin/python -m sglang.launch_server --model-path M", "sglang", "M"),
+    ("python -m sglang.launch_server --model-path /models/vllm-tuned", "sglang", "/models/vllm-tuned"),
+    ("docker run --gpus all vllm/vllm-openai:v0.11 --model M", "vllm", "M"),
+    ("CUDA_VISIBLE_DEVICES=0 /env/bin/vllm serve M", "vllm", "M"),
+    ("python -m vllm.entrypoints.openai.api_server --model M", "vllm", "M"),
+])
+def test_the_engine_is_read_from_its_command_not_a_path(cmd, engine, model):
+    launch = parse_launch(cmd)
+    assert (launch.engine, launch.model) == (engine, model)
 
 
 def test_odd_launch_lines_never_raise(tmp_path):
