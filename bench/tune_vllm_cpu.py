@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fledge import hwmodel
 from fledge.acceptance import Shape, profile_from_json
-from fledge.calibrate import parse_levels
+from fledge.serving import parse_levels
 from fledge.cli import main as fledge
 from fledge.serving import PROMPTS, ServerBench, bench_server
 from fledge.target import resolve_target

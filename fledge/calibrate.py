@@ -34,16 +34,16 @@ from pathlib import Path
 from fledge import hwmodel
 from fledge.acceptance import Shape, chain_profile
 from fledge.openai_client import Client, metrics_url
-from fledge.serving import PROMPTS, ServerBench, run_level
+from fledge.serving import PROMPTS, ServerBench, parse_levels, run_level
 from fledge.util import FledgeError, atomic_write_json
 
 _SAMPLE = re.compile(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos)_total)"
                      r"(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 
 
-def scrape(text: str) -> dict | None:
-    """vLLM's speculative-decoding counters in a Prometheus text, summed over engines; None
-    when it holds none (no speculation, or another server)."""
+def scrape(text: str) -> dict:
+    """vLLM's speculative-decoding counters in a Prometheus text, summed over engines; zeros
+    when it holds none (no speculation yet, or another server)."""
     found = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
     samples = _SAMPLE.findall(text)
     for name, labels, value in samples:
@@ -53,7 +53,18 @@ def scrape(text: str) -> dict | None:
             found["per_pos"][pos] = found["per_pos"].get(pos, 0.0) + float(value)
         else:
             found[{"accepted_tokens": "accepted"}.get(key, key)] += float(value)
-    return found if samples else None
+    return found
+
+
+def speculation(before: dict, after: dict) -> dict:
+    """k, accept length and accepted tokens by position between two scrapes; {} if nothing
+    was drafted in between."""
+    drafts = after["drafts"] - before["drafts"]
+    if drafts <= 0:
+        return {}
+    k = round((after["draft_tokens"] - before["draft_tokens"]) / drafts)
+    return {"k": k, "accept_length": 1 + (after["accepted"] - before["accepted"]) / drafts, "drafts": drafts,
+            "accepted_per_pos": [after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0) for i in range(k)]}
 
 
 def measure(url: str, metrics: str, levels, requests: int, max_tokens: int, timeout: float) -> list[dict]:
@@ -73,13 +84,7 @@ def measure(url: str, metrics: str, levels, requests: int, max_tokens: int, time
         point = {"url": url, "concurrency": c, "ms_per_token": 1e3 / row["per_request_tok_s"], "k": 0,
                  "accept_length": 1.0, "requests": row["requests"], "total_tok_s": row["total_tok_s"],
                  "per_request_tok_s": row["per_request_tok_s"]}
-        drafts = (after or {}).get("drafts", 0) - (before or {}).get("drafts", 0)
-        if drafts > 0:
-            k = round((after["draft_tokens"] - before["draft_tokens"]) / drafts)
-            per_pos = [after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0) for i in range(k)]
-            point.update(k=k, accept_length=1 + (after["accepted"] - before["accepted"]) / drafts, drafts=drafts,
-                         accepted_per_pos=per_pos)
-        points.append(point)
+        points.append({**point, **speculation(before, after)})
     return points
 
 
@@ -152,16 +157,6 @@ def load_profile(path: str, flag: str) -> dict:
         return {"hardware": profile["hardware"], "points": profile["points"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise FledgeError(f"{flag} {path}: not a `fledge tune calibrate` profile ({e})") from None
-
-
-def parse_levels(text: str, flag: str) -> list[int]:
-    try:
-        levels = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise FledgeError(f"{flag} {text!r}: expected integers like '1,2,4,8'") from None
-    if not levels or levels[0] < 1:
-        raise FledgeError(f"{flag} {text!r}: levels must be >= 1")
-    return levels
 
 
 def cmd_calibrate(args) -> int:

@@ -174,12 +174,23 @@ def bench_server(cfg: ServerBench) -> list[dict]:
     return [run_level(cfg, model, c) for c in tqdm(cfg.concurrency, desc="concurrency levels", leave=False)]
 
 
+def parse_levels(text: str, flag: str) -> list[int]:
+    """'1,2,4,8' as sorted distinct levels, each >= 1."""
+    try:
+        levels = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise FledgeError(f"{flag} {text!r}: expected integers like '1,2,4,8'") from None
+    if not levels or levels[0] < 1:
+        raise FledgeError(f"{flag} {text!r}: levels must be >= 1")
+    return levels
+
+
 def bench_url(args) -> dict:
     """`fledge bench --url`: every level, as a table and a JSON-able dict."""
     prompts = ([p.strip() for p in Path(args.prompt_file).read_text().splitlines() if p.strip()] if args.prompt_file
                else PROMPTS[:2])
     cfg = ServerBench(args.url, prompts, args.model, args.max_new_tokens,
-                      tuple(int(c) for c in args.concurrency.split(",")), args.requests, args.duration, args.timeout)
+                      tuple(parse_levels(args.concurrency, "--concurrency")), args.requests, args.duration, args.timeout)
     out = {"url": args.url, "levels": bench_server(cfg)}
     print(f"{'conc':>5}{'reqs':>6}{'errors':>7}{'total tok/s':>12}{'per-req tok/s':>14}{'TTFT p50 ms':>12}{'p90 ms':>9}")
     for r in out["levels"]:

@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass
 from fledge import bench, hwmodel
 from fledge.acceptance import (Profile, Shape, expected_accept_length, max_nodes, parse_shapes, profile_from_args,
                                profile_from_json)
-from fledge.calibrate import cmd_calibrate, load_profile, parse_levels
+from fledge.calibrate import cmd_calibrate, load_profile
 from fledge.hwmodel import Timings
+from fledge.serving import parse_levels
 from fledge.util import FledgeError, atomic_write_json, save_figure, subplots
 
 

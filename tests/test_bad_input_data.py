@@ -78,6 +78,8 @@ CASES = [
      "tokenized sample"),
     ("regen line without id", lambda t: ["regen", jsonl(t / "c.jsonl", CONV, {"messages": CONV["messages"]}),
                                          str(t / "r.jsonl"), *REGEN], 2, ":2: no 'id'"),
+    ("bench concurrency not integers", lambda t: ["bench", "--url", "http://127.0.0.1:9/v1", "--concurrency", "1,a"],
+     2, "--concurrency '1,a'"),
     ("regen max-new-tokens 0", lambda t: ["regen", jsonl(t / "c.jsonl", CONV), str(t / "r.jsonl"),
                                           "--max-new-tokens", "0", *REGEN], 2, "--max-new-tokens 0"),
     ("vocab float ids", lambda t: ["vocab", "build", jsonl(t / "d.jsonl", {**TOK, "input_ids": [3.0, 4.5, 5.0]}),

@@ -186,3 +186,18 @@ def test_calibrated_prediction_against_real_vllm(vllm_venv, tmp_path):
     flat = sum(abs(sum(ms) / len(ms) / m - 1) for m in ms) / len(ms) * 100
     assert report["profile_fit"] < flat, (report["profile_fit"], flat)
     assert all(r["tok_s_predicted"] > 0 and r["tok_s_measured"] > 0 for r in report["rows"]), report["rows"]
+
+
+def test_counters_that_appear_during_a_level_are_read():
+    """A server whose first scrape holds no speculation counters (they appear with the first
+    draft): the level reads the counters' deltas from zero."""
+    after = calibrate.scrape('vllm:spec_decode_num_drafts_total{engine="0"} 10\n'
+                             'vllm:spec_decode_num_draft_tokens_total{engine="0"} 30\n'
+                             'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 12\n'
+                             'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 7\n'
+                             'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 4\n'
+                             'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="2"} 1\n')
+    before = calibrate.scrape("# no counters yet\n")
+    assert calibrate.speculation(before, before) == {}
+    assert calibrate.speculation(before, after) == {"k": 3, "accept_length": 2.2, "drafts": 10.0,
+                                                    "accepted_per_pos": [7.0, 4.0, 1.0]}
