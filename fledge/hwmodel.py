@@ -40,6 +40,7 @@ stated once:
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -339,6 +340,9 @@ def load_specs(model: str, drafter: str | None, dtype: str | None, quant: str | 
     if drafter and (Path(drafter).is_dir() or drafter.endswith(".json")):
         dcfg, dwhere = load_config(drafter)
         return target, spec_from_config(dcfg, dwhere, target.dtype, target.dtype, draft_vocab)
+    if drafter:  # a hub id is fine for the printed flags; a mistyped path should not pass unnoticed
+        print(f"fledge: --drafter {drafter}: no local directory or config.json; the hardware model assumes "
+              f"the default drafter (one target-shaped layer)", file=sys.stderr)
     return target, default_drafter(target, draft_vocab or 32000)
 
 

@@ -57,6 +57,14 @@ def test_drafter_bytes_match_fledge_drafter(tmp_path):
     assert H.forward(m, UNIT, 1, 1, 0).memory_ms * 1e6 == pytest.approx(4 * want)
 
 
+def test_a_drafter_the_model_cannot_read_is_said(tmp_path, capsys):
+    fixture = str(Path(__file__).parent / "fixtures" / "tune" / "llama31_8b_config.json")
+    target, drafter = H.load_specs(fixture, str(tmp_path / "typo"), "bf16", None, None)
+    assert drafter == H.default_drafter(target) and "typo: no local directory" in capsys.readouterr().err
+    H.load_specs(fixture, None, "bf16", None, None)
+    assert capsys.readouterr().err == ""
+
+
 def test_expert_union_matches_uniform_routing_simulation():
     rng = random.Random()
     for experts, k, rows in [(384, 8, 16), (384, 8, 128), (8, 2, 3), (64, 6, 40)]:
