@@ -128,10 +128,12 @@ def report(preds: list[Prediction], timings: Timings, drafter: str, margin: floa
            notes: tuple[str, ...] = (), conc: list[dict] | None = None) -> tuple[str, dict]:
     """One screen: where the figures come from, the table, the verdict, flags only if it pays,
     the break-even accept length, what would have to change; and the same as a JSON-able dict."""
-    ar = 1e3 / timings.ar_ms
+    ar = 1e3 / timings.plain_ms  # the verdict's baseline: with --output-len, prefill shared over the answer
+    prefill = timings.prefill_per_token_ms
     best = preds[0]
     v = verdict(preds, timings, margin, ref)
-    lines = [*notes, f"plain decoding: {ar:.1f} tok/s per request ({timings.ar_ms:.2f} ms a step, batch {timings.batch}); "
+    lines = [*notes, f"plain decoding: {ar:.1f} tok/s per request ({timings.ar_ms:.2f} ms a step"
+             + (f" + {prefill:.2f} ms of prefill a token" if prefill else "") + f", batch {timings.batch}); "
              "accept length = SGLang's (accepted + bonus per verify step)",
              f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept':>7} {'iter ms':>8} {'tok/s':>8} {'speedup':>8} "
              f"{'break-even':>10}"]

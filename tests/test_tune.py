@@ -274,6 +274,20 @@ def test_hardware_model_cli_writes_table_json_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plain_decoding_reads_the_same_in_header_and_verdict(tmp_path):
+    """With --output-len the baseline is whole requests (prefill shared over the answer): the
+    header's plain tok/s is the one the verdict compares against."""
+    out = tmp_path / "t.json"
+    fixture = str(Path(__file__).parent / "fixtures" / "tune" / "llama31_8b_config.json")
+    assert main(["tune", "--model", fixture, "--gpu", "h200", "--accept-length", "3.0", "--accept-shape", "3,1,4",
+                 "--context", "4096", "--output-len", "64", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    timings = data["timings"]
+    plain = 1e3 / (timings["ar_ms"] + timings["batch"] * timings["prefill_ms"] / 64)
+    assert data["ar_tok_s"] == pytest.approx(plain) and plain < 1e3 / timings["ar_ms"]
+    assert f"{plain:.1f}" in data["verdict"]
+
+
 def test_no_import_cycle_between_bench_and_tune():
     """bench, serving, calibrate, the acceptance and hardware models sit below tune: none of them imports it."""
     import ast
