@@ -101,11 +101,10 @@ class EngineRig:
                              compile=self.compiled)
 
 
-def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, compile: bool | None = None) -> EngineRig:
-    """The engine as `fledge generate` and `bench/bench_engine.py --compile` run it: `compile`
-    None means compiled on CUDA (with CUDA graphs and fused rounds, the engine's defaults there:
-    fused reductions up to GEMV_ROWS rows, the few-rows kernel for verify-sized forwards), eager
-    on the CPU."""
+def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -> EngineRig:
+    """The engine as `fledge generate --compile` and `bench/bench_engine.py --compile` run it on
+    CUDA (CUDA graphs, fused rounds, fused reductions up to GEMV_ROWS rows, the few-rows kernel
+    for verify-sized forwards); eager on the CPU."""
     from fledge.checkpoint import load_checkpoint
     from fledge.engine.hf import build_engine_target
     from fledge.engine.model import GEMV_ROWS, LayerFns
@@ -113,7 +112,7 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None, c
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    compile = dev.type == "cuda" if compile is None else compile
+    compile = dev.type == "cuda"
     t = load_target(target, dtype=dt, device=dev)
     draft = load_checkpoint(drafter, embed_from=t.model).eval().cast(dev, dt)
     fns = LayerFns.compiled(gemv_rows=GEMV_ROWS, few_rows=16) if compile else LayerFns()

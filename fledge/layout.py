@@ -102,7 +102,7 @@ def draft_facts(cj: dict) -> DraftFacts:
         rope=rope_fields(layer), aux_top=cj.get("eagle_aux_hidden_state_layer_ids"),
         aux_nested=None if spec else ec.get("eagle_aux_hidden_state_layer_ids"),
         use_aux=bool(ec.get("use_aux_hidden_state", True)), tied=bool(layer.get("tie_word_embeddings", False)),
-        dtype=layer.get("dtype") or layer.get("torch_dtype") or cj.get("torch_dtype"),
+        dtype=layer.get("dtype") or layer.get("torch_dtype") or cj.get("dtype") or cj.get("torch_dtype"),
         target_layers=fledge.get("target_num_hidden_layers"),
         norm_before_residual=bool(cj.get("norm_before_residual", spec)),
         verifier=(sc.get("verifier") or {}).get("name_or_path"),
@@ -162,6 +162,6 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
         aux_layer_ids=aux_ids_of(f.aux_top, f.aux_nested, n), max_position_embeddings=layer["max_position_embeddings"],
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         hidden_act=layer.get("hidden_act", "silu"),
-        torch_dtype=cj.get("torch_dtype") or layer.get("torch_dtype") or cj.get("dtype") or "bfloat16",
+        torch_dtype=f.dtype or "bfloat16",
         extra={k: v for k, v in extra.items() if v is not None},
     )

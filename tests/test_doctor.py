@@ -15,7 +15,7 @@ from fledge.checks import FAIL, PASS, WARN, Check, exit_code, report
 from fledge.checkpoint import export_checkpoint
 from fledge.config import DraftConfig
 from fledge.draft import Eagle3Draft
-from fledge.layout import canonical_name, draft_facts
+from fledge.layout import canonical_name, draft_config_from_json, draft_facts
 from fledge.lint import launch_checks, parse_launch
 
 DRAFT_VOCAB = 100
@@ -197,6 +197,15 @@ def test_sglang_spelled_ids_alone_are_in_range_without_a_target(target, tmp_path
     assert check.status == PASS and str([i + 1 for i in nested]) in check.why, check
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = nested[::-1]  # out of order: still refused
     assert doctor.check_aux_ids(draft_facts(cfg), None).status == FAIL
+
+
+def test_doctor_and_loading_read_one_dtype(target, tmp_path):
+    """A config with both transformers' spellings, disagreeing: the facts doctor prints and the
+    config a load builds name the same dtype (the newer `dtype`)."""
+    model, _ = target
+    cfg = json.loads((_export(model, tmp_path / "d") / "config.json").read_text())
+    cfg.update(dtype="float32", torch_dtype="bfloat16")
+    assert draft_facts(cfg).dtype == draft_config_from_json(cfg).torch_dtype == "float32"
 
 
 def test_unreadable_target_only_warns(target, tmp_path):
