@@ -424,6 +424,23 @@ def test_cli_flag_errors_are_one_line(capsys):
     assert main(["generate", "--target", "x", "--prompt", "hi", "--num-steps", "3", "--num-draft-tokens", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("fledge: error: --num-draft-tokens") for line in err)
+    # refused before the target ("x", which would not load) and its AR run
+    assert main(["generate", "--target", "x", "--prompt", "hi", "--oracle", "--topk", "2", "--num-draft-tokens", "5"]) == 2
+    assert capsys.readouterr().err.strip() == "fledge: error: --oracle drafts a chain: use --topk 1"
+
+
+def test_messages_inline_however_long_or_from_a_file(tmp_path):
+    import argparse
+    import json
+
+    from fledge.engine.cli import _messages
+    msgs = [{"role": "user", "content": "word " * 200}]  # longer than a file name may be
+    assert _messages(argparse.Namespace(prompt=None, messages=json.dumps(msgs))) == msgs
+    (tmp_path / "m.json").write_text(json.dumps(msgs))
+    assert _messages(argparse.Namespace(prompt=None, messages=str(tmp_path / "m.json"))) == msgs
+    (tmp_path / "bad.json").write_text("[{")
+    with pytest.raises(FledgeError, match=r"--messages .*bad\.json: not valid JSON"):
+        _messages(argparse.Namespace(prompt=None, messages=str(tmp_path / "bad.json")))
 
 
 def test_oracle_text_refines_a_wrong_reference_to_the_verify_own_text():

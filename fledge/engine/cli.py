@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
@@ -24,13 +25,15 @@ def spec_config(num_steps: int, topk: int, num_draft_tokens: int | None) -> Spec
 def _messages(args) -> list[dict]:
     if args.prompt is not None:
         return [{"role": "user", "content": args.prompt}]
-    text = Path(args.messages).read_text() if Path(args.messages).is_file() else args.messages
+    # os.path.isfile, not Path.is_file: inline JSON longer than a file name makes the latter raise.
+    is_file = os.path.isfile(args.messages)
+    where = f"--messages {args.messages}" if is_file else "--messages"
     try:
-        msgs = json.loads(text)
+        msgs = json.loads(Path(args.messages).read_text() if is_file else args.messages)
     except json.JSONDecodeError as e:
-        raise FledgeError(f"--messages: not valid JSON ({e.msg})") from None
+        raise FledgeError(f"{where}: not valid JSON ({e.msg})") from None
     if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in msgs)):
-        raise FledgeError('--messages: expected a JSON list of {"role": ..., "content": ...}')
+        raise FledgeError(f'{where}: expected a JSON list of {{"role": ..., "content": ...}}')
     return msgs
 
 
@@ -38,6 +41,8 @@ def run_generate(args) -> int:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     spec = spec_config(args.num_steps, args.topk, args.num_draft_tokens)
+    if args.oracle:
+        OracleDrafter.check(spec)  # before the target loads and its AR run
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, args.seed)
     t = load_target(args.target, dtype=dtype, device=device)
     target = build_engine_target(t.model, dtype, device, compile=args.compile)
@@ -48,7 +53,7 @@ def run_generate(args) -> int:
     elif args.oracle:
         greedy = SamplingParams(0.0, 1.0, args.max_new_tokens, args.seed)
         own, _ = oracle_text(target, spec, prompt, generate_ar(target, [prompt], greedy, eos)[0][0], greedy, eos)
-        drafter = OracleDrafter(spec, [prompt + own])
+        drafter = OracleDrafter(spec, [prompt + own], device)
     elif args.ngram:
         drafter = NgramDrafter(spec, args.ngram)
     else:

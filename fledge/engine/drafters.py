@@ -86,12 +86,16 @@ class OracleDrafter:
     device_only = True
 
     def __init__(self, spec: SpecConfig, sequences: list[list[int]], device=None):
-        if spec.topk != 1:
-            raise FledgeError("--oracle drafts a chain: use --topk 1")
+        self.check(spec)
         self.spec, self.seq, self.shape = spec, None, None
         self.set_sequences(sequences)
         if device is not None:  # the sequences are the oracle's input, not its work: upload them before any clock
             self._upload(torch.device(device))
+
+    @staticmethod
+    def check(spec: SpecConfig) -> None:
+        if spec.topk != 1:
+            raise FledgeError("--oracle drafts a chain: use --topk 1")
 
     def set_sequences(self, sequences: list[list[int]]) -> None:
         """The text to propose from now on (uploaded now if the last was)."""
