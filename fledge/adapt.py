@@ -40,7 +40,7 @@ from fledge.config import ADAPT_TRAIN_OPTIONS, DraftConfig
 from fledge.conventions import diff_vocab, validate_aux_layer_ids
 from fledge.draft import Eagle3Draft
 from fledge.layout import draft_facts
-from fledge.util import FledgeError, atomic_write_json, print_table
+from fledge.util import FledgeError, atomic_write_json, check_no_overlap, print_table
 from fledge.vocab import count_masked_tokens, top_target_ids
 from fledge.weights import open_checkpoint
 
@@ -66,6 +66,10 @@ class AdaptConfig:
         if self.draft_vocab is not None and not self.rebuild_vocab:
             raise FledgeError("--draft-vocab sets the size of a rebuilt vocab: add --rebuild-vocab "
                               "(without it adapt keeps OLD's draft vocab)")
+        inputs = {"--drafter": self.drafter, "--data": self.data, "--eval-data": self.train_options.get("eval_data"),
+                  "--features": self.train_options.get("features")}
+        for written in ("init", "train", "adapt.json"):  # init is replaced on every run
+            check_no_overlap(Path(self.out) / written, inputs)
 
 
 # --------------------------------------------------------------------------- the adaptation

@@ -149,6 +149,19 @@ def test_mismatched_width_refused(tmp_path, capsys):
         assert "\n" not in str(e)
 
 
+def test_an_input_inside_what_adapt_writes_is_refused(tmp_path, capsys):
+    """OLD given as the init/ of the same run directory would be replaced by NEW's init."""
+    old = tmp_path / "run" / "init"
+    old_drafter(make_tiny("llama"), list(range(N)), old)
+    before = {p: p.read_bytes() for p in old.rglob("*") if p.is_file()}
+    data = write_data(tmp_path / "d.jsonl", seed=1)
+    rc = cli_main(["adapt", "--drafter", str(old), "--target", _hf_dir(tmp_path / "t", make_tiny("llama")),
+                   "--data", data, "--out", str(tmp_path / "run"), "--no-train"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fledge")]
+    assert rc == 2 and len(err) == 1 and "the input --drafter" in err[0], err
+    assert {p: p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
+
+
 def test_cli_fine_tune_writes_a_valid_drafter(tmp_path, capsys):
     """(e) adapt + a two-step fine-tune through the CLI; a rerun resumes, other inputs are refused."""
     from test_target import save_tiny_dir
