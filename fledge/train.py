@@ -260,6 +260,9 @@ def build_draft(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
         if (draft.cfg.hidden_size, draft.cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
             raise FledgeError(f"--init {cfg.init}: drafter for H={draft.cfg.hidden_size}, vocab {draft.cfg.vocab_size}; "
                               f"target has H={tcfg.hidden_size}, vocab {tcfg.vocab_size}")
+        if cfg.aux_layers is not None and tuple(cfg.aux_layers) != tuple(draft.cfg.aux_layer_ids):
+            raise FledgeError(f"--aux-layers {list(cfg.aux_layers)}: --init {cfg.init} reads layers "
+                              f"{list(draft.cfg.aux_layer_ids)}; its fc weights belong to those")
         if cfg.draft_intermediate_size:
             try:
                 draft.widen_mlp(cfg.draft_intermediate_size, cfg.seed)

@@ -26,8 +26,8 @@ from fledge.draft import Eagle3Draft
 from fledge.features import (FeatureOptions, FeatureStore, Sample, TargetHead, cut_loops, feature_model,
                              features_meta, load_samples, loop_end, online_features, write_features)
 from fledge.target import Target
-from fledge.train import (EXIT_BUDGET, TTT, Paused, Run, TrainConfig, budget_steps, epoch_batches, fit_step_time, plan_budget,
-                          planned_seconds, replay_counts, summarize, train, unroll)
+from fledge.train import (EXIT_BUDGET, TTT, Paused, Run, TrainConfig, budget_steps, build_draft, epoch_batches,
+                          fit_step_time, plan_budget, planned_seconds, replay_counts, summarize, train, unroll)
 from fledge.util import FledgeError
 from fledge.vocab import save_vocab
 
@@ -420,6 +420,10 @@ def test_init_with_another_vocab_trains_and_exports_it(tmp_path, capsys):
     draft = load_checkpoint(tmp_path / "second" / "draft", embed_from=target.model)
     assert torch.equal(draft.target_ids(), torch.arange(60, 260))
     assert json.loads((tmp_path / "second" / "draft" / "config.json").read_text())["draft_vocab_size"] == 200
+    own = list(draft.cfg.aux_layer_ids)
+    with pytest.raises(FledgeError, match=rf"--aux-layers \[1, 2, 3\]: --init .* reads layers \{own}"):
+        build_draft(config(tmp_path, "third", init=str(tmp_path / "second" / "draft"), aux_layers=(1, 2, 3)), target)
+    assert build_draft(config(tmp_path, "third", init=str(tmp_path / "second" / "draft"), aux_layers=own), target)
 
 
 # --------------------------------------------------------------------------- ranks and shards
