@@ -222,7 +222,7 @@ def write_features(model, aux_ids, samples: list[Sample], out, meta: dict,
     if (out / "meta.json").exists():
         old = json.loads((out / "meta.json").read_text())
         if old != meta:
-            diff = sorted(k for k in meta if old.get(k) != meta[k])
+            diff = sorted(k for k in meta.keys() | old.keys() if old.get(k) != meta.get(k))
             raise FledgeError(f"{out}: holds features of another run ({', '.join(diff)} differ); use a new --out")
     else:
         atomic_write_json(out / "meta.json", meta)

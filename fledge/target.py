@@ -62,7 +62,10 @@ def check_hf_dir(path: Path) -> Path:
     tok_cfg = path / "tokenizer_config.json"
     has_template = (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file()
     if not has_template and tok_cfg.is_file():
-        has_template = bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+        try:
+            has_template = bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:  # AttributeError: not an object
+            raise FledgeError(f"{tok_cfg}: not a JSON object ({e})") from None
     if not has_template:
         raise FledgeError(f"{tok_cfg}: no chat_template (nor chat_template.jinja); fledge renders conversations with it")
     return path

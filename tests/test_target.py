@@ -121,9 +121,16 @@ def test_eos_ids_and_chat_encoding():
     assert encode_chat(tok, msgs + [{"role": "assistant", "content": "w3"}]) == [5, 7, 3]
 
 
-@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json", "chat_template"])
+@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json", "chat_template", "readable tokenizer_config"])
 def test_hf_dir_missing_parts(tmp_path, missing):
     save_tiny_dir(tmp_path)
+    if missing == "readable tokenizer_config":
+        for f in tmp_path.glob("chat_template.*"):
+            f.unlink()
+        (tmp_path / "tokenizer_config.json").write_text('{"chat_template": ')
+        with pytest.raises(FledgeError, match=r"tokenizer_config\.json: not a JSON object"):
+            check_hf_dir(tmp_path)
+        return
     if missing == "chat_template":
         for f in tmp_path.glob("chat_template.*"):
             f.unlink()

@@ -680,6 +680,12 @@ def test_online_equals_offline_fp32(tmp_path):
     write_features(target.model, (2, 4, 5), samples, feats, features_meta("tiny", data, 2048),
                    FeatureOptions("fp32", shard_size=10, batch_size=5))
     assert first.stat().st_mtime_ns == stamp and first.read_bytes() == first_bytes
+    meta = json.loads((feats / "meta.json").read_text())
+    (feats / "meta.json").write_text(json.dumps({**meta, "written_by": "another tool"}))
+    with pytest.raises(FledgeError, match=r"holds features of another run \(written_by differ\)"):
+        write_features(target.model, (2, 4, 5), samples, feats, features_meta("tiny", data, 2048),
+                       FeatureOptions("fp32", shard_size=10, batch_size=5))
+    (feats / "meta.json").write_text(json.dumps(meta))
     store = FeatureStore(feats, {}, 64)
     aux, hidden = online_features(target.model, (2, 4, 5), samples[13].input_ids[None], None)
     torch.testing.assert_close(store.get(13)[0], aux[0], atol=1e-5, rtol=1e-5)
