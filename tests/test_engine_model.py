@@ -74,6 +74,22 @@ def test_tied_embeddings_and_rope_scaling():
     assert (logits - ref_logits).abs().max() < 1e-4
 
 
+def test_llama_with_attention_and_mlp_biases_matches_hf():
+    """Llama's attention_bias (q/k/v/o) and mlp_bias (gate/up/down) reach the compact engine."""
+    hf = make_tiny("llama", seed=6, attention_bias=True, mlp_bias=True)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)  # HF starts biases at zero, which would hide a dropped one
+    model = build_engine_target(hf, torch.float32, "cpu")
+    assert isinstance(model, Transformer)
+    seq = torch.randint(0, 301, (20,)).tolist()
+    (logits, aux), = run_rows(model, [seq], [12], [1, 3, 4])
+    ref_logits, ref_aux = hf_reference(hf, seq)
+    assert (logits - ref_logits).abs().max() < 1e-4
+    assert (aux - ref_aux).abs().max() < 1e-4
+
+
 def test_unknown_family_is_a_fledge_error():
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)
     with pytest.raises(FledgeError, match="gpt2"):
