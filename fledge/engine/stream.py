@@ -136,8 +136,8 @@ def generate_stream(model, prompts: list[list[int]], params: SamplingParams, eos
         t0 = now(device)
         steps = stream.run(refill_every)
         t1 = now(device)
-        graphs = len(stream.steps.by_span)
+        n_graphs = len(stream.steps.by_span)
     n_new = sum(map(len, stream.results))
     return stream.results, {"prompts": len(prompts), "rows": len(stream.owner), "prompt_tokens": sum(map(len, prompts)),
-                            "generated_tokens": n_new, "decode_steps": steps, "graphs": graphs,
+                            "generated_tokens": n_new, "decode_steps": steps, "graphs": n_graphs,
                             "seconds": t1 - t0, "tok_s": n_new / max(t1 - t0, 1e-9)}
