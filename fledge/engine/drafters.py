@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from fledge.checkpoint import load_checkpoint
 from fledge.draft import Eagle3Draft
-from fledge.engine.model import compile_static, one_off_attention
-from fledge.engine.tree import Tree, chain, select_tree, topk_by_max, topk_by_rank
+from fledge.engine.model import compile_static
+from fledge.engine.tree import Tree, chain, logsumexp_by_chunks, select_tree, topk_by_max, topk_by_rank
 from fledge.util import FledgeError
 
 
@@ -174,9 +174,8 @@ class NgramDrafter:
         return chain(inp.root, torch.tensor(rows, device=inp.root.device))
 
 
-# The drafter's cache rows, rounded up: one compiled shape for most requests. Its masked SDPA
-# reads every row, so the quantum is also what a draft step's attention costs (cuDNN: 36 us a
-# step at 2,054 rows on the H200, bench/profile_round.py's "kernels" at commit d466fab).
+# The drafter's cache rows, rounded up: one compiled shape for most requests. Its attention
+# reads every row, so the quantum is also what a draft step's attention costs.
 DRAFT_CACHE_QUANTUM = 1024
 
 
@@ -214,7 +213,7 @@ class Eagle3Drafter:
         # whole with Inductor's split reductions, the max-reductions over a vocab for several
         # beams trip an assertion in torch 2.11's fusion pass (can_fuse: rnumel1 == 1; found on
         # the H200, reproduced on the CPU with torch 2.11 and Inductor's Triton scheduling), so
-        # those are compiled unsplit: a few rows of a vocab, one program each. On the H200 a
+        # those are compiled unsplit and split by hand (tree.topk_by_max's chunks). On the H200 a
         # compiled (5, 4, 16) round took 1.90 ms this way against 2.28 with torch.topk
         # (bf16, bench/profile_round.py at commit d466fab with and without --torch-topk).
         self.draft, self.spec, self.compiled, self.fast_topk, self.kv = draft, spec, compile, fast_topk, None
@@ -249,14 +248,22 @@ class Eagle3Drafter:
     def _step(self, ids, hidden, positions, slots, mask):
         """One draft forward of T tokens per row, written at cache `slots` [B, T], attending
         under the bool `mask` [B, 1, T, S]. GQA without copying the cache: the G query heads of
-        a kv head become G*T query rows of it (as the target's attn_in), the mask rows repeated."""
+        a kv head become G*T query rows of it (as the target's attn_in), the mask rows repeated.
+
+        Attention is written out (scores in fp32, a softmax, a product), not SDPA: with a mask,
+        SDPA took cuDNN's flash kernel with 64-row query tiles for the 12 rows of a (5, 4, 16)
+        step, and no cuDNN plan is built for each new prompt length. On the H200 this form and
+        the chunked top-k (tree.topk_by_max) took a compiled (5, 4, 16) propose from 453 to
+        352 us and its observe from 82 to 67 (bf16, SmolLM2's shapes with random weights, the
+        shipped drafter, each half replayed as a CUDA graph; the whole round: docs/performance.md)."""
         q, k, v, residual = self.draft.project(ids, hidden, positions)
         B, H, T, D = q.shape
-        n_kv = k.shape[1]
+        n_kv, G = k.shape[1], H // k.shape[1]
         self.kv.scatter_(3, slots[None, :, None, :, None].expand(2, B, n_kv, T, D), torch.stack([k, v]))
-        o = F.scaled_dot_product_attention(q.reshape(B, n_kv, (H // n_kv) * T, D), self.kv[0], self.kv[1],
-                                           attn_mask=mask.repeat(1, 1, H // n_kv, 1))
-        return self.draft.finish(o.reshape(B, H, T, D), residual)  # fp32 SDPA may return a strided layout
+        s = q.reshape(B, n_kv, G * T, D).float() @ self.kv[0].float().transpose(-1, -2) * D ** -0.5
+        s = s.masked_fill(~mask.repeat(1, 1, G, 1), float("-inf"))
+        o = s.softmax(-1).to(v.dtype) @ self.kv[1]
+        return self.draft.finish(o.reshape(B, H, T, D), residual)
 
     def observe(self, tokens, aux, n, next_token, start):
         """Re-feed verified tokens: rows start..start+n-1 get the target's fresh aux states
@@ -265,8 +272,7 @@ class Eagle3Drafter:
         if tokens.shape[1] == self.spec.path_len:  # a round's path: one shape for the whole run
             self._observe_round(tokens, aux.to(self.kv.dtype), n, next_token, start)
             return
-        with one_off_attention():  # the prompt: a shape per request
-            self._observe(tokens, aux.to(self.kv.dtype), n, next_token, start)
+        self._observe(tokens, aux.to(self.kv.dtype), n, next_token, start)  # the prompt: eager, a shape per request
 
     def _observe(self, tokens, aux, n, next_token, start):
         B, T = tokens.shape
@@ -285,7 +291,7 @@ class Eagle3Drafter:
             logp, idx = F.log_softmax(logits, dim=-1).topk(self.spec.topk, dim=-1)
             return logp, self.to_target[idx]
         top, idx = topk_by_max(logits, self.spec.topk)
-        return top - logits.logsumexp(-1, keepdim=True), self.to_target[idx]
+        return top - logsumexp_by_chunks(logits)[..., None], self.to_target[idx]
 
     def propose(self, inp: DraftInput) -> Tree:
         """EAGLE-2 dynamic tree: grow the topk best beams (by cumulative log-prob) one depth

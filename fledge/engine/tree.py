@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -58,9 +59,22 @@ def chain(root: torch.Tensor, tokens: torch.Tensor) -> Tree:
 # best of 68 candidates, 75 us for 4 of 16K logits): with several calls per draft step it was
 # most of a step. These two compile to a few short kernels each. Both return torch.topk's
 # (values, indices), largest first, ties to the lower index.
-def topk_by_max(x: torch.Tensor, k: int):
-    """For long rows (a vocab) and small k: k max-reductions, each masking the winners before it."""
-    cols = torch.arange(x.shape[-1], device=x.device)
+TOPK_CHUNK = 256  # a row longer than this is cut into chunks of it: see topk_by_max
+
+
+def topk_by_max(x: torch.Tensor, k: int, chunk: int = TOPK_CHUNK):
+    """For long rows (a vocab) and small k: k max-reductions, each masking the winners before it.
+    A row longer than `chunk` first gives up the top k of each of its chunks, then the best k of
+    those win: compiled without split reductions (see Eagle3Drafter), a whole vocab row is one
+    program's serial loop, where chunks are short reductions side by side."""
+    n = x.shape[-1]
+    if n > chunk >= 2 * k:  # each pass then at least halves the row
+        parts = F.pad(x, (0, -n % chunk), value=float("-inf")).unflatten(-1, (-1, chunk))
+        vals, idx = topk_by_max(parts, k, chunk)  # [..., n_chunks, k]
+        idx = idx + torch.arange(parts.shape[-2], device=x.device)[:, None] * chunk
+        vals, pick = topk_by_max(vals.flatten(-2), k, chunk)  # chunk-major: ties stay with the lower index
+        return vals, idx.flatten(-2).gather(-1, pick)
+    cols = torch.arange(n, device=x.device)
     vals, idx = [], []
     for _ in range(k):
         v, i = x.max(dim=-1)
@@ -68,6 +82,15 @@ def topk_by_max(x: torch.Tensor, k: int):
         idx.append(i)
         x = torch.where(cols == i[..., None], float("-inf"), x)
     return torch.stack(vals, -1), torch.stack(idx, -1)
+
+
+def logsumexp_by_chunks(x: torch.Tensor, chunk: int = TOPK_CHUNK) -> torch.Tensor:
+    """x.logsumexp(-1), over chunks of the row first (for the reason in topk_by_max)."""
+    n = x.shape[-1]
+    if n <= chunk:
+        return x.logsumexp(-1)
+    parts = F.pad(x, (0, -n % chunk), value=float("-inf")).unflatten(-1, (-1, chunk))
+    return logsumexp_by_chunks(parts.logsumexp(-1), chunk)
 
 
 def topk_by_rank(x: torch.Tensor, k: int):
