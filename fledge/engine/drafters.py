@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from fledge.checkpoint import load_checkpoint
 from fledge.draft import Eagle3Draft
-from fledge.engine.model import compile_static
+from fledge.engine.model import compile_static, one_off_attention
 from fledge.engine.tree import Tree, chain, logsumexp_by_chunks, select_tree, topk_by_max, topk_by_rank
 from fledge.util import FledgeError
 
@@ -245,14 +245,15 @@ class Eagle3Drafter:
         over them replays right while `start` keeps them (see rounds.Round.serves)."""
         return self.kv, self.last
 
-    def _step(self, ids, hidden, positions, slots, mask):
+    def _step(self, ids, hidden, positions, slots, mask, sdpa: bool = False):
         """One draft forward of T tokens per row, written at cache `slots` [B, T], attending
         under the bool `mask` [B, 1, T, S]. GQA without copying the cache: the G query heads of
         a kv head become G*T query rows of it (as the target's attn_in), the mask rows repeated.
 
-        Attention is written out (scores in fp32, a softmax, a product), not SDPA: with a mask,
+        A round's steps write attention out (scores in fp32, a softmax, a product): with a mask,
         SDPA took cuDNN's flash kernel with 64-row query tiles for the 12 rows of a (5, 4, 16)
-        step, and no cuDNN plan is built for each new prompt length. On the H200 this form and
+        step. The prompt's pass keeps SDPA (`sdpa`), whose memory does not grow with the
+        prompt's length squared. On the H200 the written-out form and
         the chunked top-k (tree.topk_by_max) took a compiled (5, 4, 16) propose from 453 to
         352 us and its observe from 82 to 67 (bf16, SmolLM2's shapes with random weights, the
         shipped drafter, each half replayed as a CUDA graph; the whole round: docs/performance.md)."""
@@ -260,10 +261,13 @@ class Eagle3Drafter:
         B, H, T, D = q.shape
         n_kv, G = k.shape[1], H // k.shape[1]
         self.kv.scatter_(3, slots[None, :, None, :, None].expand(2, B, n_kv, T, D), torch.stack([k, v]))
-        s = q.reshape(B, n_kv, G * T, D).float() @ self.kv[0].float().transpose(-1, -2) * D ** -0.5
-        s = s.masked_fill(~mask.repeat(1, 1, G, 1), float("-inf"))
-        o = s.softmax(-1).to(v.dtype) @ self.kv[1]
-        return self.draft.finish(o.reshape(B, H, T, D), residual)
+        q, mask = q.reshape(B, n_kv, G * T, D), mask.repeat(1, 1, G, 1)
+        if sdpa:
+            o = F.scaled_dot_product_attention(q, self.kv[0], self.kv[1], attn_mask=mask)
+        else:
+            s = (q.float() @ self.kv[0].float().transpose(-1, -2) * D ** -0.5).masked_fill(~mask, float("-inf"))
+            o = s.softmax(-1).to(v.dtype) @ self.kv[1]
+        return self.draft.finish(o.reshape(B, H, T, D), residual)  # fp32 SDPA may return a strided layout
 
     def observe(self, tokens, aux, n, next_token, start):
         """Re-feed verified tokens: rows start..start+n-1 get the target's fresh aux states
@@ -272,16 +276,17 @@ class Eagle3Drafter:
         if tokens.shape[1] == self.spec.path_len:  # a round's path: one shape for the whole run
             self._observe_round(tokens, aux.to(self.kv.dtype), n, next_token, start)
             return
-        self._observe(tokens, aux.to(self.kv.dtype), n, next_token, start)  # the prompt: eager, a shape per request
+        with one_off_attention():  # the prompt: a shape per request
+            self._observe(tokens, aux.to(self.kv.dtype), n, next_token, start, sdpa=True)
 
-    def _observe(self, tokens, aux, n, next_token, start):
+    def _observe(self, tokens, aux, n, next_token, start, sdpa: bool = False):
         B, T = tokens.shape
         ids = torch.cat([tokens[:, 1:], next_token[:, None]], dim=1)
         ids = ids.scatter(1, (n - 1)[:, None], next_token[:, None])
         pos = start[:, None] + torch.arange(T, device=ids.device)
         cols = torch.arange(self.kv.shape[3], device=ids.device)
         mask = (cols <= pos[:, :, None])[:, None]
-        out = self._step(ids, aux, pos, pos, mask)
+        out = self._step(ids, aux, pos, pos, mask, sdpa)
         self.last.copy_(out.gather(1, (n - 1)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0])
 
     def _top(self, out):
