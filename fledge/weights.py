@@ -71,7 +71,7 @@ class Weights:
         numpy lacks, widened exactly to float32."""
         if name in self.bin_tensors:
             t = self.bin_tensors[name]
-            t = t if start is None or not self.shapes[name] else t[start:stop]
+            t = t[start:stop] if self.shapes[name] else t
             return (t.float() if self.dtypes[name] == "bfloat16" else t).numpy()
         return read_safetensor(self.files[name], name, start, stop)
 

@@ -444,10 +444,16 @@ def test_numpy_reader_matches_the_torch_reader(target, tmp_path):
         assert torch.equal(bits(a), bits(b)), k
 
     ref = torch_load(tmp_path / "mixed.safetensors")
+    torch.save(mixed, tmp_path / "pytorch_model.bin")
+    from_bin, problems = weights.scan_files([tmp_path / "pytorch_model.bin"])
+    assert not problems
     for k, t in ref.items():
         same(torch.from_numpy(weights.read_safetensor(tmp_path / "mixed.safetensors", k)), t, k)
-        for a, b in ((1, 3), (3, 10**6)) if t.dim() else ():  # rows past the end are clamped, as in Python
+        same(torch.from_numpy(from_bin.read(k)), t, k)
+        # rows past the end are clamped, as in Python; an open start or stop reads as a slice does
+        for a, b in ((1, 3), (3, 10**6), (None, 2), (2, None)) if t.dim() else ():
             same(torch.from_numpy(weights.read_safetensor(tmp_path / "mixed.safetensors", k, a, b)), t[a:b], k)
+            same(torch.from_numpy(from_bin.read(k, a, b)), t[a:b], k)
     for d in drafters:
         w = weights.open_checkpoint(d).weights
         tensors = {canonical_name(k): t for k, t in w.torch_tensors().items()}
