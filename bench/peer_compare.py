@@ -336,7 +336,8 @@ def measure(args, plan: Plan | None, w: Path) -> None:
                 s["rows"].append({"drafter": who, "shape": list(shape), "accept_length": sm["accept_length"],
                                   "tok_s": tok_s, "speedup": tok_s / s["ar"]["tok_s"],
                                   "depth_acceptance": sm["depth_acceptance"], "verify_steps": sm["verify_steps"],
-                                  "generated_tokens": sm["generated_tokens"]})
+                                  "generated_tokens": sm["generated_tokens"],
+                                  "ended_outside_vocab": sm["ended_outside_vocab"]})
                 print(f"{name:<8} {who:<20} {str(shape):<12} accept {sm['accept_length']:.3f}  {tok_s:8.1f} tok/s "
                       f"({tok_s / s['ar']['tok_s']:.2f}x plain)", flush=True)
                 atomic_write_json(args.out or w / "measure.json", out)

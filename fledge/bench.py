@@ -34,7 +34,7 @@ class RankProbe:
     device_only = False
 
     def __init__(self, drafter):
-        self.inner, self.spec, self.aux_ids = drafter, drafter.spec, drafter.aux_ids
+        self.inner, self.spec, self.aux_ids, self.vocab = drafter, drafter.spec, drafter.aux_ids, drafter.vocab
         K, S = self.spec.topk, self.spec.num_steps
         self.reached = [[0] * S for _ in range(2)]
         self.hits = [[[0] * K for _ in range(S)] for _ in range(2)]
@@ -265,12 +265,13 @@ def _engine_bench(args) -> dict:
         stats, tok_s = run_shape(rig, rig.drafter(shape), prompts, args.max_new_tokens, f"shape {shape.label}")
         s = stats.summary()
         results.append({"shape": shape.label, "tok_s": tok_s, "speedup": tok_s / ar["tok_s"], **{k: s[k] for k in (
-            "accept_length", "accept_rate", "round_ms_per_step", "depth_acceptance", "histogram")}})
+            "accept_length", "accept_rate", "round_ms_per_step", "depth_acceptance", "histogram", "ended_outside_vocab")}})
     print(f"plain decoding {ar['tok_s']:.1f} tok/s ({ar['ar_ms']:.2f} ms/step); accept length = SGLang's (bonus incl.); "
           f"{engine_path(rig)}")
-    print(f"{'shape':<14}{'accept':>7}{'tok/s':>9}{'speedup':>9}{'round ms':>9}")
+    print(f"{'shape':<14}{'accept':>7}{'tok/s':>9}{'speedup':>9}{'round ms':>9}  rounds ended outside the draft vocab")
     for r in results:
-        print(f"{r['shape']:<14}{r['accept_length']:>7.2f}{r['tok_s']:>9.1f}{r['speedup']:>8.2f}x{r['round_ms_per_step']:>9.2f}")
+        print(f"{r['shape']:<14}{r['accept_length']:>7.2f}{r['tok_s']:>9.1f}{r['speedup']:>8.2f}x{r['round_ms_per_step']:>9.2f}"
+              f"  {100 * r['ended_outside_vocab']:.1f}%")
     out = {"ar": ar, "results": results}
     if args.probe:
         out["profile"] = probe_profile(rig, prompts, args.probe_steps, args.probe_topk, args.max_new_tokens)

@@ -149,6 +149,7 @@ def test_server_not_answering(capsys):
 class _Stub:
     spec = type("S", (), {"topk": 3, "num_steps": 3})()
     aux_ids = None
+    vocab = None
 
     def observe(self, *a):
         pass

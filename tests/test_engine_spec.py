@@ -112,19 +112,21 @@ def test_stats_follow_sglang_definitions():
 
 
 # --------------------------------------------------------------------------- on tiny targets
-def tiny_setup(family, vocab=24, seed=0, **overrides):
+def tiny_setup(family, vocab=24, seed=0, draft_ids=None, **overrides):
     """A tiny target and a random drafter nudged to imitate it (fc passes the highest aux state
     through, the head is the target's), so drafts are often accepted and the accept/compact/
-    re-feed paths run with multi-token rounds; its attention still matters (the 0.3 scale)."""
+    re-feed paths run with multi-token rounds; its attention still matters (the 0.3 scale).
+    `draft_ids`: ascending target ids of a draft vocabulary (default: the whole vocab)."""
     hf = make_tiny(family, seed=seed, vocab_size=vocab, **overrides)
     target = build_engine_target(hf, torch.float32, "cpu")
     torch.manual_seed(seed + 1)
-    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()
+    cfg = DraftConfig.from_target(hf.config, None if draft_ids is None else len(draft_ids))
+    draft = Eagle3Draft.from_target(cfg, hf, draft_ids).eval()
     H = draft.cfg.hidden_size
     with torch.no_grad():
         draft.fc.weight.zero_()[:, 2 * H:] = torch.eye(H)
         draft.midlayer.self_attn.o_proj.weight.mul_(0.3)
-        draft.lm_head.weight.copy_(hf.lm_head.weight)
+        draft.lm_head.weight.copy_(hf.lm_head.weight if draft_ids is None else hf.lm_head.weight[draft_ids])
         draft.norm.weight.copy_(hf.model.norm.weight)
     return hf, target, draft
 
@@ -136,6 +138,37 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
 # tokens, and text equality then proves little (8 or more distinct tokens in 21 here).
 VARIED = dict(vocab=32, initializer_range=0.25)
 GREEDY_21 = SamplingParams(temperature=0.0, max_new_tokens=21)
+
+
+def test_rounds_ended_outside_the_draft_vocab_are_counted():
+    """A token the draft vocabulary lacks enters the text only as a round's bonus (the text
+    still equals AR's); SpecStats counts the rounds such a token ended short of the tree's
+    depth. A whole-vocab drafter ends none there; an oracle has no vocabulary to count."""
+    from fledge.engine.stats import SpecStats
+
+    prompt = torch.randint(0, 32, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    hf, target, full = tiny_setup("llama", **VARIED)
+    ar = generate_ar(target, [prompt], GREEDY_21, eos_ids=[])[0][0]
+    missing = sorted(set(ar[1:]))[:3]
+    _, _, small = tiny_setup("llama", **VARIED, draft_ids=torch.tensor([t for t in range(32) if t not in missing]))
+    for spec in (SpecConfig(3, 1, 4), SpecConfig(3, 3, 9)):
+        out, stats = generate_spec(target, Eagle3Drafter(small, spec, target), prompt, GREEDY_21, eos_ids=[])
+        assert out == ar
+        ends, pos = [], 0
+        for a in stats.accepted:  # out[0] comes from the prefill, then each round adds a + 1 tokens
+            pos += a + 1
+            ends.append((pos, a))
+        assert {i for i in range(1, len(out)) if out[i] in missing} <= {p for p, _ in ends}
+        seen = sum(p < len(out) and out[p] in missing and a < spec.path_len - 1 for p, a in ends)
+        assert seen > 0
+        # the last round's bonus may lie past max_new_tokens, unseen here but counted
+        assert stats.outside_vocab - seen in ((0, 1) if ends[-1][0] >= len(out) else (0,))
+        assert f"outside the draft vocabulary: {100 * stats.outside_vocab / stats.steps:.1f}%" in stats.report()
+        _, whole = generate_spec(target, Eagle3Drafter(full, spec, target), prompt, GREEDY_21, eos_ids=[])
+        assert whole.outside_vocab == 0
+    _, oracle = generate_spec(target, OracleDrafter(SpecConfig(4, 1, 5), [prompt + ar]), prompt, GREEDY_21, eos_ids=[])
+    assert oracle.outside_vocab is None and oracle.summary()["ended_outside_vocab"] is None
+    assert SpecStats.merge([stats, whole]).outside_vocab == stats.outside_vocab
 
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)

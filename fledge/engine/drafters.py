@@ -7,6 +7,8 @@ accepted path after each verify step) with the target's aux hidden states for th
 token that comes next (the next tree root). `propose` returns a tree of exactly
 `spec.num_draft_tokens` nodes, so the verify step always has one shape.
 
+`vocab` is the set of target ids it can propose (None: any).
+
 A `device_only` drafter reads nothing from the host context, so its propose and observe run
 inside a round's CUDA graph; its `buffers()` are the device tensors such a graph captures.
 """
@@ -84,6 +86,7 @@ class OracleDrafter:
 
     aux_ids = None
     device_only = True
+    vocab = None
 
     def __init__(self, spec: SpecConfig, sequences: list[list[int]], device=None):
         self.check(spec)
@@ -147,6 +150,7 @@ class NgramDrafter:
 
     aux_ids = None
     device_only = False
+    vocab = None
 
     def __init__(self, spec: SpecConfig, max_n: int):
         if spec.topk != 1:
@@ -219,6 +223,7 @@ class Eagle3Drafter:
         self.draft, self.spec, self.compiled, self.fast_topk, self.kv = draft, spec, compile, fast_topk, None
         self.aux_ids = tuple(cfg.aux_layer_ids)
         self.to_target = draft.target_ids()
+        self.vocab = frozenset(self.to_target.tolist())
         opts = {"split_reductions": False} if fast_topk else {}
         wrap = (lambda f: compile_static(f, options=opts)) if compile else (lambda f: f)
         self._propose, self._observe_round = wrap(self._propose_tree), wrap(self._observe)

@@ -90,6 +90,8 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     stats = SpecStats(spec.num_steps, spec.num_draft_tokens, prompt_tokens=len(prompt), generated_tokens=len(out),
                       prefill_ms=req.clock.ms(t0, t_prefill), wall_ms=req.clock.ms(t0, t_end),
                       accepted=[r.accepted for r in results])
+    if drafter.vocab is not None:  # a round's last token is its bonus, the target's own choice
+        stats.outside_vocab = sum(r.accepted < spec.path_len - 1 and r.tokens[-1] not in drafter.vocab for r in results)
     prev = t_prefill
     for r in results:
         prev = r.record(stats, req.clock, prev)

@@ -47,6 +47,9 @@ class SpecStats:
     verify_ms: list[float] = field(default_factory=list)  # target forward + accept/reject
     other_ms: list[float] = field(default_factory=list)  # KV compaction, host sync, bookkeeping
     round_ms: list[float] = field(default_factory=list)  # whole rounds; fused rounds time only these
+    # Rounds that ended short of the tree's depth at a token outside the drafter's vocabulary,
+    # which no training of that drafter could have proposed (None: a drafter without a vocabulary).
+    outside_vocab: int | None = None
 
     @property
     def steps(self) -> int:
@@ -83,6 +86,8 @@ class SpecStats:
             out.wall_ms += r.wall_ms
             for name in ("accepted", "draft_ms", "verify_ms", "other_ms", "round_ms"):
                 getattr(out, name).extend(getattr(r, name))
+            if r.outside_vocab is not None:
+                out.outside_vocab = (out.outside_vocab or 0) + r.outside_vocab
         return out
 
     def summary(self) -> dict:
@@ -105,6 +110,7 @@ class SpecStats:
             "prefill_ms": self.prefill_ms,
             "depth_acceptance": self.depth_acceptance(),
             "histogram": self.histogram(),
+            "ended_outside_vocab": None if self.outside_vocab is None else self.outside_vocab / per,
         }
 
     @staticmethod
@@ -127,4 +133,6 @@ class SpecStats:
             "tokens per verify step:",
         ]
         lines += [f"  {k + 1:2d} {c:6d} {'#' * round(40 * c / width)}" for k, c in enumerate(hist)]
+        if s["ended_outside_vocab"] is not None:
+            lines.append(f"rounds ended at a token outside the draft vocabulary: {100 * s['ended_outside_vocab']:.1f}%")
         return "\n".join(lines)
