@@ -62,6 +62,12 @@ def chain(root: torch.Tensor, tokens: torch.Tensor) -> Tree:
 TOPK_CHUNK = 256  # a row longer than this is cut into chunks of it: see topk_by_max
 
 
+def _row_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[..., n] -> [..., ceil(n / chunk), chunk], the last chunk padded with -inf (which neither
+    a max nor a logsumexp picks up)."""
+    return F.pad(x, (0, -x.shape[-1] % chunk), value=float("-inf")).unflatten(-1, (-1, chunk))
+
+
 def topk_by_max(x: torch.Tensor, k: int, chunk: int = TOPK_CHUNK):
     """For long rows (a vocab) and small k: k max-reductions, each masking the winners before it.
     A row longer than `chunk` first gives up the top k of each of its chunks, then the best k of
@@ -69,7 +75,7 @@ def topk_by_max(x: torch.Tensor, k: int, chunk: int = TOPK_CHUNK):
     program's serial loop, where chunks are short reductions side by side."""
     n = x.shape[-1]
     if n > chunk >= 2 * k:  # each pass then at least halves the row
-        parts = F.pad(x, (0, -n % chunk), value=float("-inf")).unflatten(-1, (-1, chunk))
+        parts = _row_chunks(x, chunk)
         vals, idx = topk_by_max(parts, k, chunk)  # [..., n_chunks, k]
         idx = idx + torch.arange(parts.shape[-2], device=x.device)[:, None] * chunk
         vals, pick = topk_by_max(vals.flatten(-2), k, chunk)  # chunk-major: ties stay with the lower index
@@ -86,11 +92,9 @@ def topk_by_max(x: torch.Tensor, k: int, chunk: int = TOPK_CHUNK):
 
 def logsumexp_by_chunks(x: torch.Tensor, chunk: int = TOPK_CHUNK) -> torch.Tensor:
     """x.logsumexp(-1), over chunks of the row first (for the reason in topk_by_max)."""
-    n = x.shape[-1]
-    if n <= chunk:
+    if x.shape[-1] <= chunk:
         return x.logsumexp(-1)
-    parts = F.pad(x, (0, -n % chunk), value=float("-inf")).unflatten(-1, (-1, chunk))
-    return logsumexp_by_chunks(parts.logsumexp(-1), chunk)
+    return logsumexp_by_chunks(_row_chunks(x, chunk).logsumexp(-1), chunk)
 
 
 def topk_by_rank(x: torch.Tensor, k: int):
