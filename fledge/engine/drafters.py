@@ -260,8 +260,8 @@ class Eagle3Drafter:
         step. The prompt's pass keeps SDPA (`sdpa`), whose memory does not grow with the
         prompt's length squared. On the H200 the written-out form and the chunked top-k
         (tree.topk_by_max) took a compiled (5, 4, 16) propose from 453 to 352 us and its observe
-        from 82 to 67 (bf16, SmolLM2's shapes with random weights, the shipped drafter, each half
-        replayed as a CUDA graph; the whole round: docs/performance.md)."""
+        from 82 to 67 (bf16, SmolLM2's shapes with random weights, the drafter shipped at
+        fa24fc4, each half replayed as a CUDA graph; the whole round: docs/performance.md)."""
         q, k, v, residual = self.draft.project(ids, hidden, positions)
         B, H, T, D = q.shape
         n_kv, G = k.shape[1], H // k.shape[1]
