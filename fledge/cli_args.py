@@ -103,6 +103,29 @@ def add_regen(sub) -> None:
     p.set_defaults(func=handler("fledge.regen:run_regen"))
 
 
+def add_prompts(sub) -> None:
+    p = sub.add_parser("prompts", help="the target writes user prompts itself (Magpie), for regen to answer")
+    p.add_argument("out", help="output JSONL of one-turn conversations (appended; rerun to resume); "
+                               "counts go to <out>.summary.json")
+    p.add_argument("-n", type=int, required=True, help="distinct prompts to write")
+    p.add_argument("--target", default="smollm2-135m",
+                   help="HF dir, GGUF or built-in name (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights dtype (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64, help="rows decoded together (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="longest prompt; one cut off here is dropped (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=1024,
+                   help="prompts sampled between writes to the output (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; each round's follows from it (default: %(default)s)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the engine's layers (on a GPU)")
+    p.set_defaults(func=handler("fledge.prompts:run_prompts"))
+
+
 def add_tokenize(sub) -> None:
     p = sub.add_parser("tokenize", help="conversations (from regen) → train/held-out samples with loss masks")
     p.add_argument("conversations", nargs="+", help="conversations JSONL or .jsonl.gz (sources ending in "
@@ -392,5 +415,5 @@ def add_tune(sub) -> None:
 
 
 # Subcommands in pipeline order, each a function adding its parser(s).
-COMMANDS = [add_target, add_prep, add_regen, add_tokenize, add_vocab, add_features, add_train, add_checkpoint,
+COMMANDS = [add_target, add_prep, add_prompts, add_regen, add_tokenize, add_vocab, add_features, add_train, add_checkpoint,
             add_doctor, add_demo, add_generate, add_bench, add_tune, add_adapt]

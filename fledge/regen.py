@@ -111,7 +111,7 @@ class EngineBackend:
         self.eos = eos_ids(target.tokenizer, target.model.generation_config)
         self.name, self.checked = target.name, False
 
-    def _text(self, tokens: list[int]) -> Answer:
+    def text(self, tokens: list[int]) -> Answer:
         """The answer of generated tokens: "stop" if they end at an end-of-turn token (left out)."""
         ended = bool(tokens) and tokens[-1] in self.eos
         return Answer(self.tok.decode(tokens[:-1] if ended else tokens), "stop" if ended else "length")
@@ -129,29 +129,39 @@ class EngineBackend:
                               f"(or overflow in this --dtype); nothing was written")
         self.checked = True
 
+    def complete(self, prompts: list[list[int]], seed: int, progress=lambda n: None) -> list[list[int]]:
+        """The tokens generated after each prompt (ids), end-of-turn token included when one
+        ended it; prompts of similar length are batched together. `progress(n)` is called as
+        they are done."""
+        from fledge.engine.generate import SamplingParams, generate_ar
+        from fledge.engine.stream import generate_stream
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        if order and not self.checked:
+            self.check_finite(prompts[order[0]])
+        params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seed)
+        stream = self.model.row_groups_ok  # continuous batching (engine/stream.py): one call refills the rows
+        step = max(1, len(order)) if stream else self.batch_size
+        out: list[list[int]] = [[] for _ in prompts]
+        for s in range(0, len(order), step):
+            rows = order[s:s + step]
+            gen, _ = (generate_stream(self.model, [prompts[i] for i in rows], params, self.eos, rows=self.batch_size)
+                      if stream else generate_ar(self.model, [prompts[i] for i in rows], params, self.eos))
+            for i, g in zip(rows, gen):
+                out[i] = g
+            progress(len(rows))
+        return out
+
     def answer(self, chats: list[list[dict]], seeds: list[int], progress=lambda n: None) -> list[Answer]:
         """One answer per chat; a prompt with no room for max_new_tokens is finish "context",
         as a server's 400 is. `progress(n)` is called as answers are done."""
-        from fledge.engine.generate import SamplingParams, generate_ar
-        from fledge.engine.stream import generate_stream
         from fledge.target import encode_chat
         ids = [encode_chat(self.tok, c) for c in chats]
         room = self.cfg.max_len - self.cfg.max_new_tokens
         out = [Answer("", "context") if len(x) > room else None for x in ids]
-        order = sorted((i for i in range(len(ids)) if out[i] is None), key=lambda i: len(ids[i]))
-        if order and not self.checked:
-            self.check_finite(ids[order[0]])
-        params = SamplingParams(self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens, seeds[0] if seeds else 0)
-        stream = self.model.row_groups_ok  # continuous batching (engine/stream.py): one call refills the rows
-        step = max(1, len(order)) if stream else self.batch_size
-        for s in range(0, len(order), step):
-            rows, x = order[s:s + step], [ids[i] for i in order[s:s + step]]
-            gen, _ = (generate_stream(self.model, x, params, self.eos, rows=self.batch_size) if stream
-                      else generate_ar(self.model, x, params, self.eos))
-            for i, g in zip(rows, gen):
-                out[i] = self._text(g)
-            progress(len(rows))
-        progress(len(chats) - len(order))
+        fit = [i for i in range(len(ids)) if out[i] is None]
+        for i, g in zip(fit, self.complete([ids[i] for i in fit], seeds[0] if seeds else 0, progress)):
+            out[i] = self.text(g)
+        progress(len(chats) - len(fit))
         return out
 
 
@@ -279,7 +289,7 @@ def _run_chunk(samples: list[Sample], backend, cfg: RegenConfig, bar) -> tuple[l
     return [s for s in samples if id(s) not in lost], failed
 
 
-def _repair_tail(path: Path) -> None:
+def repair_tail(path: Path) -> None:
     """Make the output end at a complete line: a last line that parses as a record only
     lacks its newline (a kill between the write and the newline, or an edit) and is kept;
     anything else after the last newline is a torn write and is cut."""
@@ -337,7 +347,7 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
     with keeping(out, _KEPT):
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
-            _repair_tail(out)
+            repair_tail(out)
         have = _read_done(out) if out.exists() else set()
         f = open(out, "a", encoding="utf-8")
     pending = [s for s in todo if s.id not in have]

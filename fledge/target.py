@@ -169,6 +169,19 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     return list(enc["input_ids"])
 
 
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user message's text begins (the default
+    system turn included, where the template adds one): what a target continues when it is
+    to write the user's side (`fledge prompts`)."""
+    if not tokenizer.chat_template:
+        raise FledgeError("the tokenizer has no chat template: there is no user turn to open")
+    mark = "\x00fledge-user-text\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    if text.count(mark) != 1:
+        raise FledgeError("the chat template does not write the user's text as given: cannot find where it begins")
+    return tokenizer(text[:text.index(mark)], add_special_tokens=False)["input_ids"]
+
+
 # --------------------------------------------------------------------------- capture
 @dataclass
 class Capture:

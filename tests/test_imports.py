@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parent.parent / "fledge"
 LAYERS = [
     ("cli", {"fledge.cli", "fledge.cli_args"}),
     ("workflows", {"fledge.demo", "fledge.adapt", "fledge.tune", "fledge.bench", "fledge.doctor", "fledge.lint",
-                   "fledge.probe", "fledge.checks", "fledge.train", "fledge.regen", "fledge.data", "fledge.tokenize",
+                   "fledge.probe", "fledge.checks", "fledge.train", "fledge.regen", "fledge.prompts", "fledge.data", "fledge.tokenize",
                    "fledge.vocab", "fledge.vllm_cpu", "fledge.hwmodel", "fledge.calibrate", "fledge.engine.cli",
                    "fledge.acceptance", "fledge.serving"}),
     ("engine/checkpoint/features", {"fledge.checkpoint", "fledge.features", "fledge.engine", "fledge.engine.attention",
