@@ -3,9 +3,8 @@
 An instruction-tuned model given its chat template only up to where a user's text begins
 writes a user message: the kinds of requests it was tuned on. A drafter is trained on the
 target's answers to prompts, and no single prompt set covers every kind of question it will
-serve (ShareGPT's users ask little of what MT-Bench asks: role-play, rewriting, short
-reasoning). Prompts the target writes add the kinds its own tuning data held; `fledge regen`
-then has the target answer them like any other conversations.
+serve. Prompts the target writes add the kinds its own tuning data held; `fledge regen` then
+has the target answer them like any other conversations.
 
 A prompt is kept when the target ended its turn (one cut off at `--max-new-tokens` is an
 unfinished request) and its text, whitespace and case aside, is new. Output: conversation
