@@ -69,10 +69,11 @@ def write_prompts(backend: EngineBackend, out: str | Path, n: int, chunk: int, s
         while len(seen) < n:
             before = len(seen)
             for k, tokens in enumerate(backend.complete([prefix] * chunk, answer_seed(seed, SOURCE, r))):
-                a, key = backend.text(tokens), ""
+                a = backend.text(tokens)
+                key = prompt_key(a.text)
                 if a.finish != "stop":
                     counts["unfinished"] += 1
-                elif not (key := prompt_key(a.text)):
+                elif not key:
                     counts["empty"] += 1
                 elif key in seen:
                     counts["duplicate"] += 1

@@ -130,3 +130,16 @@ def test_bad_outputs_are_refused_naming_the_file(tmp_path, chatty, capsys):
     assert cli.main(["prompts", str(tmp_path / "x.jsonl"), "-n", "3", "--temperature", "0"]) == 2
     assert "--temperature 0" in capsys.readouterr().err
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_cli_says_when_it_stops_short(tmp_path, tok, capsys):
+    """A target that never ends a user turn within --max-new-tokens: nothing is kept, the
+    command says so and exits 1."""
+    d = tmp_path / "t"
+    make_tiny("llama", seed=3, vocab_size=len(tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    out = tmp_path / "p.jsonl"
+    rc = cli.main(["prompts", str(out), "-n", "3", "--target", str(d), "--max-new-tokens", "2", "--chunk", "4"])
+    assert rc == 1
+    assert "only 0 distinct finished prompts of 3" in capsys.readouterr().err
+    assert json.loads(out.with_suffix(".summary.json").read_text())["unfinished"] == 4
