@@ -59,12 +59,13 @@ def write_prompts(backend: EngineBackend, out: str | Path, n: int, chunk: int, s
         if out.exists():
             repair_tail(out)
         old = read_conversations(out) if out.exists() else []
-        f = open(out, "a", encoding="utf-8")
-    have = {r["id"]: _round_of(r, out) for r in old}
+    have = {r["id"]: _round_of(r, out) for r in old}  # refuses a foreign file before opening it
     start = max(have.values(), default=0)  # the last round found may be partly written: it is redone
     seen = {prompt_key(r["messages"][0]["content"]) for r in old if have[r["id"]] < start}
     counts = {"wanted": n, "already_done": len(seen), "written": 0, "unfinished": 0, "empty": 0, "duplicate": 0}
     t0, r = time.time(), start
+    with keeping(out, _KEPT):
+        f = open(out, "a", encoding="utf-8")
     with f, tqdm(total=n, initial=len(seen), desc="prompts", unit="prompt") as bar:
         while len(seen) < n:
             before = len(seen)
