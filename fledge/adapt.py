@@ -45,7 +45,7 @@ from fledge.vocab import count_masked_tokens, top_target_ids
 from fledge.weights import open_checkpoint
 
 # Tensors that do not depend on the target's tokens: carried from OLD unchanged.
-CARRIED_PREFIXES = ("fc.", "midlayer.", "norm.")
+CARRIED_PREFIXES = ("fc_norm.", "fc.", "midlayer.", "norm.")
 
 
 @dataclass
@@ -82,8 +82,9 @@ def load_old(path, new_num_layers: int) -> Eagle3Draft:
 
 
 def new_config(old: DraftConfig, new_tcfg, draft_vocab: int) -> DraftConfig:
-    """The drafter's config for NEW: NEW's geometry and context, OLD's MLP width, OLD's aux ids
-    if NEW has those layers (else NEW's defaults). Refuses what cannot carry OLD's weights."""
+    """The drafter's config for NEW: NEW's geometry and context, OLD's MLP width and layer
+    (EAGLE-3 or 3.1), OLD's aux ids if NEW has those layers (else NEW's defaults). Refuses what
+    cannot carry OLD's weights."""
     n = new_tcfg.num_hidden_layers
     try:
         aux = validate_aux_layer_ids(old.aux_layer_ids, n)
@@ -97,7 +98,7 @@ def new_config(old: DraftConfig, new_tcfg, draft_vocab: int) -> DraftConfig:
             raise FledgeError(f"--target: {name} {getattr(cfg, name)} but the drafter has {getattr(old, name)}; "
                               "adapt carries weights only between targets of one width and head layout")
     cfg.extra = {k: v for k, v in old.extra.items() if k == "speculative_tokens"}
-    return cfg
+    return cfg.replace(fc_norm=old.fc_norm, norm_output=old.norm_output)
 
 
 def head_rows(old: Eagle3Draft, new_head: torch.Tensor, new_ids: torch.Tensor):

@@ -53,14 +53,17 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
     """The config.json for `cfg` in `layout`. `norm_before_residual: false` is written because
     vLLM's speculators reader defaults it to true, which is not this drafter's layer. The aux
     ids are written twice: canonical at the top level, which vLLM reads first, and in SGLang's
-    spelling in eagle_config, the only list SGLang reads, so both capture the same streams."""
+    spelling in eagle_config, the only list SGLang reads, so both capture the same streams.
+    EAGLE-3.1's `fc_norm` and `norm_output` go at the top level, where both engines (and vLLM's
+    speculators reader) look, and only when set: both default to false."""
     ver = dict(cfg.extra.get("verifier") or {})
     if verifier and verifier != ver.get("name_or_path"):
         ver = {"name_or_path": verifier, "architectures": []}
     k = int(cfg.extra.get("speculative_tokens", DEFAULT_SPECULATIVE_TOKENS))
     ids, n = list(cfg.aux_layer_ids), cfg.target_num_layers
     common = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-              "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids}
+              "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids,
+              **{k: True for k, on in (("fc_norm", cfg.fc_norm), ("norm_output", cfg.norm_output)) if on}}
     if layout == "eagle3":
         return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **common,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_ids_to_sglang(ids, n)),

@@ -202,6 +202,11 @@ def add_train(sub) -> None:
     p.add_argument("--loss", choices=LOSSES, help=train_help("loss", "the objective per TTT step: soft cross-entropy "
                                                              "to the target (kl), plus the hard CE of its argmax "
                                                              "(greedy), or an acceptance-rate hybrid (lk)"))
+    p.add_argument("--fc-norm", action="store_true", default=None,
+                   help="EAGLE-3.1: each aux state through its own RMSNorm before fc; an --init without them "
+                        "gains them, their weights at its aux states' RMS")
+    p.add_argument("--norm-output", action="store_true", default=None,
+                   help="EAGLE-3.1: the next draft step reads the final-norm state (also onto an --init)")
     p.add_argument("--device")
     p.set_defaults(func=handler("fledge.train:run_train"))
 

@@ -17,7 +17,9 @@ class DraftConfig:
     """One Llama decoder layer reading 3 target hidden states. Field names follow the
     `LlamaForCausalLMEagle3` config.json that SGLang and vLLM read.
 
-    `aux_layer_ids` are canonical (vLLM) ids: see `fledge.conventions`.
+    `aux_layer_ids` are canonical (vLLM) ids: see `fledge.conventions`. `fc_norm` and
+    `norm_output` are EAGLE-3.1's two changes to the layer (`fledge.draft` says what each does);
+    both off is the EAGLE-3 layer.
     """
 
     hidden_size: int
@@ -36,6 +38,8 @@ class DraftConfig:
     rope_scaling: dict[str, Any] | None = None
     hidden_act: str = "silu"
     torch_dtype: str = "bfloat16"
+    fc_norm: bool = False
+    norm_output: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # target fields carried verbatim
 
     def __post_init__(self):
@@ -132,6 +136,8 @@ class TrainConfig:
     init: str | None = None           # warm start from an exported drafter directory
     head: str = "fresh"               # a fresh draft's lm_head: one of HEADS
     loss: str = "kl"                  # the training objective: one of LOSSES
+    fc_norm: bool = False             # EAGLE-3.1's per-aux norms before fc; an --init without them gains them
+    norm_output: bool = False         # EAGLE-3.1's post-norm state fed to the next step (also onto an --init)
     features: str | None = None       # offline feature directory; None: run the target online
     eval_data: str | None = None      # held-out set; None: `eval_samples` split off the training set
     eval_samples: int = 64

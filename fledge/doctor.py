@@ -81,15 +81,19 @@ def check_architecture(f: DraftFacts) -> Check:
         return warn("architecture", f"num_hidden_layers={f.num_layers}: SGLang and vLLM name extra draft layers "
                      "differently; fledge drafters have one", "set num_hidden_layers to 1 if the draft has one layer")
     served = "SGLang and vLLM" if f.layout == EAGLE3_ARCH else "vLLM (speculators format; SGLang needs the eagle3 layout)"
+    variant = [k for k, on in (("fc_norm", f.fc_norm), ("norm_output", f.norm_output)) if on]
+    if variant:  # an engine from before EAGLE-3.1 drops fc_norm.* (SGLang; vLLM refuses them) and ignores norm_output
+        served += (f", with EAGLE-3.1's {' and '.join(variant)} (vLLM reads both: fledge's tests serve it in vLLM 0.32): "
+                   "an engine without EAGLE-3.1 support serves it wrong without a word")
     return ok("architecture", f"{f.layout}, loaded by {served}")
 
 
-def served_keys() -> dict[str, bool]:
+def served_keys(fc_norm: bool = False) -> dict[str, bool]:
     """Served tensor name -> required (the names do not depend on sizes, so a minimal config
     with a reduced draft vocab, which carries d2t, serves to list them)."""
     tiny = DraftConfig(hidden_size=8, intermediate_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
                        vocab_size=16, draft_vocab_size=8, target_hidden_size=8, target_num_layers=4,
-                       aux_layer_ids=(1, 2, 3), max_position_embeddings=8)
+                       aux_layer_ids=(1, 2, 3), max_position_embeddings=8, fc_norm=fc_norm)
     return {k: required for k, (_, required) in checkpoint_keys(tiny).items()}
 
 
@@ -97,7 +101,7 @@ def check_keys(f: DraftFacts, w: Weights) -> Check:
     names = set(w.files)
     if f.layout == "speculators":  # vLLM maps midlayer.* onto layers.0.*: both spellings load
         names = {canonical_name(n) for n in names}
-    spec = served_keys()
+    spec = served_keys(f.fc_norm)
     unknown = sorted(names - set(spec))
     missing = [k for k, req in spec.items() if req and k not in names and k != "d2t"]  # check_d2t: a missing d2t
     why, fix = [], []
@@ -324,7 +328,8 @@ def check_norms(stats: dict[str, Stats], w: Weights) -> Check:
     """Norm gains start at 1.0 and move slowly (~0.002 after a short run). A dtype whose step
     near 1.0 is coarser than that (bf16: 2^-8 below, 2^-7 above) rounds them back to exactly
     1.0, so all-ones is only proof of "never trained" in a dtype fine enough to hold the move."""
-    ones = [k for k, s in stats.items() if k.endswith("norm.weight") and s.lo == s.hi == 1.0]
+    ones = [k for k, s in stats.items() if (k.endswith("norm.weight") or k.startswith("fc_norm."))
+            and s.lo == s.hi == 1.0]
     if not ones:
         return ok("norms", "norm weights moved from their init")
     coarse = sorted({w.dtypes[k] for k in ones if _EPS_AT_ONE.get(w.dtypes[k], 0.0) > 1e-4})

@@ -10,6 +10,12 @@ One draft step, for a token x_t at position t:
     h'     = h + o_proj(attention(q/k/v_proj(a)))
     out    = h' + mlp(post_attention_layernorm(h'))   → fed to the next step as its h
     logits = lm_head(norm(out))                        over the draft vocab
+EAGLE-3.1 (arXiv 2605.09992, "attention drift") changes two lines, each behind a config.json
+flag that SGLang and vLLM read under the same name:
+    fc_norm      each aux state through its own RMSNorm (`fc_norm.{0,1,2}`) before fc, so the
+                 high layers' larger states do not swamp the low one's;
+    norm_output  the next step reads norm(out), the state lm_head reads, instead of out, so the
+                 residual stream's scale cannot grow from step to step.
 Attention is split into `project` and `attend` so that training (keys concatenated across
 unrolled steps) and the engine (keys in a static cache) share every weight-touching line.
 """
@@ -75,6 +81,7 @@ class Eagle3Draft(nn.Module):
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen (EAGLE-3 recipe)
+        self.fc_norm = self.aux_norms() if cfg.fc_norm else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
         self.midlayer = DraftLayer(cfg)
         self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
@@ -83,6 +90,9 @@ class Eagle3Draft(nn.Module):
         # Until a vocabulary is built, the draft vocab is the first N target ids.
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", t2d_from_target_ids(torch.arange(cfg.draft_vocab_size), cfg.vocab_size))
+
+    def aux_norms(self) -> nn.ModuleList:
+        return nn.ModuleList(LlamaRMSNorm(self.cfg.target_hidden_size, eps=self.cfg.rms_norm_eps) for _ in range(3))
 
     @classmethod
     def from_target(cls, cfg: DraftConfig, target_model, target_ids: torch.Tensor | None = None) -> "Eagle3Draft":
@@ -156,6 +166,20 @@ class Eagle3Draft(nn.Module):
         self.cfg = self.cfg.replace(intermediate_size=size)
 
     @torch.no_grad()
+    def add_fc_norm(self, scales) -> None:
+        """Give a drafter trained without fc_norm its per-aux norms, weights set to `scales`
+        (each aux state's typical RMS, [3]): fc then sees every state at its usual scale, so the
+        first step of a token whose states have those RMS computes what it did before, and a
+        warm start keeps most of what it learned."""
+        if self.fc_norm is not None:
+            raise FledgeError("the drafter already has fc_norm")
+        w = self.fc.weight
+        self.cfg = self.cfg.replace(fc_norm=True)
+        self.fc_norm = self.aux_norms().to(device=w.device, dtype=w.dtype)
+        for norm, scale in zip(self.fc_norm, torch.as_tensor(scales).tolist(), strict=True):
+            norm.weight.fill_(scale)
+
+    @torch.no_grad()
     def change_vocab(self, target_ids: torch.Tensor, target_model) -> dict:
         """Move to another draft vocabulary (ascending target ids): a token both vocabularies
         hold keeps its trained lm_head row; a new token's row is the target's output row for
@@ -207,7 +231,7 @@ class Eagle3Draft(nn.Module):
         here by fc) or [B,T,H] the draft's own previous output. Returns (q, k, v, residual)
         with q [B,heads,T,hd], k/v [B,kv_heads,T,hd] already rotated, residual [B,T,H]."""
         if hidden.shape[-1] != self.cfg.hidden_size:
-            hidden = self.fc(hidden)
+            hidden = self.fuse(hidden)
         layer = self.midlayer
         a = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype)),
                        layer.hidden_norm(hidden)], dim=-1)
@@ -220,10 +244,16 @@ class Eagle3Draft(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v, hidden
 
+    def fuse(self, aux):
+        """The first step's h from the target's aux states [..., 3 x target hidden]."""
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(3, -1))], -1)
+        return self.fc(aux)
+
     def attend(self, q, keys, values, mask, residual):
         """Finish the step: attention of q over `keys`/`values` ([B,kv_heads,S,hd]) under the
-        bool `mask` ([B,1,T,S], True = may attend), then the MLP. Returns the pre-norm output
-        [B,T,H] that the next step reads as its hidden state."""
+        bool `mask` ([B,1,T,S], True = may attend), then the MLP. Returns the output [B,T,H]
+        that the next step reads as its hidden state (`finish`)."""
         rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
         o = F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
                                            attn_mask=mask)
@@ -231,15 +261,17 @@ class Eagle3Draft(nn.Module):
 
     def finish(self, o, residual):
         """o_proj of the attention output `o` [B,heads,T,hd], its residual add, and the MLP: apart
-        from `attend` because the engine attends over its own cache layout."""
+        from `attend` because the engine attends over its own cache layout. The step's output
+        is pre-norm, or with `norm_output` already through `norm`."""
         attn = self.midlayer.self_attn
         b, _, t, _ = o.shape
         h = residual + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        out = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        return self.norm(out) if self.cfg.norm_output else out
 
     def logits(self, out):
         """Draft-vocab logits from a step's output (map to target ids with `target_ids()`)."""
-        return self.lm_head(self.norm(out))
+        return self.lm_head(out if self.cfg.norm_output else self.norm(out))
 
     def forward(self, input_ids, hidden, positions, mask, past_kv=None):
         """One step over T tokens with keys = past keys + these. Returns (out, (k, v)) where

@@ -25,8 +25,9 @@ def checkpoint_keys(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], bool]]
 
     The names and shapes are those of `Eagle3Draft(cfg).state_dict()` (tests/test_checkpoint.py
     holds the two equal); they are listed here so that reading a checkpoint needs no torch.
-    Everything is required except `embed_tokens.weight` (engines share the target's embeddings)
-    and `t2d` (engines skip it; fledge rebuilds it from `d2t`). `d2t` and
+    EAGLE-3.1's `fc_norm` adds `fc_norm.{0,1,2}.weight`. Everything is required except
+    `embed_tokens.weight` (engines share the target's embeddings) and `t2d` (engines skip it;
+    fledge rebuilds it from `d2t`). `d2t` and
     `midlayer.hidden_norm.weight` are required because vLLM would silently load zeros / ones —
     except that a full-vocabulary drafter (draft_vocab_size == vocab_size) must NOT carry `d2t`:
     vLLM then registers no parameter for it and raises on the key (the map is the identity anyway).
@@ -37,8 +38,10 @@ def checkpoint_keys(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], bool]]
              "self_attn.q_proj.weight": (q, 2 * h), "self_attn.k_proj.weight": (kv, 2 * h),
              "self_attn.v_proj.weight": (kv, 2 * h), "self_attn.o_proj.weight": (h, q),
              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
-    shapes = {"d2t": (dv,), "t2d": (v,), "embed_tokens.weight": (v, h), "fc.weight": (h, 3 * cfg.target_hidden_size),
-              **{f"midlayer.{k}": s for k, s in layer.items()}, "norm.weight": (h,), "lm_head.weight": (dv, h)}
+    fc_norm = {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(3)} if cfg.fc_norm else {}
+    shapes = {"d2t": (dv,), "t2d": (v,), "embed_tokens.weight": (v, h), **fc_norm,
+              "fc.weight": (h, 3 * cfg.target_hidden_size), **{f"midlayer.{k}": s for k, s in layer.items()},
+              "norm.weight": (h,), "lm_head.weight": (dv, h)}
     if dv == v:
         del shapes["d2t"]
     optional = {"embed_tokens.weight", "t2d"}
@@ -82,6 +85,8 @@ class DraftFacts:
     dtype: str | None
     target_layers: int | None  # recorded by fledge export; engines keep no such field
     norm_before_residual: bool  # vLLM defaults it to true in the speculators layout
+    fc_norm: bool  # EAGLE-3.1 (fledge.draft); both engines default these two to false
+    norm_output: bool
     verifier: str | None  # speculators layout: the target `vllm serve <dir>` loads
     speculative_tokens: int | None  # the trained depth; in the speculators layout, what `vllm serve <dir>` drafts
 
@@ -105,6 +110,7 @@ def draft_facts(cj: dict) -> DraftFacts:
         dtype=layer.get("dtype") or layer.get("torch_dtype") or cj.get("dtype") or cj.get("torch_dtype"),
         target_layers=fledge.get("target_num_hidden_layers"),
         norm_before_residual=bool(cj.get("norm_before_residual", spec)),
+        fc_norm=bool(cj.get("fc_norm", False)), norm_output=bool(cj.get("norm_output", False)),
         verifier=(sc.get("verifier") or {}).get("name_or_path"),
         speculative_tokens=(method if spec else fledge).get("speculative_tokens"))
 
@@ -140,8 +146,8 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
     if layout == "speculators" and cj["speculators_model_type"] != "eagle3":
         raise FledgeError(f"speculators_model_type {cj['speculators_model_type']!r}: only eagle3 is supported")
     f = draft_facts(cj)
-    variants = (["norm_before_residual"] if f.norm_before_residual else []) + [
-        k for k in ("norm_before_fc", "fc_norm", "norm_output") if cj.get(k)]
+    variants = (["norm_before_residual"] if f.norm_before_residual else []) + (
+        ["norm_before_fc"] if cj.get("norm_before_fc") else [])
     if variants:
         raise FledgeError(f"{', '.join(variants)}: variant drafter layers fledge's Eagle3Draft does not implement")
     layer = f.layer
@@ -162,6 +168,6 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
         aux_layer_ids=aux_ids_of(f.aux_top, f.aux_nested, n), max_position_embeddings=layer["max_position_embeddings"],
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         hidden_act=layer.get("hidden_act", "silu"),
-        torch_dtype=f.dtype or "bfloat16",
+        torch_dtype=f.dtype or "bfloat16", fc_norm=f.fc_norm, norm_output=f.norm_output,
         extra={k: v for k, v in extra.items() if v is not None},
     )

@@ -93,7 +93,7 @@ def ttt_mask(t: int, step: int, device) -> torch.Tensor:
 
 
 def unroll(draft: Eagle3Draft, ids, aux, steps: int) -> list[torch.Tensor]:
-    """Per-step draft outputs [B,T,H] (pre-norm) of the training-time test; see module doc."""
+    """Per-step draft outputs [B,T,H] (`Eagle3Draft.finish`'s) of the training-time test; see module doc."""
     b, t = ids.shape
     hidden, keys, values, outs = aux, [], [], []
     for j in range(steps):
@@ -276,14 +276,30 @@ def build_draft(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
             if rank == 0:
                 print(f"fledge train: --init's head moved to --vocab: {moved['kept']:,} rows kept, {moved['added']:,} "
                       f"added, {moved['dropped']:,} dropped", file=sys.stderr)
+        if cfg.norm_output:  # adds no weights; fc_norm's are calibrated in setup, where the features are
+            draft.cfg = draft.cfg.replace(norm_output=True)
         return draft
     ids = draft_vocab_ids(cfg.vocab, tcfg.vocab_size) if cfg.vocab else torch.arange(tcfg.vocab_size)
     dcfg = DraftConfig.from_target(tcfg, draft_vocab_size=ids.numel(), aux_layer_ids=cfg.aux_layers,
-                                   intermediate_size=cfg.draft_intermediate_size)
+                                   intermediate_size=cfg.draft_intermediate_size).replace(
+        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
     draft = Eagle3Draft.from_target(dcfg, model, ids)
     if cfg.head != "fresh":
         draft.init_head_from(model)
     return draft
+
+
+@torch.no_grad()
+def aux_scales(fmodel, aux_ids, samples: list[Sample], pad_multiple: int, device) -> torch.Tensor:
+    """Each aux state's median RMS over the tokens of `samples` [3]: where the fc_norm weights
+    of a warm start without them begin (Eagle3Draft.add_fc_norm). The median, because a few
+    tokens (the first ones, attention sinks) carry states a hundred times larger than the rest
+    (SmolLM2's mid and high aux states: RMS ~990 against a median of 7 and 21), which a mean
+    would follow. The same samples on every rank, so every rank starts from the same weights."""
+    ids, _, attn = (x.to(device) for x in pad_batch(samples, pad_multiple))
+    aux, _ = online_features(fmodel, aux_ids, ids, attn)
+    real = aux[attn.bool()].float()
+    return torch.stack([x.pow(2).mean(-1).sqrt().median() for x in real.chunk(3, -1)]).cpu()
 
 
 def setup(cfg: TrainConfig, target) -> Run:
@@ -313,9 +329,16 @@ def setup(cfg: TrainConfig, target) -> Run:
             print(f"fledge train: --loop-cut {cfg.loop_cut} cut {cut['cut']} of {cut['samples']} samples; "
                   f"{cut['trained_tokens_kept']:,} of {cut['trained_tokens']:,} trained tokens kept", file=sys.stderr)
     draft = build_draft(cfg, target, rank)
+    fmodel = feature_model(model)
     aux_ids = aux_layer_ids_for(model, draft.cfg.aux_layer_ids)
     if store and tuple(store.meta["aux_layer_ids"]) != aux_ids:
         raise FledgeError(f"--features {cfg.features}: aux layers {store.meta['aux_layer_ids']}, drafter reads {list(aux_ids)}")
+    if cfg.fc_norm and not draft.cfg.fc_norm:
+        scales = aux_scales(fmodel, aux_ids, train[:cfg.batch_size], cfg.pad_multiple, device)
+        draft.add_fc_norm(scales)
+        if rank == 0:
+            print(f"fledge train: --init gained fc_norm, weights at its aux states' RMS {[round(x, 3) for x in scales.tolist()]}",
+                  file=sys.stderr)
     draft.lm_head.weight.requires_grad_(cfg.head != "frozen")  # set on resume too: the optimizer's groups follow it
     ttt = TTT(draft, cfg.ttt_steps, cfg.step_decay, loss=cfg.loss).to(device)
     wrapped = parallelize(ttt, cfg.parallel, world, device)
@@ -325,7 +348,7 @@ def setup(cfg: TrainConfig, target) -> Run:
                           f"({cfg.batch_size} x {world} ranks x {cfg.grad_accum} accumulation)")
     opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    return Run(cfg, wrapped, ttt, feature_model(model), str(target.path or target.name), TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
+    return Run(cfg, wrapped, ttt, fmodel, str(target.path or target.name), TargetHead.from_model(model, draft.target_ids().cpu(), device), aux_ids,
                store, train, evals, opt, per_epoch, rank, world, device)
 
 

@@ -24,15 +24,16 @@ from fledge.util import FledgeError
 N_DRAFT = 100
 
 
-def tiny_draft(family="llama", seed=0):
+def tiny_draft(family="llama", seed=0, eagle31=False):
     target = make_tiny(family, seed=seed)
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=N_DRAFT)
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=N_DRAFT).replace(fc_norm=eagle31,
+                                                                                   norm_output=eagle31)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(cfg.vocab_size, generator=g)[:N_DRAFT].sort().values
     draft = Eagle3Draft.from_target(cfg, target, ids)
     with torch.no_grad():  # norms off their all-ones init, so a default-filled norm cannot pass for them
         for name, p in draft.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm." in name:
                 p.normal_(generator=g)
     return draft, target
 
@@ -60,13 +61,16 @@ def assert_same_weights(draft: Eagle3Draft, loaded: Eagle3Draft, with_embed=Fals
 
 
 # --------------------------------------------------------------------------- good paths
-@pytest.mark.parametrize("family,draft_vocab,intermediate,head_dim", [("llama", N_DRAFT, None, None),
-                                                                      ("qwen3", None, 40, 32), ("gemma3", 7, None, 8)])
-def test_checkpoint_keys_are_the_drafts_state_dict(family, draft_vocab, intermediate, head_dim):
+@pytest.mark.parametrize("family,draft_vocab,intermediate,head_dim,fc_norm",
+                         [("llama", N_DRAFT, None, None, False), ("llama", N_DRAFT, None, None, True),
+                          ("qwen3", None, 40, 32, False), ("gemma3", 7, None, 8, False)])
+def test_checkpoint_keys_are_the_drafts_state_dict(family, draft_vocab, intermediate, head_dim, fc_norm):
     """fledge.layout lists the served tensors without torch; Eagle3Draft's state dict is what
-    export writes, so the two must agree in names, order and shapes (a full vocab drops d2t)."""
+    export writes, so the two must agree in names, order and shapes (a full vocab drops d2t;
+    EAGLE-3.1's fc_norm adds its three norms)."""
     tcfg = make_tiny(family, **({"head_dim": head_dim} if head_dim else {})).config
-    cfg = DraftConfig.from_target(tcfg, draft_vocab_size=draft_vocab, intermediate_size=intermediate)
+    cfg = DraftConfig.from_target(tcfg, draft_vocab_size=draft_vocab, intermediate_size=intermediate).replace(
+        fc_norm=fc_norm)
     assert head_dim is None or cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size
     with torch.device("meta"):
         sd = Eagle3Draft(cfg).state_dict()
@@ -77,6 +81,7 @@ def test_checkpoint_keys_are_the_drafts_state_dict(family, draft_vocab, intermed
     assert {k: shape for k, (shape, _) in keys.items()} == {k: tuple(v.shape) for k, v in sd.items()}
     assert {k for k, (_, required) in keys.items() if not required} == {"embed_tokens.weight", "t2d"}
     assert ("d2t" in keys) == (cfg.draft_vocab_size != cfg.vocab_size)
+    assert sum(k.startswith("fc_norm.") for k in keys) == 3 * fc_norm
 
 
 def test_eagle3_layout_fields(tmp_path):
@@ -96,14 +101,17 @@ def test_eagle3_layout_fields(tmp_path):
     assert t["fc.weight"].dtype == torch.bfloat16 and validate_checkpoint(out) == []
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family,eagle31", [("llama", False), ("qwen3", False), ("llama", True)])
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
-def test_round_trip_exact(tmp_path, family, layout):
-    draft, _ = tiny_draft(family)
+def test_round_trip_exact(tmp_path, family, eagle31, layout):
+    draft, _ = tiny_draft(family, eagle31=eagle31)
     a = export_checkpoint(draft, tmp_path / "a", layout=layout, dtype=torch.float32, verifier="org/tiny")
     loaded = load_checkpoint(a)
     assert_same_weights(draft, loaded)
     assert loaded.cfg.aux_layer_ids == draft.cfg.aux_layer_ids
+    assert (loaded.cfg.fc_norm, loaded.cfg.norm_output) == (eagle31, eagle31)
+    cj = json.loads((a / "config.json").read_text())
+    assert [k for k in ("fc_norm", "norm_output") if cj.get(k) is True] == ["fc_norm", "norm_output"] * eagle31
     b = export_checkpoint(loaded, tmp_path / "b", layout=layout, dtype=torch.float32)
     assert_same_dir(a, b)
     c = export_checkpoint(draft, tmp_path / "c", layout=layout, verifier="org/tiny")  # bf16 survives fp32 and back

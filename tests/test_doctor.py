@@ -29,8 +29,9 @@ def target(tmp_path_factory):
     return model, path
 
 
-def _draft(model, seed=0, trained=True):
-    cfg = DraftConfig.from_target(model.config, draft_vocab_size=DRAFT_VOCAB)
+def _draft(model, seed=0, trained=True, eagle31=False):
+    cfg = DraftConfig.from_target(model.config, draft_vocab_size=DRAFT_VOCAB).replace(fc_norm=eagle31,
+                                                                                      norm_output=eagle31)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(cfg.vocab_size, generator=g)[:DRAFT_VOCAB].sort().values
     d = Eagle3Draft.from_target(cfg, model, ids)
@@ -43,7 +44,8 @@ def _draft(model, seed=0, trained=True):
 
 def _export(model, out, **kw):
     kw = {"dtype": torch.float32, **kw}
-    return export_checkpoint(_draft(model, kw.pop("seed", 0), kw.pop("trained", True)), out, **kw)
+    return export_checkpoint(_draft(model, kw.pop("seed", 0), kw.pop("trained", True), kw.pop("eagle31", False)),
+                             out, **kw)
 
 
 def _statuses(results):
@@ -88,6 +90,25 @@ def test_healthy_speculators_and_sharded_exports(target, tmp_path):
     assert exit_code(doctor.doctor(sharded, str(tpath))) == 0
     next(iter(sorted(sharded.glob("model-*.safetensors")))).unlink()
     assert _statuses(doctor.doctor(sharded, str(tpath)))["files"] == FAIL
+
+
+def test_eagle31_export_passes_and_says_what_it_needs(target, tmp_path):
+    """An EAGLE-3.1 drafter (fc_norm, norm_output) passes in both layouts, the architecture line
+    names both changes, and its untrained fc_norm gains are caught like any other norm's."""
+    model, tpath = target
+    for layout in ("eagle3", "speculators"):
+        results = doctor.doctor(_export(model, tmp_path / layout, layout=layout, eagle31=True, verifier=str(tpath)),
+                                str(tpath))
+        assert {c.status for c in results} == {PASS}, [c for c in results if c.status != PASS]
+        arch = next(c for c in results if c.name == "architecture")
+        assert "EAGLE-3.1's fc_norm and norm_output" in arch.why
+    fresh = doctor.doctor(_export(model, tmp_path / "fresh", eagle31=True, trained=False), str(tpath))
+    assert "fc_norm.0.weight" in next(c for c in fresh if c.name == "norms").why
+    bare = tmp_path / "bare"
+    _export(model, bare, eagle31=True)
+    _edit_tensors(bare, lambda sd: sd.pop("fc_norm.1.weight"))
+    keys = next(c for c in doctor.doctor(bare, str(tpath)) if c.name == "keys")
+    assert keys.status == FAIL and "fc_norm.1.weight" in keys.why
 
 
 def test_untrained_norms_are_the_only_warning(target, tmp_path):

@@ -11,9 +11,14 @@ from fledge.draft import Eagle3Draft
 from fledge.util import FledgeError
 
 
-def _draft(seed=0, family="llama", draft_vocab=100):
+# The EAGLE-3 layer and EAGLE-3.1's two changes, alone and together: (fc_norm, norm_output).
+LAYERS = [(False, False), (True, False), (False, True), (True, True)]
+
+
+def _draft(seed=0, family="llama", draft_vocab=100, fc_norm=False, norm_output=False):
     target = make_tiny(family, seed=seed)
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab)
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab).replace(
+        fc_norm=fc_norm, norm_output=norm_output)
     torch.manual_seed(seed + 1)
     ids = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
     d = Eagle3Draft.from_target(cfg, target, ids)
@@ -40,6 +45,8 @@ def _brute(d, ids, aux, pos):
     """Causal one-layer step for a single sequence, written from the formulas."""
     cfg, L = d.cfg, d.midlayer
     eps = cfg.rms_norm_eps
+    if cfg.fc_norm:
+        aux = torch.cat([_rms(x, n.weight, eps) for n, x in zip(d.fc_norm, aux.chunk(3, -1))], -1)
     h = aux @ d.fc.weight.T
     a = torch.cat([_rms(d.embed_tokens.weight[ids], L.input_layernorm.weight, eps),
                    _rms(h, L.hidden_norm.weight, eps)], -1)
@@ -58,12 +65,16 @@ def _brute(d, ids, aux, pos):
     m = _rms(h, L.post_attention_layernorm.weight, eps)
     m = (torch.nn.functional.silu(m @ L.mlp.gate_proj.weight.T) * (m @ L.mlp.up_proj.weight.T)) @ L.mlp.down_proj.weight.T
     out = h + m
+    if cfg.norm_output:  # the next step reads the normed state, and lm_head reads it as it is
+        out = _rms(out, d.norm.weight, eps)
+        return out, out @ d.lm_head.weight.T
     return out, _rms(out, d.norm.weight, eps) @ d.lm_head.weight.T
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_step_matches_brute_force(seed):
-    _, d = _draft(seed)
+@pytest.mark.parametrize("fc_norm,norm_output", LAYERS)
+def test_step_matches_brute_force(seed, fc_norm, norm_output):
+    _, d = _draft(seed, fc_norm=fc_norm, norm_output=norm_output)
     T, H = 7, d.cfg.hidden_size
     ids = torch.randint(0, d.cfg.vocab_size, (1, T))
     aux = torch.randn(1, T, 3 * H)
@@ -74,6 +85,30 @@ def test_step_matches_brute_force(seed):
         ref_out, ref_logits = _brute(d, ids[0], aux[0], pos[0])
     torch.testing.assert_close(out[0], ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(d.logits(out)[0], ref_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_added_fc_norm_computes_what_it_did_at_its_scales():
+    """add_fc_norm on an EAGLE-3 draft: where each aux state's RMS equals its norm's scale the
+    step is unchanged; elsewhere the norms act (the states are rescaled to those RMS)."""
+    _, d = _draft(3)
+    T, H = 6, d.cfg.hidden_size
+    ids, pos = torch.randint(0, d.cfg.vocab_size, (1, T)), torch.arange(T)[None]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    scales = torch.tensor([0.5, 3.0, 40.0])
+    unit = torch.randn(1, T, 3, H)
+    unit = unit / unit.pow(2).mean(-1, keepdim=True).sqrt()  # RMS 1 per token and state
+    at_scales = (unit * scales[:, None]).flatten(2)
+    twice = (unit * 2 * scales[:, None]).flatten(2)
+    with torch.no_grad():
+        before = d(ids, at_scales, pos, mask)[0]
+        before_twice = d(ids, twice, pos, mask)[0]
+        d.add_fc_norm(scales)
+        assert d.cfg.fc_norm and [n.weight.unique().item() for n in d.fc_norm] == scales.tolist()
+        torch.testing.assert_close(d(ids, at_scales, pos, mask)[0], before, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d(ids, twice, pos, mask)[0], before, atol=1e-5, rtol=1e-5)
+    assert (before_twice - before).abs().max() > 1e-2
+    with pytest.raises(FledgeError, match="already has fc_norm"):
+        d.add_fc_norm(scales)
 
 
 def test_incremental_keys_equal_full_sequence():

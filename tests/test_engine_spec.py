@@ -112,19 +112,24 @@ def test_stats_follow_sglang_definitions():
 
 
 # --------------------------------------------------------------------------- on tiny targets
-def tiny_setup(family, vocab=24, seed=0, draft_ids=None, **overrides):
+def tiny_setup(family, vocab=24, seed=0, draft_ids=None, eagle31=False, **overrides):
     """A tiny target and a random drafter nudged to imitate it (fc passes the highest aux state
     through, the head is the target's), so drafts are often accepted and the accept/compact/
     re-feed paths run with multi-token rounds; its attention still matters (the 0.3 scale).
-    `draft_ids`: ascending target ids of a draft vocabulary (default: the whole vocab)."""
+    `draft_ids`: ascending target ids of a draft vocabulary (default: the whole vocab).
+    `eagle31`: the drafter has EAGLE-3.1's fc_norm (the passed state's weights random) and
+    norm_output."""
     hf = make_tiny(family, seed=seed, vocab_size=vocab, **overrides)
     target = build_engine_target(hf, torch.float32, "cpu")
     torch.manual_seed(seed + 1)
-    cfg = DraftConfig.from_target(hf.config, None if draft_ids is None else len(draft_ids))
+    cfg = DraftConfig.from_target(hf.config, None if draft_ids is None else len(draft_ids)).replace(
+        fc_norm=eagle31, norm_output=eagle31)
     draft = Eagle3Draft.from_target(cfg, hf, draft_ids).eval()
     H = draft.cfg.hidden_size
     with torch.no_grad():
         draft.fc.weight.zero_()[:, 2 * H:] = torch.eye(H)
+        if eagle31:
+            draft.fc_norm[2].weight.uniform_(0.5, 1.5)
         draft.midlayer.self_attn.o_proj.weight.mul_(0.3)
         draft.lm_head.weight.copy_(hf.lm_head.weight if draft_ids is None else hf.lm_head.weight[draft_ids])
         draft.norm.weight.copy_(hf.model.norm.weight)
@@ -304,11 +309,13 @@ def test_hf_target_family_spec_equals_ar():
     assert isinstance(target, HFTarget)
 
 
-def test_eagle_draft_cache_matches_recompute():
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_eagle_draft_cache_matches_recompute(eagle31):
     """Every chain the drafter proposes equals a from-scratch draft run over the whole context
     with HF's hidden states: the static draft cache, after re-feeding accepted tokens, holds
-    exactly what a fresh prefill would."""
-    hf, target, draft = tiny_setup("llama", vocab=12, seed=4)
+    exactly what a fresh prefill would (and, with EAGLE-3.1's norm_output, the state it keeps
+    for the next step is the normed one)."""
+    hf, target, draft = tiny_setup("llama", vocab=12, seed=4, eagle31=eagle31)
     drafter = Eagle3Drafter(draft, SpecConfig(3, 1, 4), target)
     rounds, propose = [], drafter.propose
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 from safetensors.torch import load_file
 
 from conftest import make_tiny
@@ -63,8 +64,9 @@ def curve(out) -> list[float]:
     return [r["objective"] for r in rows if r["kind"] == "train"]
 
 
-def random_draft(target, draft_vocab=None, seed=1):
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab)
+def random_draft(target, draft_vocab=None, seed=1, eagle31=False):
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab).replace(fc_norm=eagle31,
+                                                                                        norm_output=eagle31)
     torch.manual_seed(seed)
     ids = torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values
     d = Eagle3Draft.from_target(cfg, target, ids)
@@ -75,13 +77,15 @@ def random_draft(target, draft_vocab=None, seed=1):
 
 
 # --------------------------------------------------------------------------- TTT = inference
-def test_unrolled_ttt_matches_inference_loop():
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_unrolled_ttt_matches_inference_loop(eagle31):
     """For every context row t and depth j, the training forward's step-j logits at row t equal
     a draft run the inference way: context rows 0..t in one causal pass, then one token per
     depth against an explicit KV list, at position t+j, reading token x_{t+1+j}. The loss pairs
-    step j / row t with the target's distribution at t+1+j and loss_mask[t+2+j]."""
+    step j / row t with the target's distribution at t+1+j and loss_mask[t+2+j]. Also for
+    EAGLE-3.1's layer, whose later steps read the normed state."""
     target = make_tiny("llama")
-    d = random_draft(target, draft_vocab=120)
+    d = random_draft(target, draft_vocab=120, eagle31=eagle31)
     b, t_len, steps = 2, 11, 4
     ids = torch.randint(0, V, (b, t_len))
     aux = torch.randn(b, t_len, 3 * d.cfg.hidden_size)
@@ -424,6 +428,44 @@ def test_init_with_another_vocab_trains_and_exports_it(tmp_path, capsys):
     with pytest.raises(FledgeError, match=rf"--aux-layers \[1, 2, 3\]: --init .* reads layers \{own}"):
         build_draft(config(tmp_path, "third", init=str(tmp_path / "second" / "draft"), aux_layers=(1, 2, 3)), target)
     assert build_draft(config(tmp_path, "third", init=str(tmp_path / "second" / "draft"), aux_layers=own), target)
+
+
+def test_eagle31_warm_start_from_an_eagle3_drafter(tmp_path, target_dir, capsys):
+    """`--init DIR --fc-norm --norm-output`: the EAGLE-3 warm start gains fc_norm weights at
+    the median RMS of each aux state over the first batch's tokens (recomputed here from HF's
+    hidden states), and the exported drafter and its config carry both flags. A warm start
+    that already has them keeps its layer, without a new calibration."""
+    data = write_data(tmp_path / "data.jsonl", n=16)
+    ev = write_data(tmp_path / "eval.jsonl", n=4, seed=1)
+    common = ["--data", data, "--eval-data", ev, "--target", str(target_dir), "--batch-size", "3",
+              "--ttt-steps", "2", "--max-steps", "1"]
+    assert cli_main(["train", *common, "--out", str(tmp_path / "e3")]) == 0
+    capsys.readouterr()
+    init = ["--init", str(tmp_path / "e3" / "draft"), "--lr", "1e-12"]
+    assert cli_main(["train", *common, *init, "--out", str(tmp_path / "e31"), "--fc-norm", "--norm-output"]) == 0
+    assert "--init gained fc_norm" in capsys.readouterr().err
+    out = tmp_path / "e31" / "draft"
+    cj = json.loads((out / "config.json").read_text())
+    assert cj["fc_norm"] is True and cj["norm_output"] is True
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    draft = load_checkpoint(out, embed_from=hf)
+    assert draft.cfg.fc_norm and draft.cfg.norm_output
+    rms = [[] for _ in range(3)]
+    with torch.no_grad():
+        for s in load_samples(data, 2048, V)[:3]:
+            hs = hf(s.input_ids[None], output_hidden_states=True).hidden_states
+            for i, layer in enumerate(draft.cfg.aux_layer_ids):
+                rms[i] += hs[layer][0].pow(2).mean(-1).sqrt().tolist()
+    for norm, r in zip(draft.fc_norm, rms):
+        torch.testing.assert_close(norm.weight.float(), torch.full_like(norm.weight.float(), torch.tensor(r).median()),
+                                   rtol=1e-2, atol=0)  # exported in bf16
+    # the EAGLE-3 weights came through: lr 1e-12 moved nothing a bf16 export shows
+    before = load_checkpoint(tmp_path / "e3" / "draft", embed_from=hf)
+    assert torch.equal(before.fc.weight, draft.fc.weight)
+    assert cli_main(["train", *common, "--init", str(out), "--out", str(tmp_path / "again"), "--fc-norm"]) == 0
+    assert "gained" not in capsys.readouterr().err
+    again = load_checkpoint(tmp_path / "again" / "draft", embed_from=hf)
+    assert again.cfg.fc_norm and again.cfg.norm_output  # the init's layer, norm_output without the flag too
 
 
 # --------------------------------------------------------------------------- ranks and shards

@@ -127,6 +127,61 @@ def test_vllm_serves_speculators_layout_alone(vllm, smollm2, tmp_path):
     assert not [c for n, c in checks.items() if n.startswith("launch.") and c.status != PASS]
 
 
+SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m"
+
+
+def fledge_accepted_by_position(target, drafter: Path, k: int) -> tuple[list[int], int, list[list[int]]]:
+    """fledge's engine on PROMPTS as vLLM runs them (fp32, greedy, a chain of k, no EOS):
+    accepted drafts at each position (vLLM's num_accepted_tokens_per_pos), rounds, outputs."""
+    from fledge.engine.drafters import SpecConfig, load_drafter
+    from fledge.engine.generate import SamplingParams
+    from fledge.engine.hf import build_engine_target
+    from fledge.engine.spec import generate_spec
+    engine = build_engine_target(target.model, torch.float32, "cpu")
+    d = load_drafter(str(drafter), SpecConfig(k, 1, k + 1), target.model, engine, "cpu", torch.float32)
+    outs, accepted = [], []
+    for text in PROMPTS:
+        out, st = generate_spec(engine, d, target.tokenizer(text)["input_ids"], SamplingParams(max_new_tokens=MAX_TOKENS),
+                                eos_ids=[])
+        outs.append(out)
+        accepted += st.accepted
+    return [sum(a >= p for a in accepted) for p in range(1, k + 1)], len(accepted), outs
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_drafts_eagle31_as_fledge_does(vllm, smollm2, tmp_path):
+    """EAGLE-3.1's fc_norm and norm_output, as vLLM reads them, draft what fledge's engine
+    drafts: the same accepted count at every position and the same outputs. The drafter is the
+    shipped one given both (fc_norm at its aux states' median RMS, as `fledge train --init
+    --fc-norm` starts it), and fledge shows that dropping either flag changes those counts, so an
+    engine that ignored one could not match."""
+    from fledge.target import load_target
+    python, env = vllm
+    target = load_target(str(smollm2))
+    base = load_checkpoint(SHIPPED, embed_from=target.model).float()
+    with torch.no_grad():
+        states = [target.model(torch.tensor([target.tokenizer(t)["input_ids"]]), output_hidden_states=True).hidden_states
+                  for t in PROMPTS]
+    rms = torch.tensor([torch.cat([hs[i][0].pow(2).mean(-1).sqrt() for hs in states]).median().item()
+                        for i in base.cfg.aux_layer_ids])
+    dirs = {}
+    for name, fc_norm, norm_output in (("eagle31", True, True), ("fc_norm only", True, False),
+                                       ("norm_output only", False, True)):
+        d = load_checkpoint(SHIPPED, embed_from=target.model).float()
+        if fc_norm:
+            d.add_fc_norm(rms)
+        d.cfg = d.cfg.replace(norm_output=norm_output)
+        dirs[name] = export_checkpoint(d, tmp_path / name.replace(" ", "_"), dtype=torch.float32)
+    ours = {name: fledge_accepted_by_position(target, path, SPEC_TOKENS) for name, path in dirs.items()}
+    assert ours["eagle31"][0] != ours["fc_norm only"][0] and ours["eagle31"][0] != ours["norm_output only"][0], ours
+    assert ours["eagle31"][0][0] > 0
+    spec = run_vllm(python, env, tmp_path, smollm2, dirs["eagle31"])
+    sd = spec["spec_decode"]
+    assert spec["outputs"] == ours["eagle31"][2], "vLLM's greedy output differs from fledge's"
+    assert (sd["num_accepted_tokens_per_pos"], sd["num_drafts"]) == ours["eagle31"][:2], (sd, ours)
+
+
 def test_export_without_d2t_is_refused(tmp_path, smollm2):
     """vLLM would load this drafter with all-zero offsets without a word; fledge must not."""
     draft = constant_drafter(smollm2, 198)
