@@ -204,7 +204,7 @@ def add_train(sub) -> None:
                                                              "(greedy), or an acceptance-rate hybrid (lk)"))
     p.add_argument("--fc-norm", action="store_true", default=None,
                    help="EAGLE-3.1: each aux state through its own RMSNorm before fc; an --init without them "
-                        "gains them, their weights at its aux states' RMS")
+                        "gains them, their weights at its aux states' median RMS")
     p.add_argument("--norm-output", action="store_true", default=None,
                    help="EAGLE-3.1: the next draft step reads the final-norm state (also onto an --init)")
     p.add_argument("--device")

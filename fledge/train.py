@@ -293,9 +293,10 @@ def build_draft(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
 def aux_scales(fmodel, aux_ids, samples: list[Sample], pad_multiple: int, device) -> torch.Tensor:
     """Each aux state's median RMS over the tokens of `samples` [3]: where the fc_norm weights
     of a warm start without them begin (Eagle3Draft.add_fc_norm). The median, because a few
-    tokens (the first ones, attention sinks) carry states a hundred times larger than the rest
-    (SmolLM2's mid and high aux states: RMS ~990 against a median of 7 and 21), which a mean
-    would follow. The same samples on every rank, so every rank starts from the same weights."""
+    tokens (the first ones, attention sinks) carry states far larger than the rest, which a mean
+    would follow: on SmolLM2 the mid and high aux states' RMS reach ~990 there against medians of
+    7 and 21 (four short prompts, fp32 on a CPU). The same samples on every rank, so every rank
+    starts from the same weights."""
     ids, _, attn = (x.to(device) for x in pad_batch(samples, pad_multiple))
     aux, _ = online_features(fmodel, aux_ids, ids, attn)
     real = aux[attn.bool()].float()
@@ -337,8 +338,8 @@ def setup(cfg: TrainConfig, target) -> Run:
         scales = aux_scales(fmodel, aux_ids, train[:cfg.batch_size], cfg.pad_multiple, device)
         draft.add_fc_norm(scales)
         if rank == 0:
-            print(f"fledge train: --init gained fc_norm, weights at its aux states' RMS {[round(x, 3) for x in scales.tolist()]}",
-                  file=sys.stderr)
+            print(f"fledge train: --init gained fc_norm, weights at its aux states' median RMS "
+                  f"{[round(x, 3) for x in scales.tolist()]}", file=sys.stderr)
     draft.lm_head.weight.requires_grad_(cfg.head != "frozen")  # set on resume too: the optimizer's groups follow it
     ttt = TTT(draft, cfg.ttt_steps, cfg.step_decay, loss=cfg.loss).to(device)
     wrapped = parallelize(ttt, cfg.parallel, world, device)
