@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from fledge.doctor import doctor
 from fledge.draft import Eagle3Draft
 from fledge.target import resolve_target
 from fledge.util import FledgeError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_vllm_accept import run_fledge  # noqa: E402
 
 RUNNER = Path(__file__).resolve().parents[1] / "scripts" / "vllm_run.py"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
@@ -131,21 +135,11 @@ SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m"
 
 
 def fledge_accepted_by_position(target, drafter: Path, k: int) -> tuple[list[int], int, list[list[int]]]:
-    """fledge's engine on PROMPTS as vLLM runs them (fp32, greedy, a chain of k, no EOS):
-    accepted drafts at each position (vLLM's num_accepted_tokens_per_pos), rounds, outputs."""
-    from fledge.engine.drafters import SpecConfig, load_drafter
-    from fledge.engine.generate import SamplingParams
-    from fledge.engine.hf import build_engine_target
-    from fledge.engine.spec import generate_spec
-    engine = build_engine_target(target.model, torch.float32, "cpu")
-    d = load_drafter(str(drafter), SpecConfig(k, 1, k + 1), target.model, engine, "cpu", torch.float32)
-    outs, accepted = [], []
-    for text in PROMPTS:
-        out, st = generate_spec(engine, d, target.tokenizer(text)["input_ids"], SamplingParams(max_new_tokens=MAX_TOKENS),
-                                eos_ids=[])
-        outs.append(out)
-        accepted += st.accepted
-    return [sum(a >= p for a in accepted) for p in range(1, k + 1)], len(accepted), outs
+    """fledge's engine on PROMPTS as bench_vllm_accept runs it beside vLLM (fp32, greedy, a chain
+    of k, no EOS): accepted drafts at each position (vLLM's num_accepted_tokens_per_pos),
+    rounds, outputs."""
+    outs, stats = run_fledge(target, str(drafter), PROMPTS, k, MAX_TOKENS)
+    return [sum(a >= p for a in stats.accepted) for p in range(1, k + 1)], stats.steps, outs
 
 
 @pytest.mark.vllm
