@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from fledge.conversations import read_conversations
 from fledge.regen import EngineBackend, RegenConfig, answer_seed, repair_tail
-from fledge.util import FledgeError, append_jsonl, atomic_write_json, keeping, parse_dtype
+from fledge.util import FledgeError, append_jsonl, appending, atomic_write_json, keeping, parse_dtype
 
 SOURCE = "self"
 _KEPT = "the prompts already written are kept, a rerun resumes"
@@ -55,7 +55,6 @@ def write_prompts(backend: EngineBackend, out: str | Path, n: int, chunk: int, s
         raise FledgeError(f"{out}: is a directory; the output is a JSONL file")
     prefix = user_turn_prefix(backend.tok)
     with keeping(out, _KEPT):
-        out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             repair_tail(out)
         old = read_conversations(out) if out.exists() else []
@@ -64,9 +63,7 @@ def write_prompts(backend: EngineBackend, out: str | Path, n: int, chunk: int, s
     seen = {prompt_key(r["messages"][0]["content"]) for r in old if have[r["id"]] < start}
     counts = {"wanted": n, "already_done": len(seen), "written": 0, "unfinished": 0, "empty": 0, "duplicate": 0}
     t0, r = time.time(), start
-    with keeping(out, _KEPT):
-        f = open(out, "a", encoding="utf-8")
-    with f, tqdm(total=n, initial=len(seen), desc="prompts", unit="prompt") as bar:
+    with appending(out, _KEPT) as f, tqdm(total=n, initial=len(seen), desc="prompts", unit="prompt") as bar:
         while len(seen) < n:
             before = len(seen)
             for k, tokens in enumerate(backend.complete([prefix] * chunk, answer_seed(seed, SOURCE, r))):

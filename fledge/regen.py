@@ -41,8 +41,8 @@ from tqdm import tqdm
 
 from fledge.conversations import read_conversations
 from fledge.openai_client import Client, ServerError, with_retries
-from fledge.util import (FledgeError, append_jsonl, atomic_write_json, check_no_overlap, keeping, parse_dtype,
-                         read_jsonl)
+from fledge.util import (FledgeError, append_jsonl, appending, atomic_write_json, check_no_overlap, keeping,
+                         parse_dtype, read_jsonl)
 
 
 @dataclass
@@ -345,18 +345,16 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
     todo = [Sample(f"{c['id']}#{k}" if cfg.n > 1 else str(c["id"]), c.get("source", ""), list(c["messages"]))
             for c in convs for k in range(cfg.n)]
     with keeping(out, _KEPT):
-        out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             repair_tail(out)
         have = _read_done(out) if out.exists() else set()
-        f = open(out, "a", encoding="utf-8")
     pending = [s for s in todo if s.id not in have]
     counts = {"total": len(todo), "already_done": len(todo) - len(pending), "written": 0, "failed": 0,
               "skipped_no_turn": 0, "skipped_context": 0, "finish": {}}
     failed_ids: dict[str, str] = {}
     t0 = time.time()
     total = sum(answers_ahead(s, cfg.max_turns) for s in pending)
-    with f, tqdm(total=total, desc="regen", unit="answer") as bar:
+    with appending(out, _KEPT) as f, tqdm(total=total, desc="regen", unit="answer") as bar:
         for i in range(0, len(todo), cfg.chunk):
             whole = todo[i:i + cfg.chunk]
             chunk = [s for s in whole if s.id not in have]

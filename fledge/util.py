@@ -207,6 +207,25 @@ def pick_dtype(name: str | None, device):
     return parse_dtype(name or ("bfloat16" if device.type == "cuda" else "float32"))
 
 
+@contextlib.contextmanager
+def appending(path: str | os.PathLike, kept: str):
+    """`path` open for appending records (its folder made), for a resumable output. It is opened
+    before any work, so an unwritable path fails at once; a file this call created and left
+    empty is removed on the way out, so a run that kept nothing leaves no output behind."""
+    path = Path(path)
+    with keeping(path, kept):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        f = open(path, "a", encoding="utf-8")
+    try:
+        with f:
+            yield f
+    finally:
+        with contextlib.suppress(OSError):
+            if new and path.stat().st_size == 0:
+                path.unlink()
+
+
 def append_jsonl(f, record: dict) -> None:
     """Append one record as a single write + flush + fsync: a kill loses at most this line,
     and readers (`read_jsonl`) skip a torn final line instead of failing."""

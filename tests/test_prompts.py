@@ -143,3 +143,4 @@ def test_cli_says_when_it_stops_short(tmp_path, tok, capsys):
     assert rc == 1
     assert "only 0 distinct finished prompts of 3" in capsys.readouterr().err
     assert json.loads(out.with_suffix(".summary.json").read_text())["unfinished"] == 4
+    assert not out.exists()  # nothing kept: no output file left behind

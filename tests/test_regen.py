@@ -186,7 +186,7 @@ def test_nan_target_stops_before_writing(tmp_path, tiny_chat_target):
                             batch_size=2, device="cpu", dtype=torch.float32)
     with pytest.raises(FledgeError, match="nan-target: the first forward gives NaN/Inf logits"):
         regenerate(tmp_path / "c.jsonl", tmp_path / "r.jsonl", backend, cfg)
-    assert not (tmp_path / "r.jsonl").read_text()
+    assert not (tmp_path / "r.jsonl").exists()
 
 
 class _FaultHandler(http.server.BaseHTTPRequestHandler):
@@ -258,10 +258,14 @@ def test_cli_exits_nonzero_when_every_request_fails(tmp_path, capsys):
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     srv, url = _serve_faults()
     rc = cli.main(["regen", str(tmp_path / "c.jsonl"), str(tmp_path / "r.jsonl"), "--server", url])
-    srv.shutdown()
     assert rc == 1
     assert "3 of 3 samples failed" in capsys.readouterr().err
-    assert not (tmp_path / "r.jsonl").read_text()
+    assert not (tmp_path / "r.jsonl").exists()  # nothing kept: no output file left behind
+    assert json.loads((tmp_path / "r.summary.json").read_text())["failed"] == 3
+    (tmp_path / "r.jsonl").touch()  # a file that was there before the run stays
+    assert cli.main(["regen", str(tmp_path / "c.jsonl"), str(tmp_path / "r.jsonl"), "--server", url]) == 1
+    srv.shutdown()
+    assert (tmp_path / "r.jsonl").exists() and not (tmp_path / "r.jsonl").read_text()
 
 
 def test_server_seed_follows_the_sample_not_its_place(tmp_path):
