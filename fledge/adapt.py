@@ -7,8 +7,8 @@ carried. What is indexed by tokens changes: the embeddings (always NEW's, frozen
 
 OLD's draft vocabulary is kept by default: it was counted on OLD's whole training set, adapt's
 data is usually far smaller, and a vocab rebuilt from a few samples swaps thousands of
-well-trained rows for guesses (12 samples replaced 5,962 of 16,384 tokens of the shipped
-SmolLM2 drafter).
+well-trained rows for guesses (12 samples replaced 5,962 of the 16,384 tokens of a SmolLM2
+drafter).
 
 lm_head rows are matched by TARGET token id, never by draft index (two vocabularies put one
 token at different indices). A token in both vocabularies keeps OLD's trained row. A token only

@@ -171,7 +171,7 @@ def chain_replay(leading: Sequence[int], answer: Sequence[bool]) -> list[int]:
     Why not SpecForge's 1 + sum_j prod_{i<=j} acc_j: that scores every row alike, where rounds
     skip the rows inside an accepted run, so it overstates a chain on easy stretches: 2.66
     against this replay's 2.58 and the engine's 2.59 on the engine's own answers to 16 held-out
-    ShareGPT prompts (SmolLM2-135M and its shipped drafter, a chain of 7, fp32 on a CPU:
+    ShareGPT prompts (SmolLM2-135M and the drafter shipped then, a chain of 7, fp32 on a CPU:
     bench/results/replay_check_cpu.json at commit d466fab)."""
     rounds, n, i = [], len(answer), 0
     while i < n:
