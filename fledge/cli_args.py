@@ -61,7 +61,8 @@ def add_prep(sub) -> None:
 def add_regen(sub) -> None:
     p = sub.add_parser("regen", help="the target rewrites every assistant turn (engine or OpenAI servers)")
     p.add_argument("conversations", help="conversations JSONL (from `fledge prep`)")
-    p.add_argument("out", help="output JSONL (appended; rerun to resume); counts go to <out>.summary.json")
+    p.add_argument("out", help="output JSONL (appended; rerun to resume); counts go beside it, its "
+                                "extension replaced (a.jsonl: a.summary.json)")
     p.add_argument("--target", default="smollm2-135m",
                    help="target for the local engine: HF dir, GGUF or built-in name (default: %(default)s)")
     p.add_argument("--server", action="append", default=[],
@@ -106,7 +107,7 @@ def add_regen(sub) -> None:
 def add_prompts(sub) -> None:
     p = sub.add_parser("prompts", help="the target writes user prompts itself (Magpie), for regen to answer")
     p.add_argument("out", help="output JSONL of one-turn conversations (appended; rerun to resume); "
-                               "counts go to <out>.summary.json")
+                               "counts go beside it, its extension replaced (a.jsonl: a.summary.json)")
     p.add_argument("-n", type=int, required=True, help="distinct prompts to write")
     p.add_argument("--target", default="smollm2-135m",
                    help="HF dir, GGUF or built-in name (default: %(default)s)")

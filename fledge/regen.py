@@ -20,8 +20,9 @@ list of samples, not from those left. The engine draws a whole batch from one ge
 chunk it had begun is run again whole and only its missing samples are written.
 
 Exit status: 0 when every sample was answered, 1 when some requests failed (counted per
-reason, listed per sample in `<out>.summary.json`), 2 for bad input (a missing or wrong
-file, a target whose first forward is not finite, an unwritable output).
+reason, listed per sample in the summary beside OUT: a.jsonl's is a.summary.json), 2 for bad
+input (a missing or wrong file, a target whose first forward is not finite, an unwritable
+output).
 """
 
 from __future__ import annotations
