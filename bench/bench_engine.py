@@ -16,28 +16,32 @@ keeping the others; the variant is rewritten after each row, so a run cut short 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import torch
+from machine import machine_name, result_path
 from tqdm import tqdm
 from transformers import StaticCache
 
-from fledge.acceptance import parse_shape
-from fledge.bench import load_prompts
-from fledge.engine.drafters import NgramDrafter, OracleDrafter, SpecConfig, load_drafter
-from fledge.engine.generate import SamplingParams, generate_ar, now
+from fledge.core.devices import pick_device, pick_dtype
+from fledge.core.errors import FledgeError
+from fledge.core.files import atomic_write_json
+from fledge.core.report import print_table
+from fledge.core.shape import Shape, parse_shape
+from fledge.core.target import eos_ids, load_target
+from fledge.engine.decode import generate_ar
+from fledge.engine.drafters import NgramDrafter, OracleDrafter, load_drafter
+from fledge.engine.graphs import now
 from fledge.engine.hf import build_engine_target
 from fledge.engine.model import GEMV_ROWS, LayerFns
 from fledge.engine.resident import Resident
+from fledge.engine.sampling import SamplingParams
 from fledge.engine.spec import generate_spec, oracle_text
 from fledge.engine.stats import SpecStats
-from fledge.features import padded_length
-from fledge.target import eos_ids, load_target
-from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, print_table
-from machine import machine_name, result_path
+from fledge.perf.bench import load_prompts
+from fledge.train.features import padded_length
 
 SPEC_KEYS = ("accept_length", "accept_rate", "round_ms_per_step", "draft_ms_per_step", "verify_ms_per_step",
              "other_ms_per_step", "depth_acceptance", "histogram")
@@ -90,8 +94,8 @@ def oracle_runner(target, eos, graphs: bool, spec, resident=None):
     return run
 
 
-def parse_tree(text: str) -> SpecConfig:
-    return SpecConfig(*dataclasses.astuple(parse_shape(text, "--tree")))
+def parse_tree(text: str) -> Shape:
+    return parse_shape(text, "--tree")
 
 
 def results_writer(path: Path, variant: str):
@@ -111,7 +115,7 @@ def engine_configs(args, t, target, device, dtype, prompts, graphs) -> tuple[dic
     and the AR variants, so that a run cut short loses the least."""
     def drafter(spec):
         return load_drafter(args.drafter, spec, t.model, target, device, dtype, args.compile, args.fast_topk)
-    eos, chain7 = eos_ids(t.tokenizer, t.model.generation_config), SpecConfig(7, 1, 8)
+    eos, chain7 = eos_ids(t.tokenizer, t.model.generation_config), Shape(7, 1, 8)
     trees = args.tree or ["5,4,16"]
     eagle_chain = drafter(chain7) if args.drafter else None
     # One cache per engine target for every request, the prefill captured per bucket before any
@@ -130,7 +134,7 @@ def engine_configs(args, t, target, device, dtype, prompts, graphs) -> tuple[dic
         for text in trees:
             configs[f"eagle3 tree {text}"] = spec_runner(target, eos, graphs, drafter(parse_tree(text)), res)
     configs["oracle chain 7"] = oracle_runner(target, eos, graphs, chain7, res)
-    ngram = NgramDrafter(SpecConfig(args.ngram_steps, 1, args.ngram_steps + 1), args.ngram)
+    ngram = NgramDrafter(Shape(args.ngram_steps, 1, args.ngram_steps + 1), args.ngram)
     configs[f"ngram {args.ngram} chain {args.ngram_steps}"] = spec_runner(target, eos, graphs, ngram, res)
     if res is not None:
         configs["engine AR (eager prefill)"] = ar_runner(target, eos, graphs)

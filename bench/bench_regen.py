@@ -15,14 +15,19 @@ import argparse
 import sys
 
 import torch
-
-from fledge.bench import load_prompts
-from fledge.engine.generate import ROW_GROUP, SamplingParams, cut_at_eos, generate_ar, now
-from fledge.engine.hf import build_engine_target
-from fledge.engine.stream import generate_stream
-from fledge.target import eos_ids, load_target
-from fledge.util import FledgeError, atomic_write_json, pick_device, pick_dtype, print_table as print_rows
 from machine import machine_name, result_path
+
+from fledge.core.devices import pick_device, pick_dtype
+from fledge.core.errors import FledgeError
+from fledge.core.files import atomic_write_json
+from fledge.core.report import print_table as print_rows
+from fledge.core.target import eos_ids, load_target
+from fledge.engine.decode import ROW_GROUP, cut_at_eos, generate_ar
+from fledge.engine.graphs import now
+from fledge.engine.hf import build_engine_target
+from fledge.engine.sampling import SamplingParams
+from fledge.engine.stream import generate_stream
+from fledge.perf.bench import load_prompts
 
 
 def hf_run(hf, prompts: list[list[int]], max_new: int, eos: list[int], pad: int, device) -> tuple[list, dict]:

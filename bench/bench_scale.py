@@ -17,9 +17,11 @@ import sys
 from pathlib import Path
 
 import torch
-
-from fledge.util import FledgeError, atomic_write_json, read_jsonl, save_figure, subplots
 from machine import machine_name, result_path
+
+from fledge.core.errors import FledgeError
+from fledge.core.files import atomic_write_json, read_jsonl
+from fledge.core.report import save_figure, subplots
 
 
 def load_run(path: Path) -> list[dict]:

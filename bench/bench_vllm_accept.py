@@ -20,18 +20,19 @@ import time
 from pathlib import Path
 
 import torch
+from machine import result_path
 
-from fledge.conventions import accept_length
-from fledge.bench import first_user_turns
-from fledge.engine.drafters import SpecConfig, load_drafter
-from fledge.engine.generate import SamplingParams
+from fledge.core.conventions import accept_length
+from fledge.core.files import atomic_write_json
+from fledge.core.shape import Shape
+from fledge.core.target import load_target
+from fledge.core.vllm_cpu import venv_env, venv_python
+from fledge.engine.drafters import load_drafter
 from fledge.engine.hf import build_engine_target
+from fledge.engine.sampling import SamplingParams
 from fledge.engine.spec import generate_spec
 from fledge.engine.stats import SpecStats
-from fledge.target import load_target
-from fledge.util import atomic_write_json
-from fledge.vllm_cpu import venv_env, venv_python
-from machine import result_path
+from fledge.perf.bench import first_user_turns
 
 RUNNER = Path(__file__).resolve().parents[1] / "scripts" / "vllm_run.py"
 
@@ -55,7 +56,7 @@ def run_vllm(target_dir: Path, drafter: str, prompts: list[str], k: int, max_tok
 
 def run_fledge(target, drafter: str, prompts: list[str], k: int, max_tokens: int):
     engine = build_engine_target(target.model, torch.float32, "cpu")
-    d = load_drafter(drafter, SpecConfig(k, 1, k + 1), target.model, engine, "cpu", torch.float32)
+    d = load_drafter(drafter, Shape(k, 1, k + 1), target.model, engine, "cpu", torch.float32)
     params = SamplingParams(max_new_tokens=max_tokens)
     # Each prompt tokenized as vLLM tokenizes a string prompt; no EOS, as vLLM's ignore_eos.
     runs = [generate_spec(engine, d, target.tokenizer(text)["input_ids"], params, eos_ids=[]) for text in prompts]

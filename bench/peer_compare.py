@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from fledge.config import HEADS, TrainConfig
-from fledge.tokenize import read_lines
-from fledge.util import FledgeError, atomic_write_json, atomic_write_text, read_jsonl
 from machine import RESULTS, machine_name, result_path
+
+from fledge.core.config import HEADS, TrainConfig
+from fledge.core.errors import FledgeError
+from fledge.core.files import atomic_write_json, atomic_write_text, read_jsonl
+from fledge.data.tokenize import read_lines
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).resolve().parent / "peer"
@@ -153,7 +154,7 @@ def write_samples(src: Path, dst: Path, max_len: int, vocab: int, multiple: int 
     """The samples of `src` that fledge's loader keeps, the first multiple of `multiple` of them,
     to `dst`: both trainers then read every sample of one file, and with `multiple` = fledge's
     batch, fledge's epoch drops none (it drops a last partial batch; speculators packs them all)."""
-    from fledge.features import load_samples
+    from fledge.train.features import load_samples
 
     kept = load_samples(src, max_len, vocab)
     used = kept[:len(kept) // multiple * multiple]
@@ -168,8 +169,8 @@ def write_samples(src: Path, dst: Path, max_len: int, vocab: int, multiple: int 
 def prepare(args, w: Path) -> Plan:
     from transformers import AutoConfig
 
-    from fledge.conventions import default_aux_layer_ids
-    from fledge.target import resolve_target
+    from fledge.core.conventions import default_aux_layer_ids
+    from fledge.core.target import resolve_target
 
     pick = {k: vars(args)[k] for k in ("max_convs", "max_heldout", "draft_vocab", "ttt_steps", "max_len", "batch_size")}
     target_dir = resolve_target(args.target)
@@ -303,10 +304,11 @@ def measure(args, plan: Plan | None, w: Path) -> None:
     """Every drafter in --drafters (default: all trained here) at every --shapes, shape by shape,
     on both prompt sets, against the engine's plain decoding in the same process. measure.json
     is rewritten after each row, so a run cut short keeps the rows it finished."""
-    from fledge.bench import engine_path, load_prompts, load_rig, run_ar, run_shape
-    from fledge.checkpoint import load_checkpoint
-    from fledge.util import pick_dtype
-    from fledge.engine.drafters import SpecConfig
+    from fledge.core.devices import pick_dtype
+    from fledge.core.shape import Shape
+    from fledge.drafter.checkpoint import load_checkpoint
+    from fledge.engine.rig import engine_path, load_rig, run_ar, run_shape
+    from fledge.perf.bench import load_prompts
 
     dirs = drafter_dirs(args.drafters, w)
     names = list(dirs)
@@ -330,7 +332,7 @@ def measure(args, plan: Plan | None, w: Path) -> None:
         for who in names:
             for name, s in out["sets"].items():
                 r = rigs[who]
-                stats, tok_s = run_shape(r, r.drafter(SpecConfig(*shape)), prompts[name], s["max_new_tokens"],
+                stats, tok_s = run_shape(r, r.drafter(Shape(*shape)), prompts[name], s["max_new_tokens"],
                                          f"{name} {who} {shape}")
                 sm = stats.summary()
                 s["rows"].append({"drafter": who, "shape": list(shape), "accept_length": sm["accept_length"],
@@ -438,7 +440,7 @@ def portable(obj, peer_python: str, workdir: str):
     """`obj` with the measuring machine's paths spelled as on any other: this checkout's
     relative, `$FLEDGE_CACHE/...`, `WORKDIR/...` (the --workdir the steps ran in), a GGUF by its
     file name, `python` and `PEER_PYTHON` for the two interpreters."""
-    from fledge.util import cache_dir
+    from fledge.core.files import cache_dir
 
     if isinstance(obj, dict):
         return {k: portable(v, peer_python, workdir) for k, v in obj.items()}

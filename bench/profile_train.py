@@ -20,14 +20,20 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 import transformers
-from torch.profiler import ProfilerActivity, profile as torch_profile
-
-from fledge.config import DraftConfig
-from fledge.draft import Eagle3Draft
-from fledge.features import TargetHead, aux_layer_ids_for, feature_model, online_features
-from fledge.train import TTT
-from fledge.util import atomic_write_json
 from machine import machine_name, result_path
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
+
+from fledge.core.config import DraftConfig
+from fledge.core.files import atomic_write_json
+from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.train.features import (
+    TargetHead,
+    aux_layer_ids_for,
+    feature_model,
+    online_features,
+)
+from fledge.train.ttt import TTT
 
 # SmolLM2-135M-Instruct's architecture (its config.json): what the timings depend on.
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

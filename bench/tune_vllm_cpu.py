@@ -19,20 +19,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from fledge import hwmodel
-from fledge.acceptance import Shape, profile_from_json
-from fledge.serving import parse_levels
 from fledge.cli import main as fledge
-from fledge.serving import PROMPTS, ServerBench, bench_server
-from fledge.target import resolve_target
-from fledge.tune import predict
-from fledge.util import atomic_write_json, print_table
+from fledge.core.files import atomic_write_json
+from fledge.core.report import print_table
+from fledge.core.shape import Shape
+from fledge.core.target import resolve_target
+from fledge.perf import hwmodel
+from fledge.perf.acceptance import profile_from_json
+from fledge.perf.serving import PROMPTS, ServerBench, bench_server, parse_levels
+from fledge.perf.tune import predict
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTER = ROOT / "drafters" / "smollm2-135m"
 sys.path.insert(0, str(ROOT / "scripts"))
 import vllm_serve as serve  # noqa: E402
-
 
 # Run-to-run spread of one server's tok/s on this 2-core CPU (the same k measured twice has
 # differed by up to ~15%): orders between settings closer than this are not measured facts.

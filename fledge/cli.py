@@ -23,7 +23,7 @@ import os
 import sys
 
 from fledge.cli_args import COMMANDS
-from fledge.util import FledgeError
+from fledge.core.errors import FledgeError
 
 
 def build_parser() -> argparse.ArgumentParser:

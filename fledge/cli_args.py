@@ -13,8 +13,23 @@ import functools
 import importlib
 import os
 
-from fledge.catalog import BUILTINS, DATASETS, FLOAT_DTYPES, FORMATS, HELDOUT_SUFFIX, LAYOUTS, SHORT_DTYPES
-from fledge.config import ADAPT_TRAIN_OPTIONS, HEADS, LOSSES, PARALLEL, TRAIN_OPTIONS, TrainConfig
+from fledge.core.catalog import (
+    BUILTINS,
+    DATASETS,
+    FLOAT_DTYPES,
+    FORMATS,
+    HELDOUT_SUFFIX,
+    LAYOUTS,
+    SHORT_DTYPES,
+)
+from fledge.core.config import (
+    ADAPT_TRAIN_OPTIONS,
+    HEADS,
+    LOSSES,
+    PARALLEL,
+    TRAIN_OPTIONS,
+    TrainConfig,
+)
 
 
 def run_step(name: str, args) -> int | None:
@@ -36,7 +51,7 @@ def add_target(sub) -> None:
     p = sub.add_parser("target", help="resolve and load a target; print its shape and aux layers")
     p.add_argument("spec", help=f"built-in name ({', '.join(BUILTINS)}), GGUF file, or HF model directory")
     p.add_argument("--json", help="also write the table as JSON here")
-    p.set_defaults(func=handler("fledge.target:run_target"))
+    p.set_defaults(func=handler("fledge.core.target:run_target"))
 
 
 def add_prep(sub) -> None:
@@ -55,7 +70,7 @@ def add_prep(sub) -> None:
                         "(a quick run: tokenizing all of ShareGPT takes ~20 min on a CPU; default: all)")
     p.add_argument("--show", type=int, default=0, metavar="N", help="print N samples with trained tokens marked")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    p.set_defaults(func=handler("fledge.data:run_prep"))
+    p.set_defaults(func=handler("fledge.data.prep:run_prep"))
 
 
 def add_regen(sub) -> None:
@@ -101,7 +116,7 @@ def add_regen(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
-    p.set_defaults(func=handler("fledge.regen:run_regen"))
+    p.set_defaults(func=handler("fledge.data.regen:run_regen"))
 
 
 def add_prompts(sub) -> None:
@@ -124,7 +139,7 @@ def add_prompts(sub) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed; each round's follows from it (default: %(default)s)")
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's layers (on a GPU)")
-    p.set_defaults(func=handler("fledge.prompts:run_prompts"))
+    p.set_defaults(func=handler("fledge.data.prompts:run_prompts"))
 
 
 def add_tokenize(sub) -> None:
@@ -138,7 +153,7 @@ def add_tokenize(sub) -> None:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: one per CPU)")
     p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=handler("fledge.tokenize:run_tokenize"))
+    p.set_defaults(func=handler("fledge.data.tokenize:run_tokenize"))
 
 
 def add_vocab(sub) -> None:
@@ -151,15 +166,15 @@ def add_vocab(sub) -> None:
     b.add_argument("--target", help="target spec (HF dir, GGUF, built-in name): vocab_size from its config")
     b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on (default: none)")
     b.add_argument("-o", "--out", required=True, help="output .safetensors ({d2t, t2d}); stats go to .json")
-    b.set_defaults(func=handler("fledge.vocab:run_build"))
+    b.set_defaults(func=handler("fledge.data.vocab:run_build"))
     c = vs.add_parser("coverage", help="share of a tokenized set's trained tokens inside a draft vocab")
     c.add_argument("vocab", help="vocab .safetensors or drafter checkpoint dir")
     c.add_argument("dataset", help="tokenized JSONL (input_ids, loss_mask) whose trained tokens are counted")
-    c.set_defaults(func=handler("fledge.vocab:run_coverage"))
+    c.set_defaults(func=handler("fledge.data.vocab:run_coverage"))
     d = vs.add_parser("diff", help="compare two draft vocabs (vocab files or drafter checkpoint dirs)")
     d.add_argument("a", help="first vocab: a .safetensors with d2t (and t2d), or a drafter checkpoint dir")
     d.add_argument("b", help="second vocab, the same kinds; entries are compared position by position")
-    d.set_defaults(func=handler("fledge.vocab:run_diff"))
+    d.set_defaults(func=handler("fledge.data.vocab:run_diff"))
 
 
 def add_features(sub) -> None:
@@ -174,7 +189,7 @@ def add_features(sub) -> None:
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.set_defaults(func=handler("fledge.features:run_features"))
+    p.set_defaults(func=handler("fledge.train.features:run_features"))
 
 
 def train_help(name: str, what: str) -> str:
@@ -209,7 +224,7 @@ def add_train(sub) -> None:
     p.add_argument("--norm-output", action="store_true", default=None,
                    help="EAGLE-3.1: the next draft step reads the final-norm state (also onto an --init)")
     p.add_argument("--device")
-    p.set_defaults(func=handler("fledge.train:run_train"))
+    p.set_defaults(func=handler("fledge.train.loop:run_train"))
 
 
 def add_target_layers(p) -> None:
@@ -231,7 +246,7 @@ def add_checkpoint(sub) -> None:
     p.add_argument("--verifier", help="target model name/path recorded for `vllm serve <dir>` (speculators)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (never one holding an input)")
     add_target_layers(p)
-    p.set_defaults(func=handler("fledge.checkpoint:run_export"))
+    p.set_defaults(func=handler("fledge.drafter.checkpoint:run_export"))
 
     p = sub.add_parser("import", help="read an eagle3 / speculators / SpecForge drafter into fledge's layout")
     p.add_argument("src", help="drafter dir: eagle3 (SGLang/vLLM/SpecForge/EAGLE, safetensors or pytorch_model.bin) "
@@ -240,7 +255,7 @@ def add_checkpoint(sub) -> None:
                                "(written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (default: refuse)")
     add_target_layers(p)
-    p.set_defaults(func=handler("fledge.checkpoint:run_import"))
+    p.set_defaults(func=handler("fledge.drafter.checkpoint:run_import"))
 
     p = sub.add_parser("init-draft", help="a fresh drafter for a target (target embeddings, eagle3 layout)")
     p.add_argument("out")
@@ -248,7 +263,7 @@ def add_checkpoint(sub) -> None:
     p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: the target's full vocab)")
     p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes}")
     p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=handler("fledge.checkpoint:run_init_draft"))
+    p.set_defaults(func=handler("fledge.drafter.checkpoint:run_init_draft"))
 
 
 def add_generate(sub) -> None:
@@ -276,14 +291,14 @@ def add_generate(sub) -> None:
                    help="torch.compile the target's layer functions and the drafter's halves (CUDA; slow start)")
     p.add_argument("--phased", action="store_true",
                    help="run each round's steps apart and time them (draft / verify / other ms) instead of one fused graph")
-    p.set_defaults(func=handler("fledge.engine.cli:run_generate"))
+    p.set_defaults(func=handler("fledge.engine.generate:run_generate"))
 
 
 def add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="check an exported drafter (and a launch line) before deploying",
                        description="PASS/WARN/FAIL checks; exit 0 all pass, 1 warnings, 2 failures.")
     p.add_argument("drafter", help="exported drafter directory (config.json + safetensors)")
-    p.add_argument("--target", help="target model (HF directory or a name fledge.target knows)")
+    p.add_argument("--target", help="target model (HF directory or a name fledge.core.target knows)")
     p.add_argument("--launch", help='the SGLang or vLLM server command, quoted: "python -m sglang.launch_server ..."')
     p.add_argument("--against", metavar="OTHER_DRAFTER", help="compare the draft vocabulary with another drafter")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
@@ -292,7 +307,7 @@ def add_doctor(sub) -> None:
     p.add_argument("--probe-tokens", type=int, default=64, help="new tokens per probe prompt")
     p.add_argument("--probe-steps", type=int, default=5, help="chain length the probe drafts")
     p.add_argument("--device", help="probe device (default: cuda if available)")
-    p.set_defaults(func=handler("fledge.doctor:run_doctor"))
+    p.set_defaults(func=handler("fledge.doctor.doctor:run_doctor"))
 
 
 def add_demo(sub) -> None:
@@ -329,7 +344,7 @@ def add_adapt(sub) -> None:
     p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
                    help="fine-tune in fp32 on CUDA (default: bf16 autocast on CUDA; the CPU always runs fp32)")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.set_defaults(func=handler("fledge.adapt:run_adapt"))
+    p.set_defaults(func=handler("fledge.train.adapt:run_adapt"))
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="measure spec decoding: a server (--url), a serving log (--log), or the engine")
@@ -355,7 +370,7 @@ def add_bench(sub) -> None:
     p.add_argument("--dtype")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="engine: plot acceptance by depth and tok/s by shape here")
-    p.set_defaults(func=handler("fledge.bench:run_bench"))
+    p.set_defaults(func=handler("fledge.perf.bench:run_bench"))
 
 
 def add_tune(sub) -> None:
@@ -379,7 +394,7 @@ def add_tune(sub) -> None:
     p.add_argument("--margin", type=float, default=0.05, help="a shape pays only above this fractional gain (default 0.05)")
     m = p.add_argument_group("hardware model (--model)")
     m.add_argument("--model", help="target config: a config.json, a model directory, or a built-in name")
-    m.add_argument("--gpu", help="GPU from fledge.hwmodel.GPUS: h100, h200, a100, l40s, rtx-pro-6000, cpu")
+    m.add_argument("--gpu", help="GPU from fledge.perf.hwmodel.GPUS: h100, h200, a100, l40s, rtx-pro-6000, cpu")
     m.add_argument("--tp", type=int, help="tensor-parallel GPUs (default 1)")
     m.add_argument("--interconnect", choices=["pcie", "nvlink"], help="link between the TP GPUs (default nvlink)")
     m.add_argument("--context", type=int, default=2048, help="tokens in each sequence's KV cache (and the prompt "
@@ -417,7 +432,7 @@ def add_tune(sub) -> None:
     c.add_argument("--merge", help="an earlier profile whose points join this fit (servers measured one at a time)")
     p.add_argument("--json", help="write the predictions here")
     p.add_argument("--png", help="plot speed-up by shape (and by concurrency) here")
-    p.set_defaults(func=handler("fledge.tune:run_tune"))
+    p.set_defaults(func=handler("fledge.perf.tune:run_tune"))
 
 
 # Subcommands in pipeline order, each a function adding its parser(s).

@@ -18,20 +18,23 @@ from pathlib import Path
 
 import torch
 
-from fledge.checkpoint import export_checkpoint, load_checkpoint
-from fledge.checks import exit_code, report
-from fledge.data import load_conversations
-from fledge.doctor import doctor
-from fledge.engine.drafters import NgramDrafter, SpecConfig, load_drafter
-from fledge.engine.generate import SamplingParams, generate_ar
+from fledge.core.errors import FledgeError
+from fledge.core.files import atomic_write_json
+from fledge.core.shape import Shape
+from fledge.core.target import encode_chat, eos_ids, load_target
+from fledge.data.prep import load_conversations
+from fledge.data.regen import EngineBackend, RegenConfig, regenerate
+from fledge.data.tokenize import build_training_set
+from fledge.data.vocab import build_vocab, save_vocab
+from fledge.doctor.checks import exit_code, report
+from fledge.doctor.doctor import doctor
+from fledge.drafter.checkpoint import export_checkpoint, load_checkpoint
+from fledge.engine.decode import generate_ar
+from fledge.engine.drafters import NgramDrafter, load_drafter
 from fledge.engine.hf import build_engine_target
+from fledge.engine.sampling import SamplingParams
 from fledge.engine.spec import generate_spec
-from fledge.regen import EngineBackend, RegenConfig, regenerate
-from fledge.target import encode_chat, eos_ids, load_target
-from fledge.tokenize import build_training_set
-from fledge.train import TrainConfig, train
-from fledge.util import FledgeError, atomic_write_json
-from fledge.vocab import build_vocab, save_vocab
+from fledge.train.loop import TrainConfig, train
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -48,7 +51,7 @@ def _compare(drafter_dir, prompts, tok, model, new_tokens) -> tuple[dict, bool]:
     figures per config, and whether every speculative output equals AR's."""
     engine = build_engine_target(model, torch.float32, "cpu")
     params, eos = SamplingParams(max_new_tokens=new_tokens), eos_ids(tok, model.generation_config)
-    chain = SpecConfig(num_steps=4, topk=1, num_draft_tokens=5)
+    chain = Shape(num_steps=4, topk=1, num_draft_tokens=5)
     # Drafters reset their state at each generate_spec, so one of each serves every prompt.
     drafters = {"eagle3 chain 4": load_drafter(drafter_dir, chain, model, engine, "cpu", torch.float32),
                 "n-gram chain 4": NgramDrafter(chain, 3)}

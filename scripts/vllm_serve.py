@@ -23,9 +23,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from fledge.target import resolve_target
-from fledge.util import FledgeError
-from fledge.vllm_cpu import venv_env, venv_python
+from fledge.core.target import resolve_target
+from fledge.core.errors import FledgeError
+from fledge.core.vllm_cpu import venv_env, venv_python
 
 HOST = "127.0.0.1"
 

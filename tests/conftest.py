@@ -75,7 +75,7 @@ def vllm_venv():
     FLEDGE_REQUIRE_VLLM is set (CI), where it fails instead."""
     import os
 
-    from fledge.vllm_cpu import venv_dir, venv_env, venv_python, venv_ready
+    from fledge.core.vllm_cpu import venv_dir, venv_env, venv_python, venv_ready
 
     if not venv_ready():
         if os.environ.get("FLEDGE_REQUIRE_VLLM"):

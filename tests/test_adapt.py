@@ -8,15 +8,19 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import make_tiny
-from fledge.adapt import AdaptConfig, adapt, adapt_draft
-from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
+
 from fledge.cli import main as cli_main
-from fledge.config import DraftConfig
-from fledge.draft import Eagle3Draft
-from fledge.target import Target
-from fledge.util import FledgeError
+from fledge.core.config import DraftConfig
+from fledge.core.errors import FledgeError
+from fledge.core.target import Target
+from fledge.drafter.checkpoint import (
+    export_checkpoint,
+    load_checkpoint,
+    validate_checkpoint,
+)
+from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.train.adapt import AdaptConfig, adapt, adapt_draft
 
 V, N = 301, 64  # tiny target vocab, draft vocab
 

@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from fledge import cli
-from fledge.target import resolve_target
+from fledge.core.target import resolve_target
 
 CONV = {"id": "c0", "source": "t", "messages": [{"role": "user", "content": "hi"},
                                                 {"role": "assistant", "content": "hello"}]}
@@ -173,7 +173,7 @@ def test_unwritable_output_keeps_the_previous_one(command, fault, tmp_path, caps
 def test_regen_unwritable_output_keeps_what_was_written(tmp_path, capsys, monkeypatch):
     from test_regen import _serve
 
-    import fledge.regen
+    import fledge.data.regen
     srv, url = _serve(fail_first=0)
     convs = jsonl(tmp_path / "c.jsonl", *({**CONV, "id": f"c{i}"} for i in range(4)))
     out = tmp_path / "r.jsonl"
@@ -191,7 +191,7 @@ def test_regen_unwritable_output_keeps_what_was_written(tmp_path, capsys, monkey
             raise OSError(errno.EROFS, "Read-only file system", str(path))
         return open(path, mode, *a, **k)
 
-    monkeypatch.setattr(fledge.regen, "open", read_only, raising=False)
+    monkeypatch.setattr(fledge.data.regen, "open", read_only, raising=False)
     rc, err = _run(["regen", convs, str(out), "--server", url], capsys)
     monkeypatch.undo()
     assert rc == 1 and str(out) in err and "Read-only" in err and "Traceback" not in err

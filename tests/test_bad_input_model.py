@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from fledge import cli
-from fledge.checkpoint import export_checkpoint
-from fledge.util import FledgeError, check_no_overlap
 from test_checkpoint import tiny_draft
 from test_train import config, curve, tiny_target, write_data
+
+from fledge import cli
+from fledge.core.errors import FledgeError
+from fledge.core.files import check_no_overlap
+from fledge.drafter.checkpoint import export_checkpoint
 
 TRAIN = ("--max-steps", "2", "--batch-size", "2", "--ttt-steps", "2", "--save-every", "1", "--log-every", "1")
 
@@ -343,7 +344,7 @@ class Killed(BaseException):
 def test_kill_between_the_swap_renames_resumes_from_the_old_checkpoint(tmp_path, monkeypatch):
     """Cut after `checkpoint` → `.checkpoint.old` and before the new one takes its name: the
     rerun resumes from the old checkpoint (step 2, not 0) and ends on the uninterrupted curve."""
-    import fledge.train as ft
+    import fledge.train.loop as ft
     write_data(tmp_path / "data.jsonl", n=24)
     kw = dict(max_steps=4, save_every=2)
     ft.train(config(tmp_path, "ref", **kw), tiny_target())
@@ -369,7 +370,7 @@ def test_kill_between_the_swap_renames_resumes_from_the_old_checkpoint(tmp_path,
 
 
 def test_nan_loss_later_stops_at_that_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    import fledge.train as ft
+    import fledge.train.loop as ft
     write_data(tmp_path / "data.jsonl", n=24)
     real_step = ft.train_step
 

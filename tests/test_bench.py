@@ -12,12 +12,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-
 from conftest import make_tiny
-from fledge.bench import EngineRig, RankProbe, measure_draft_ms, measure_verify_ms, probe_profile, run_ar
+
 from fledge.cli import main
-from fledge.serving import ServerBench, bench_server, one_request, parse_log
-from fledge.util import FledgeError
+from fledge.core.errors import FledgeError
+from fledge.engine.rig import (
+    EngineRig,
+    RankProbe,
+    measure_draft_ms,
+    measure_verify_ms,
+    probe_profile,
+    run_ar,
+)
+from fledge.perf.serving import ServerBench, bench_server, one_request, parse_log
 
 # Formats: sglang scheduler_metrics_mixin.log_decode_stats (current, then an older version without
 # "accept rate"), a non-speculative line; vllm v1/spec_decode/metrics.py SpecDecodingLogging.log.
@@ -201,11 +208,11 @@ def test_verify_timing_warms_each_size_and_takes_the_median(monkeypatch):
 
 @pytest.mark.slow  # ~20 s alone, minutes on a loaded 2-core machine
 def test_engine_measurements_run_on_cpu():
-    from fledge.config import DraftConfig
-    from fledge.draft import Eagle3Draft
+    from fledge.core.config import DraftConfig
+    from fledge.drafter.eagle3 import Eagle3Draft
     from fledge.engine import build_engine_target
-    from fledge.acceptance import Profile
-    from fledge.tune import Timings, grid, rank_all, validate, validation_shapes
+    from fledge.perf.acceptance import Profile
+    from fledge.perf.tune import Timings, grid, rank_all, validate, validation_shapes
 
     hf = make_tiny("llama")
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()
@@ -241,9 +248,9 @@ def test_vllm_log_feeds_tune(tmp_path):
 
 
 def test_plots_are_written(tmp_path):
-    from fledge.acceptance import Profile
-    from fledge.bench import plot_engine
-    from fledge.tune import Timings, grid, plot, rank_all
+    from fledge.perf.acceptance import Profile
+    from fledge.perf.bench import plot_engine
+    from fledge.perf.tune import Timings, grid, plot, rank_all
 
     results = [{"shape": f"s{s} k1 n{s + 1}", "tok_s": random.uniform(20, 80),
                 "depth_acceptance": sorted((random.random() for _ in range(s)), reverse=True)} for s in (2, 4)]

@@ -170,11 +170,11 @@ def test_peer_compare_subset_and_vocab_files(tmp_path):
     import gzip
 
     import numpy as np
+    import peer_compare
     import torch
 
-    import peer_compare
-    from fledge.conventions import target_ids_from_d2t
-    from fledge.vocab import load_vocab_ids, save_vocab
+    from fledge.core.conventions import target_ids_from_d2t
+    from fledge.data.vocab import load_vocab_ids, save_vocab
 
     files = []
     for s in range(3):
@@ -203,7 +203,8 @@ def test_peer_compare_samples_are_fledges_kept_ones_in_whole_batches(tmp_path):
     """Both trainers read one file of samples: those fledge's loader keeps (a sample with no
     trained token after position 1 is left out), cut to whole batches of fledge's epoch."""
     import peer_compare
-    from fledge.features import load_samples
+
+    from fledge.train.features import load_samples
 
     rows = [{"id": f"s{i}", "input_ids": list(range(i + 3)), "loss_mask": [0, 1] + [int(i % 3 != 0)] * (i + 1)}
             for i in range(11)]  # s0, s3, s6, s9 train nothing after position 1
@@ -229,7 +230,8 @@ def test_peer_compare_measures_named_drafter_directories(tmp_path):
     """measure --drafters: NAME=DIR is taken as given, a bare NAME must be a drafter trained in
     the workdir, and an empty workdir with no --drafters is refused in one line."""
     import peer_compare
-    from fledge.util import FledgeError
+
+    from fledge.core.errors import FledgeError
 
     (tmp_path / "train-fledge.json").write_text(json.dumps({"name": "fledge", "trainer": "fledge", "drafter": "/w/d"}))
     assert peer_compare.drafter_dirs(["old=/x/a", "fledge"], tmp_path) == {"old": "/x/a", "fledge": "/w/d"}

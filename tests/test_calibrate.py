@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from fledge import calibrate, hwmodel
 from fledge.cli import main
-from fledge.acceptance import Shape, profile_from_json
-from fledge.tune import predict
+from fledge.core.shape import Shape
+from fledge.perf import calibrate, hwmodel
+from fledge.perf.acceptance import profile_from_json
+from fledge.perf.tune import predict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tune"
 TARGET = FIXTURES / "llama31_8b_config.json"

@@ -10,16 +10,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny
 from fledge import cli
-from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
-from fledge.config import DraftConfig
-from fledge.conventions import aux_ids_from_sglang, aux_ids_to_sglang, default_aux_layer_ids
-from fledge.draft import Eagle3Draft
-from fledge.layout import checkpoint_keys
-from fledge.util import FledgeError
+from fledge.core.config import DraftConfig
+from fledge.core.conventions import (
+    aux_ids_from_sglang,
+    aux_ids_to_sglang,
+    default_aux_layer_ids,
+)
+from fledge.core.errors import FledgeError
+from fledge.drafter.checkpoint import (
+    export_checkpoint,
+    load_checkpoint,
+    validate_checkpoint,
+)
+from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.drafter.layout import checkpoint_keys
 
 N_DRAFT = 100
 
@@ -65,7 +73,7 @@ def assert_same_weights(draft: Eagle3Draft, loaded: Eagle3Draft, with_embed=Fals
                          [("llama", N_DRAFT, None, None, False), ("llama", N_DRAFT, None, None, True),
                           ("qwen3", None, 40, 32, False), ("gemma3", 7, None, 8, False)])
 def test_checkpoint_keys_are_the_drafts_state_dict(family, draft_vocab, intermediate, head_dim, fc_norm):
-    """fledge.layout lists the served tensors without torch; Eagle3Draft's state dict is what
+    """fledge.drafter.layout lists the served tensors without torch; Eagle3Draft's state dict is what
     export writes, so the two must agree in names, order and shapes (a full vocab drops d2t;
     EAGLE-3.1's fc_norm adds its three norms)."""
     tcfg = make_tiny(family, **({"head_dim": head_dim} if head_dim else {})).config
@@ -263,7 +271,7 @@ def test_cli_export(tmp_path):
 
 
 def test_init_draft(tmp_path, monkeypatch):
-    import fledge.target as ft
+    import fledge.core.target as ft
     target = make_tiny("llama")
     target.config.architectures = ["LlamaForCausalLM"]
     monkeypatch.setattr(ft, "load_target", lambda spec: ft.Target(target, None, spec, tmp_path / "tgt"))

@@ -112,7 +112,7 @@ def test_a_step_runs_through_its_lazy_handler(tmp_path):
     from test_target import save_tiny_dir
     from test_train import write_data
 
-    from fledge.features import FeatureStore
+    from fledge.train.features import FeatureStore
     save_tiny_dir(tmp_path / "target")
     write_data(tmp_path / "data.jsonl", n=3)
     assert cli.main(["features", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.jsonl"),

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from fledge import conventions as cv
-from fledge.util import FledgeError
+from fledge.core import conventions as cv
+from fledge.core.errors import FledgeError
 
 
 @pytest.mark.parametrize("n", [8, 24, 30, 32, 61])

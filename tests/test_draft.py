@@ -4,12 +4,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import make_tiny
-from fledge.config import DraftConfig
-from fledge.draft import Eagle3Draft
-from fledge.util import FledgeError
 
+from fledge.core.config import DraftConfig
+from fledge.core.errors import FledgeError
+from fledge.drafter.eagle3 import Eagle3Draft
 
 # The EAGLE-3 layer and EAGLE-3.1's two changes, alone and together: (fc_norm, norm_output).
 LAYERS = [(False, False), (True, False), (False, True), (True, True)]

@@ -8,16 +8,17 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from test_engine_spec import tiny_setup
 
+from fledge.core.shape import Shape
 from fledge.engine import SamplingParams, build_engine_target, generate_ar
 from fledge.engine.attention import Prefix, kernel_available, prefix_attention
-from fledge.engine.drafters import Eagle3Drafter, SpecConfig
-from fledge.engine.generate import make_causal_mask
+from fledge.engine.decode import make_causal_mask
+from fledge.engine.drafters import Eagle3Drafter
 from fledge.engine.model import LayerFns
 from fledge.engine.spec import generate_spec
 from fledge.engine.stream import generate_stream
 from fledge.engine.tree import make_tree
-from test_engine_spec import tiny_setup
 
 pytestmark = pytest.mark.skipif(not kernel_available(torch.device("cpu")), reason="needs triton (interpreter)")
 
@@ -106,7 +107,7 @@ def spec_rounds_match(kern, dense, draft, prompt, params, ar) -> int:
     """A chain and a tree through both targets: the same text (= `ar`) and accepted counts.
     Returns the drafts accepted in all (> 0 shows the multi-token paths ran)."""
     accepted = 0
-    for spec in (SpecConfig(3, 1, 4), SpecConfig(3, 3, 9)):
+    for spec in (Shape(3, 1, 4), Shape(3, 3, 9)):
         a, sa = generate_spec(kern, Eagle3Drafter(draft, spec, kern), prompt, params, [])
         b, sb = generate_spec(dense, Eagle3Drafter(draft, spec, dense), prompt, params, [])
         assert a == b == ar and sa.accepted == sb.accepted

@@ -6,11 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from conftest import ENGINE_FAMILIES, FAMILIES, make_tiny
-from fledge.engine import (HFTarget, SamplingParams, Transformer, build_engine_target, generate_ar,
-                           logits_to_probs, make_causal_mask, sample_token)
-from fledge.util import FledgeError
+
+from fledge.core.errors import FledgeError
+from fledge.engine import (
+    HFTarget,
+    SamplingParams,
+    Transformer,
+    build_engine_target,
+    generate_ar,
+    logits_to_probs,
+    make_causal_mask,
+    sample_token,
+)
 
 AUX = (2, 3, 5)
 
@@ -116,7 +124,7 @@ def test_row_groups_and_spans_change_nothing(monkeypatch):
     """A long batch in unsorted order, decoded in length-sorted groups of 2 rows, each group
     prefilled apart and attending over its own span (span quantum shrunk so spans grow during
     the run): every row equals that prompt generated alone, in the caller's order."""
-    from fledge.engine import generate
+    from fledge.engine import decode as generate
     hf = make_tiny("qwen2", seed=4)
     model = build_engine_target(hf, torch.float32, "cpu")
     g = torch.Generator().manual_seed(9)
@@ -132,7 +140,7 @@ def test_row_groups_and_spans_change_nothing(monkeypatch):
 def test_hf_target_decodes_over_spans_narrower_than_its_cache(monkeypatch):
     """HFTarget (no prefix kernel) is given decode masks over the first span of its cache, not
     all of it, once the cache is longer than a span: the same text as over the whole cache."""
-    from fledge.engine import generate
+    from fledge.engine import decode as generate
     model = build_engine_target(make_tiny("gemma3", seed=2), torch.float32, "cpu")
     prompt, params = [5, 9, 2, 7, 11], SamplingParams(max_new_tokens=30)
     whole = generate_ar(model, [prompt], params, [])[0][0]
@@ -248,7 +256,7 @@ def test_decoding_stops_once_every_row_has_ended():
 def test_compiled_step_finish_equals_eager():
     """A greedy decode step's bookkeeping compiled (generate.finish_step, as in the CUDA-graph
     step) writes what eager writes: argmax column, tokens, done rows (ties included), lengths."""
-    from fledge.engine.generate import finish_step, finish_step_compiled
+    from fledge.engine.decode import finish_step, finish_step_compiled
     g = torch.Generator().manual_seed(3)
     logits = torch.randint(0, 3, (4, 9), generator=g).float()  # ties: the lowest index wins
     for eos in (torch.tensor([0, 2]), torch.tensor([], dtype=torch.long)):
@@ -301,7 +309,7 @@ def test_top_p_keeps_exactly_the_nucleus():
 
 @pytest.mark.slow
 def test_smollm2_real_weights_match_hf():
-    from fledge.target import load_target
+    from fledge.core.target import load_target
 
     target = load_target("smollm2-135m")
     hf, tok = target.model, target.tokenizer
@@ -321,7 +329,7 @@ def test_stream_refills_rows_and_equals_solo_generation(monkeypatch):
     """Continuous batching: 11 prompts through 4 rows in groups of 2, rows ending at an eos
     mid-run and refilled, spans growing (quantum shrunk): each answer equals that prompt
     generated alone; every prompt is answered once; a sampled stream respects the limits."""
-    from fledge.engine import generate
+    from fledge.engine import decode as generate
     from fledge.engine.stream import generate_stream
     hf = make_tiny("llama", seed=7)
     model = build_engine_target(hf, torch.float32, "cpu")
@@ -363,7 +371,8 @@ def test_a_batch_frees_its_cache_on_return(fails, monkeypatch):
     import gc
     import weakref
 
-    from fledge.engine import generate, stream
+    from fledge.engine import decode as generate
+    from fledge.engine import stream
     model = build_engine_target(make_tiny("llama", seed=2), torch.float32, "cpu")
     made = []
     new_cache = model.new_cache

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny
+from test_engine_spec import tiny_setup
+
+from fledge.core.errors import FledgeError
+from fledge.core.shape import Shape
 from fledge.engine import HFTarget, SamplingParams, build_engine_target, generate_ar
-from fledge.engine.drafters import Eagle3Drafter, OracleDrafter, SpecConfig
+from fledge.engine.drafters import Eagle3Drafter, OracleDrafter
 from fledge.engine.resident import Resident, buckets
 from fledge.engine.rounds import PhasedRound, QueuedRound
 from fledge.engine.spec import generate_spec
-from fledge.util import FledgeError
-from test_engine_spec import tiny_setup
 
 AUX = (2, 3, 5)
 
@@ -60,13 +61,13 @@ def test_resident_requests_generate_what_fresh_ones_do():
     hf, target, draft = tiny_setup("llama", vocab=32, initializer_range=0.15)
     params = SamplingParams(temperature=0.0, max_new_tokens=24)
     res = Resident(target, 256, aux_sets=[None, tuple(draft.cfg.aux_layer_ids)])
-    drafters = [Eagle3Drafter(draft, SpecConfig(3, 1, 4), target), Eagle3Drafter(draft, SpecConfig(3, 3, 9), target)]
+    drafters = [Eagle3Drafter(draft, Shape(3, 1, 4), target), Eagle3Drafter(draft, Shape(3, 3, 9), target)]
     accepted, distinct = 0, []
     for prompt in prompts([120, 9, 70, 31], 32, seed=2):
         ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
         distinct.append(len(set(ar)))
         assert generate_ar(target, [prompt], params, eos_ids=[], resident=res)[0][0] == ar
-        for d in drafters + [OracleDrafter(SpecConfig(4, 1, 5), [prompt + ar])]:
+        for d in drafters + [OracleDrafter(Shape(4, 1, 5), [prompt + ar])]:
             out, st = generate_spec(target, d, prompt, params, eos_ids=[], resident=res)
             _, fresh = generate_spec(target, d, prompt, params, eos_ids=[])
             assert out == ar and st.accepted == fresh.accepted
@@ -104,15 +105,15 @@ def test_a_kept_round_serves_request_after_request():
     res = Resident(target, 256, aux_sets=[None, tuple(draft.cfg.aux_layer_ids)])
     batch = prompts([31, 25, 20, 9], 32, seed=5)  # one drafter cache size (64) for all, the widest oracle text first
     texts = [generate_ar(target, [p], params, eos_ids=[])[0][0] for p in batch]
-    oracle = OracleDrafter(SpecConfig(4, 1, 5), [batch[0] + texts[0]], "cpu")
-    tree = Eagle3Drafter(draft, SpecConfig(3, 3, 9), target)
-    runs = [(Eagle3Drafter(draft, SpecConfig(3, 1, 4), target), False), (tree, False), (tree, True), (oracle, False)]
+    oracle = OracleDrafter(Shape(4, 1, 5), [batch[0] + texts[0]], "cpu")
+    tree = Eagle3Drafter(draft, Shape(3, 3, 9), target)
+    runs = [(Eagle3Drafter(draft, Shape(3, 1, 4), target), False), (tree, False), (tree, True), (oracle, False)]
     for drafter, phased in runs:
         kept, accepted = None, 0
         for prompt, ar in zip(batch, texts):
             if drafter is oracle:
                 oracle.set_sequences([prompt + ar])
-                fresh_drafter = OracleDrafter(SpecConfig(4, 1, 5), [prompt + ar])
+                fresh_drafter = OracleDrafter(Shape(4, 1, 5), [prompt + ar])
             else:
                 fresh_drafter = Eagle3Drafter(draft, drafter.spec, target)
             out, st = generate_spec(target, drafter, prompt, params, eos_ids=[], resident=res, phased=phased)

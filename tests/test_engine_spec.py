@@ -5,17 +5,33 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ENGINE_FAMILIES, make_tiny
-from fledge.config import DraftConfig
-from fledge.draft import Eagle3Draft
-from fledge.engine import HFTarget, SamplingParams, build_engine_target, generate_ar, logits_to_probs, make_causal_mask
+
+from fledge.core.config import DraftConfig
+from fledge.core.errors import FledgeError
+from fledge.core.shape import Shape
+from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.engine import (
+    HFTarget,
+    SamplingParams,
+    build_engine_target,
+    generate_ar,
+    logits_to_probs,
+    make_causal_mask,
+)
 from fledge.engine.attention import Prefix
-from fledge.engine.drafters import DraftInput, Eagle3Drafter, NgramDrafter, OracleDrafter, SpecConfig
+from fledge.engine.drafters import Eagle3Drafter, NgramDrafter, OracleDrafter
+from fledge.engine.protocols import DraftInput
 from fledge.engine.rounds import verify_forward
 from fledge.engine.spec import generate_spec
-from fledge.engine.tree import chain, make_tree, path_to, select_tree, verify_greedy, verify_sample
-from fledge.util import FledgeError
+from fledge.engine.tree import (
+    chain,
+    make_tree,
+    path_to,
+    select_tree,
+    verify_greedy,
+    verify_sample,
+)
 
 
 def random_candidates(g, B, K, steps):
@@ -156,7 +172,7 @@ def test_rounds_ended_outside_the_draft_vocab_are_counted():
     ar = generate_ar(target, [prompt], GREEDY_21, eos_ids=[])[0][0]
     missing = sorted(set(ar[1:]))[:3]
     _, _, small = tiny_setup("llama", **VARIED, draft_ids=torch.tensor([t for t in range(32) if t not in missing]))
-    for spec in (SpecConfig(3, 1, 4), SpecConfig(3, 3, 9)):
+    for spec in (Shape(3, 1, 4), Shape(3, 3, 9)):
         out, stats = generate_spec(target, Eagle3Drafter(small, spec, target), prompt, GREEDY_21, eos_ids=[])
         assert out == ar
         ends, pos = [], 0
@@ -171,7 +187,7 @@ def test_rounds_ended_outside_the_draft_vocab_are_counted():
         assert f"outside the draft vocabulary: {100 * stats.outside_vocab / stats.steps:.1f}%" in stats.report()
         _, whole = generate_spec(target, Eagle3Drafter(full, spec, target), prompt, GREEDY_21, eos_ids=[])
         assert whole.outside_vocab == 0
-    _, oracle = generate_spec(target, OracleDrafter(SpecConfig(4, 1, 5), [prompt + ar]), prompt, GREEDY_21, eos_ids=[])
+    _, oracle = generate_spec(target, OracleDrafter(Shape(4, 1, 5), [prompt + ar]), prompt, GREEDY_21, eos_ids=[])
     assert oracle.outside_vocab is None and oracle.summary()["ended_outside_vocab"] is None
     assert SpecStats.merge([stats, whole]).outside_vocab == stats.outside_vocab
 
@@ -183,11 +199,11 @@ def test_greedy_spec_equals_ar(family):
     ar = generate_ar(target, [prompt], GREEDY_21, eos_ids=[])[0][0]
     assert len(set(ar)) >= 8, ar
     drafters = {
-        "eagle chain": Eagle3Drafter(draft, SpecConfig(3, 1, 4), target),
-        "eagle tree": Eagle3Drafter(draft, SpecConfig(3, 3, 9), target),
-        "eagle wide tree": Eagle3Drafter(draft, SpecConfig(2, 4, 13), target),
-        "oracle": OracleDrafter(SpecConfig(4, 1, 5), [prompt + ar]),
-        "ngram": NgramDrafter(SpecConfig(3, 1, 4), 2),
+        "eagle chain": Eagle3Drafter(draft, Shape(3, 1, 4), target),
+        "eagle tree": Eagle3Drafter(draft, Shape(3, 3, 9), target),
+        "eagle wide tree": Eagle3Drafter(draft, Shape(2, 4, 13), target),
+        "oracle": OracleDrafter(Shape(4, 1, 5), [prompt + ar]),
+        "ngram": NgramDrafter(Shape(3, 1, 4), 2),
     }
     for name, drafter in drafters.items():
         out, stats = generate_spec(target, drafter, prompt, GREEDY_21, eos_ids=[])
@@ -215,10 +231,10 @@ def test_rounds_queued_ahead_stay_inside_an_exact_cache():
         params = SamplingParams(temperature=0.0, max_new_tokens=new)
         ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
         assert ar == longer[:new]
-        spec = SpecConfig(4, 1, 5)
+        spec = Shape(4, 1, 5)
         exact = len(prompt) + new + spec.num_draft_tokens
         # The oracle knows text past max_new_tokens: a round queued after the last needed one would fill up.
-        for drafter in (OracleDrafter(spec, [prompt + longer]), Eagle3Drafter(draft, SpecConfig(3, 3, 9), target)):
+        for drafter in (OracleDrafter(spec, [prompt + longer]), Eagle3Drafter(draft, Shape(3, 3, 9), target)):
             fused, fs = generate_spec(target, drafter, prompt, params, eos_ids=[], cache_len=exact + drafter.spec.num_draft_tokens - 5)
             phased, ps = generate_spec(target, drafter, prompt, params, eos_ids=[], phased=True)
             assert fused == phased == ar and fs.accepted == ps.accepted and len(fs.round_ms) == fs.steps
@@ -237,8 +253,8 @@ def test_fused_rounds_equal_phased_rounds():
     prompt = torch.randint(0, 32, (11,), generator=torch.Generator().manual_seed(8)).tolist()
     ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
     assert len(set(ar)) >= 6, ar
-    for drafter in (Eagle3Drafter(draft, SpecConfig(3, 1, 4), target), Eagle3Drafter(draft, SpecConfig(3, 3, 9), target),
-                    OracleDrafter(SpecConfig(5, 1, 6), [prompt + ar[:7]]), NgramDrafter(SpecConfig(3, 1, 4), 2)):
+    for drafter in (Eagle3Drafter(draft, Shape(3, 1, 4), target), Eagle3Drafter(draft, Shape(3, 3, 9), target),
+                    OracleDrafter(Shape(5, 1, 6), [prompt + ar[:7]]), NgramDrafter(Shape(3, 1, 4), 2)):
         fused, fs = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[])
         phased, ps = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[], phased=True)
         assert fused == phased == ar and fs.accepted == ps.accepted
@@ -255,7 +271,7 @@ def test_compiled_engine_equals_eager():
     prompt = torch.randint(0, 24, (10,), generator=torch.Generator().manual_seed(5)).tolist()
     ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
     assert generate_ar(compiled, [prompt], GREEDY, eos_ids=[])[0][0] == ar
-    for spec in (SpecConfig(3, 1, 4), SpecConfig(3, 3, 9)):
+    for spec in (Shape(3, 1, 4), Shape(3, 3, 9)):
         eager, es = generate_spec(target, Eagle3Drafter(draft, spec, target), prompt, GREEDY, eos_ids=[])
         comp, cs = generate_spec(compiled, Eagle3Drafter(draft, spec, compiled, compile=True), prompt, GREEDY, eos_ids=[])
         assert comp == eager == ar and cs.accepted == es.accepted and sum(es.accepted) > 0
@@ -303,7 +319,7 @@ def test_hf_target_family_spec_equals_ar():
     hf, target, draft = tiny_setup("gemma3")
     prompt = torch.randint(0, 24, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
-    for drafter in (OracleDrafter(SpecConfig(4, 1, 5), [prompt + ar]), Eagle3Drafter(draft, SpecConfig(3, 3, 9), target)):
+    for drafter in (OracleDrafter(Shape(4, 1, 5), [prompt + ar]), Eagle3Drafter(draft, Shape(3, 3, 9), target)):
         out, stats = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[])
         assert out == ar
     assert isinstance(target, HFTarget)
@@ -316,7 +332,7 @@ def test_eagle_draft_cache_matches_recompute(eagle31):
     exactly what a fresh prefill would (and, with EAGLE-3.1's norm_output, the state it keeps
     for the next step is the normed one)."""
     hf, target, draft = tiny_setup("llama", vocab=12, seed=4, eagle31=eagle31)
-    drafter = Eagle3Drafter(draft, SpecConfig(3, 1, 4), target)
+    drafter = Eagle3Drafter(draft, Shape(3, 1, 4), target)
     rounds, propose = [], drafter.propose
 
     def recording(inp: DraftInput):
@@ -362,7 +378,7 @@ def first_round(temperature=1.0, top_p=0.95, samples=40000, residual=True):
         target.output.weight.mul_(3)
     params = SamplingParams(temperature=temperature, top_p=top_p)
     ctx = torch.randint(0, 8, (6,), generator=torch.Generator().manual_seed(7)).tolist()
-    spec = SpecConfig(3, 4, 20)
+    spec = Shape(3, 4, 20)
     drafter = Eagle3Drafter(draft, spec, target)
     drafter.start(1, 64)
     cache = target.new_cache(1, 64)
@@ -415,7 +431,7 @@ def test_sampling_without_rejection_correction_is_caught():
 
 def test_sampled_generation_runs_and_is_seeded():
     hf, target, draft = tiny_setup("llama", vocab=12, seed=4)
-    drafter = Eagle3Drafter(draft, SpecConfig(3, 2, 6), target)
+    drafter = Eagle3Drafter(draft, Shape(3, 2, 6), target)
     runs = [generate_spec(target, drafter, [1, 2, 3], SamplingParams(0.8, 0.9, 24, seed), [])[0] for seed in (0, 0, 1)]
     assert runs[0] == runs[1] != runs[2]
     assert all(len(r) == 24 and all(0 <= t < 12 for t in r) for r in runs)
@@ -425,32 +441,32 @@ def test_sampled_generation_runs_and_is_seeded():
 def test_bad_input_is_one_fledge_error():
     hf, target, draft = tiny_setup("qwen2")
     with pytest.raises(FledgeError, match="chain"):
-        SpecConfig(num_steps=4, topk=1, num_draft_tokens=4)
+        Shape(num_steps=4, topk=1, num_draft_tokens=4)
     with pytest.raises(FledgeError, match="holds 2..7"):
-        SpecConfig(num_steps=2, topk=2, num_draft_tokens=8)
+        Shape(num_steps=2, topk=2, num_draft_tokens=8)
     with pytest.raises(FledgeError, match="cache"):
-        generate_spec(target, NgramDrafter(SpecConfig(3, 1, 4), 2), list(range(20)), GREEDY, [], cache_len=32)
+        generate_spec(target, NgramDrafter(Shape(3, 1, 4), 2), list(range(20)), GREEDY, [], cache_len=32)
     other = make_tiny("qwen2", hidden_size=32)
     small = Eagle3Draft.from_target(DraftConfig.from_target(other.config), other)
     with pytest.raises(FledgeError, match="hidden size"):
-        Eagle3Drafter(small, SpecConfig(), target)
+        Eagle3Drafter(small, Shape(7, 1, 8), target)
     other = make_tiny("qwen2", vocab_size=50)
     wrong_vocab = Eagle3Draft.from_target(DraftConfig.from_target(other.config), other)
     with pytest.raises(FledgeError, match="vocab"):
-        Eagle3Drafter(wrong_vocab, SpecConfig(), target)
+        Eagle3Drafter(wrong_vocab, Shape(7, 1, 8), target)
     with pytest.raises(FledgeError, match="chain"):
-        OracleDrafter(SpecConfig(2, 2, 5), [[1]])
+        OracleDrafter(Shape(2, 2, 5), [[1]])
 
 
 def test_exported_drafter_through_load_drafter(tmp_path):
     """The path `fledge generate --drafter DIR` takes: export, load with the target's
     embeddings, draft a tree; output still equals AR."""
-    from fledge.checkpoint import export_checkpoint
+    from fledge.drafter.checkpoint import export_checkpoint
     from fledge.engine.drafters import load_drafter
 
     hf, target, draft = tiny_setup("llama", vocab=12, seed=4)
     export_checkpoint(draft, tmp_path / "d", dtype=torch.float32)
-    drafter = load_drafter(str(tmp_path / "d"), SpecConfig(3, 2, 6), hf, target, torch.device("cpu"), torch.float32)
+    drafter = load_drafter(str(tmp_path / "d"), Shape(3, 2, 6), hf, target, torch.device("cpu"), torch.float32)
     prompt = torch.randint(0, 12, (7,), generator=torch.Generator().manual_seed(5)).tolist()
     ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
     out, stats = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[])
@@ -473,7 +489,7 @@ def test_messages_inline_however_long_or_from_a_file(tmp_path):
     import argparse
     import json
 
-    from fledge.engine.cli import _messages
+    from fledge.engine.generate import _messages
     msgs = [{"role": "user", "content": "word " * 200}]  # longer than a file name may be
     assert _messages(argparse.Namespace(prompt=None, messages=json.dumps(msgs))) == msgs
     (tmp_path / "m.json").write_text(json.dumps(msgs))
@@ -490,7 +506,7 @@ def test_oracle_text_refines_a_wrong_reference_to_the_verify_own_text():
     import fledge.engine.spec as spec_mod
     hf = make_tiny("llama", seed=3)
     target = build_engine_target(hf, torch.float32, "cpu")
-    prompt, params, chain7 = [5, 9, 2, 7], SamplingParams(max_new_tokens=23), SpecConfig(7, 1, 8)
+    prompt, params, chain7 = [5, 9, 2, 7], SamplingParams(max_new_tokens=23), Shape(7, 1, 8)
     ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
     assert spec_mod.oracle_text(target, chain7, prompt, ar, params, []) == (ar, 1)
     wrong = ar[:3] + [(t + 1) % hf.config.vocab_size for t in ar[3:]]
@@ -515,7 +531,7 @@ def test_oracle_text_follows_a_rejection_point_that_moves_later(monkeypatch):
 
     monkeypatch.setattr(spec_mod, "generate_spec", fake_generate)
     target = build_engine_target(make_tiny("llama"), torch.float32, "cpu")
-    params, chain = SamplingParams(max_new_tokens=30), SpecConfig(3, 1, 4)
+    params, chain = SamplingParams(max_new_tokens=30), Shape(3, 1, 4)
     text, passes = spec_mod.oracle_text(target, chain, [1, 2], [0] * 30, params, [], max_passes=20)
     assert text == final and passes == 9  # 4, 8, ..., 28, 30 tokens right, then a pass that changes nothing
     text, passes = spec_mod.oracle_text(target, chain, [1, 2], [0] * 30, params, [], max_passes=3)
@@ -525,18 +541,18 @@ def test_oracle_text_follows_a_rejection_point_that_moves_later(monkeypatch):
 # --------------------------------------------------------------------------- a real model
 @pytest.mark.slow
 def test_smollm2_greedy_spec_equals_ar():
-    from fledge.target import load_target
+    from fledge.core.target import load_target
     t = load_target("smollm2-135m")
     hf, tok = t.model, t.tokenizer
     target = build_engine_target(hf, torch.float32, "cpu")
     prompt = tok("The capital of France is Paris. The capital of Germany is")["input_ids"]
     params = SamplingParams(max_new_tokens=40)
     ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
-    oracle = generate_spec(target, OracleDrafter(SpecConfig(7, 1, 8), [prompt + ar]), prompt, params, [])
-    ngram = generate_spec(target, NgramDrafter(SpecConfig(4, 1, 5), 3), prompt, params, [])
+    oracle = generate_spec(target, OracleDrafter(Shape(7, 1, 8), [prompt + ar]), prompt, params, [])
+    ngram = generate_spec(target, NgramDrafter(Shape(4, 1, 5), 3), prompt, params, [])
     torch.manual_seed(0)
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf)
-    tree = generate_spec(target, Eagle3Drafter(draft, SpecConfig(3, 2, 6), target), prompt, params, [])
+    tree = generate_spec(target, Eagle3Drafter(draft, Shape(3, 2, 6), target), prompt, params, [])
     assert oracle[0] == ar and ngram[0] == ar and tree[0] == ar
     assert oracle[1].accept_length() > 7
 
@@ -546,8 +562,9 @@ def test_cli_generate_fused_and_phased_agree(tmp_path, capsys):
     phased rounds write the same tokens; only the phased report splits draft / verify / other."""
     import json
 
-    from fledge.cli import main
     from test_target import save_tiny_dir
+
+    from fledge.cli import main
     save_tiny_dir(tmp_path / "t")
     outs = {}
     for mode in ("fused", "phased"):
@@ -574,7 +591,7 @@ def test_one_off_attention_shapes_skip_cudnn(monkeypatch):
         return sdpa(q, *a, **kw)
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     prompt = torch.randint(0, 24, (13,), generator=torch.Generator().manual_seed(6)).tolist()
-    generate_spec(target, Eagle3Drafter(draft, SpecConfig(3, 1, 4), target), prompt, GREEDY, eos_ids=[])
+    generate_spec(target, Eagle3Drafter(draft, Shape(3, 1, 4), target), prompt, GREEDY, eos_ids=[])
     heads = hf.config.num_attention_heads
     prompt_rows = {13 * heads // hf.config.num_key_value_heads, 13}  # the draft's GQA rows, the prefill's heads
     assert prompt_rows <= {rows for rows, _ in seen}
@@ -627,7 +644,7 @@ def test_compiled_round_finish_equals_eager_with_ties():
         aux = torch.randn(1, N, 5, generator=g)
         outs = []
         for finish in (finish_round, finish_round_compiled):
-            state = RoundState.allocate(SpecConfig(D - 1, 2, N), "cpu", 5, torch.float32)
+            state = RoundState.allocate(Shape(D - 1, 2, N), "cpu", 5, torch.float32)
             state.set_tree(tree)
             state.cache_len.fill_(20)
             path = finish(logits, aux, state)

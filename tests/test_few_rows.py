@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ENGINE_FAMILIES, make_tiny
+from test_engine_attention import spec_rounds_match
+from test_engine_spec import tiny_setup
+
 from fledge.engine import SamplingParams, build_engine_target, generate_ar
 from fledge.engine.attention import Prefix, kernel_available, prefix_attention
 from fledge.engine.few_rows import MAX_ROWS, k_split, o_proj, usable
 from fledge.engine.model import LayerFns
-from test_engine_attention import spec_rounds_match
-from test_engine_spec import tiny_setup
 
 pytestmark = pytest.mark.skipif(not kernel_available(torch.device("cpu")), reason="needs Triton (interpreted)")
 

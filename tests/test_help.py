@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from fledge import cli
-from fledge.config import ADAPT_TRAIN_OPTIONS, TRAIN_OPTIONS, TrainConfig
+from fledge.core.config import ADAPT_TRAIN_OPTIONS, TRAIN_OPTIONS, TrainConfig
 
 
 def _parser(name: str):

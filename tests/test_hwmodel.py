@@ -10,10 +10,10 @@ import random
 from pathlib import Path
 
 import pytest
-
 from conftest import make_tiny
-from fledge import hwmodel as H
+
 from fledge.cli import main
+from fledge.perf import hwmodel as H
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tune"
 UNIT = H.Hardware(H.Gpu(1.0, {"fp32": 1.0}), bw_efficiency=1.0, flops_efficiency=1.0)  # 1 GB/s, 1 TFLOP/s
@@ -43,9 +43,9 @@ def test_bytes_and_flops_match_hf_parameters(family):
 
 
 def test_drafter_bytes_match_fledge_drafter(tmp_path):
-    from fledge.checkpoint import export_checkpoint
-    from fledge.config import DraftConfig
-    from fledge.draft import Eagle3Draft
+    from fledge.core.config import DraftConfig
+    from fledge.drafter.checkpoint import export_checkpoint
+    from fledge.drafter.eagle3 import Eagle3Draft
 
     hf = make_tiny("llama")
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config, draft_vocab_size=97), hf)

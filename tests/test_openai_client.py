@@ -1,4 +1,4 @@
-"""fledge.openai_client against a local stdlib HTTP server: the model list, plain and streamed
+"""fledge.core.openai_client against a local stdlib HTTP server: the model list, plain and streamed
 chat, metrics, which failures are retried (and how long it waits between), and the one line a
 failure reads as."""
 
@@ -12,7 +12,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fledge.openai_client import Client, ServerError, api_url, metrics_url, with_retries
+from fledge.core.openai_client import (
+    Client,
+    ServerError,
+    api_url,
+    metrics_url,
+    with_retries,
+)
 
 
 class Scripted(BaseHTTPRequestHandler):

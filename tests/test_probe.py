@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from fledge.checks import FAIL, PASS, WARN
-from fledge.probe import accept_check, coverage_check
+from fledge.doctor.checks import FAIL, PASS, WARN
+from fledge.doctor.probe import accept_check, coverage_check
 
 
 @pytest.mark.parametrize("accepted,steps,status", [(0, 10, FAIL), (5, 10, WARN), (15, 10, PASS)])
@@ -34,15 +34,15 @@ def test_probe_needs_a_target(tmp_path):
 
 @pytest.mark.slow
 def test_probe_on_smollm2_flags_a_random_drafter(tmp_path):
-    from fledge.bench import load_prompts
-    from fledge.checkpoint import export_checkpoint
-    from fledge.config import DraftConfig
-    from fledge.engine.generate import SamplingParams, generate_ar
+    from fledge.core.config import DraftConfig
+    from fledge.core.target import eos_ids, load_target
+    from fledge.doctor.probe import probe_checks
+    from fledge.drafter.checkpoint import export_checkpoint
+    from fledge.drafter.eagle3 import Eagle3Draft
+    from fledge.engine.decode import generate_ar
     from fledge.engine.hf import build_engine_target
-    from fledge.target import eos_ids
-    from fledge.draft import Eagle3Draft
-    from fledge.probe import probe_checks
-    from fledge.target import load_target
+    from fledge.engine.sampling import SamplingParams
+    from fledge.perf.bench import load_prompts
 
     t = load_target("smollm2-135m")
     cfg = DraftConfig.from_target(t.model.config, draft_vocab_size=4096)

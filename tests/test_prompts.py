@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-
 from conftest import make_tiny
+
 from fledge import cli
-from fledge.prompts import SOURCE, prompt_key, write_prompts
-from fledge.regen import Answer, EngineBackend, RegenConfig, answer_seed
-from fledge.target import encode_chat, resolve_target, user_turn_prefix
-from fledge.util import FledgeError, read_jsonl
+from fledge.core.errors import FledgeError
+from fledge.core.files import read_jsonl
+from fledge.core.target import encode_chat, resolve_target, user_turn_prefix
+from fledge.data.prompts import SOURCE, prompt_key, write_prompts
+from fledge.data.regen import Answer, EngineBackend, RegenConfig, answer_seed
 
 
 @pytest.fixture(scope="module")

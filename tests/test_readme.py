@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import shlex
+import subprocess
 from pathlib import Path
 
 import tokenizers
 import transformers
-
 from conftest import make_tiny
+
 from fledge.cli import main as cli_main
 
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -10,12 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-
 from conftest import make_tiny
+
 from fledge import cli
-from fledge.regen import EngineBackend, RegenConfig, ServerBackend, regenerate
-from fledge.target import resolve_target
-from fledge.util import FledgeError, read_jsonl
+from fledge.core.errors import FledgeError
+from fledge.core.files import read_jsonl
+from fledge.core.target import resolve_target
+from fledge.data.regen import EngineBackend, RegenConfig, ServerBackend, regenerate
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +329,7 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny_target_dir
     import sys
     from pathlib import Path
 
-    from fledge.target import load_target
+    from fledge.core.target import load_target
     n = 24
     rows = [{"id": f"k{i}", "messages": [{"role": "user", "content": f"tell me about {i} things"}]} for i in range(n)]
     convs, out, ref = tmp_path / "c.jsonl", tmp_path / "r.jsonl", tmp_path / "ref.jsonl"

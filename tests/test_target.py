@@ -11,13 +11,27 @@ import pytest
 import tokenizers
 import torch
 import transformers
-
 from conftest import FAMILIES, make_tiny
-from fledge.conventions import (aux_ids_from_sglang, aux_ids_to_sglang, default_aux_layer_ids,
-                                validate_aux_layer_ids)
-from fledge.target import (BUILTINS, Builtin, capture, check_hf_dir, convert_gguf, encode_chat, eos_ids,
-                           fetch_builtin_gguf, load_target, resolve_target)
-from fledge.util import FledgeError
+
+from fledge.core.conventions import (
+    aux_ids_from_sglang,
+    aux_ids_to_sglang,
+    default_aux_layer_ids,
+    validate_aux_layer_ids,
+)
+from fledge.core.errors import FledgeError
+from fledge.core.target import (
+    BUILTINS,
+    Builtin,
+    capture,
+    check_hf_dir,
+    convert_gguf,
+    encode_chat,
+    eos_ids,
+    fetch_builtin_gguf,
+    load_target,
+    resolve_target,
+)
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fledge import cli
-from fledge import tokenize as tk
-from fledge.util import FledgeError
+from fledge.core.errors import FledgeError
+from fledge.data import tokenize as tk
 
 
 def conversations(n: int, rng: random.Random, source: str = "sharegpt", start: int = 0) -> str:
@@ -26,7 +26,7 @@ def conversations(n: int, rng: random.Random, source: str = "sharegpt", start: i
 
 @pytest.fixture(scope="module")
 def tokenizer_dir():
-    from fledge.target import resolve_target
+    from fledge.core.target import resolve_target
     return str(resolve_target("smollm2-135m"))
 
 

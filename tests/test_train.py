@@ -17,20 +17,40 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
+from conftest import make_tiny
 from safetensors.torch import load_file
 
-from conftest import make_tiny
 from fledge.cli import main as cli_main
-from fledge.checkpoint import load_checkpoint
-from fledge.config import DraftConfig
-from fledge.draft import Eagle3Draft
-from fledge.features import (FeatureOptions, FeatureStore, Sample, TargetHead, cut_loops, feature_model,
-                             features_meta, load_samples, loop_end, online_features, write_features)
-from fledge.target import Target
-from fledge.train import (EXIT_BUDGET, TTT, Paused, Run, TrainConfig, budget_steps, build_draft, epoch_batches,
-                          fit_step_time, plan_budget, planned_seconds, replay_counts, summarize, train, unroll)
-from fledge.util import FledgeError
-from fledge.vocab import save_vocab
+from fledge.core.config import DraftConfig
+from fledge.core.errors import FledgeError
+from fledge.core.target import Target
+from fledge.data.vocab import save_vocab
+from fledge.drafter.checkpoint import load_checkpoint
+from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.train.budget import (
+    EXIT_BUDGET,
+    budget_steps,
+    fit_step_time,
+    plan_budget,
+    planned_seconds,
+)
+from fledge.train.features import (
+    FeatureOptions,
+    FeatureStore,
+    Sample,
+    TargetHead,
+    cut_loops,
+    feature_model,
+    features_meta,
+    load_samples,
+    loop_end,
+    online_features,
+    write_features,
+)
+from fledge.train.loop import TrainConfig, train
+from fledge.train.resume import Paused
+from fledge.train.run import Run, build_draft, epoch_batches
+from fledge.train.ttt import TTT, replay_counts, summarize, unroll
 
 TESTS = Path(__file__).parent
 V = 301  # tiny target vocab
@@ -140,9 +160,11 @@ def test_replayed_chain_is_what_the_engine_accepts():
     of every round (the last one aside: max_new_tokens cuts the text, not the engine's round).
     SpecForge's product of step accuracies reads differently on the same rows."""
     from test_engine_spec import tiny_setup
+
+    from fledge.core.conventions import chain_replay
+    from fledge.core.shape import Shape
     from fledge.engine import SamplingParams, generate_ar
-    from fledge.engine.drafters import Eagle3Drafter, SpecConfig
-    from fledge.conventions import chain_replay
+    from fledge.engine.drafters import Eagle3Drafter
     from fledge.engine.spec import generate_spec
     steps, new = 4, 40
     hf, target, d = tiny_setup("llama", vocab=32, initializer_range=0.15)  # rounds of 0 to 4 accepted
@@ -153,7 +175,7 @@ def test_replayed_chain_is_what_the_engine_accepts():
         prompt = torch.randint(0, 32, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
         params = SamplingParams(temperature=0.0, max_new_tokens=new)
         ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
-        out, st = generate_spec(target, Eagle3Drafter(d, SpecConfig(steps, 1, steps + 1), target), prompt, params, eos_ids=[])
+        out, st = generate_spec(target, Eagle3Drafter(d, Shape(steps, 1, steps + 1), target), prompt, params, eos_ids=[])
         assert out == ar
         ids = torch.tensor([prompt + ar])
         answer = torch.tensor([[i >= len(prompt) for i in range(ids.shape[1])]])
@@ -176,7 +198,7 @@ def test_replayed_chain_is_what_the_engine_accepts():
 def test_chain_replay_walks_rounds_per_answer_segment():
     """Hand-checked walks: the prefill gives a segment's first token, a round gains its leading
     hits + 1, a later answer segment starts afresh, nothing is drafted past a segment."""
-    from fledge.conventions import chain_replay
+    from fledge.core.conventions import chain_replay
     answer = [False, False, True, True, True, True, True, True, False, False, True, True, True]
     leading = [0, 2, 9, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0]  # row t drafts tokens t+2 on
     # segment 1 (tokens 2-7): rows 1 (+2 -> row 4), 4 (+1 -> row 6), 6 (token 8 not an answer: stop)
@@ -189,8 +211,8 @@ def test_draft_loss_kinds_against_brute_force():
     """Each objective of train.draft_loss against its definition written out row by row in
     float64, and its gradient against autograd of that brute force; the reported soft CE and
     hits are the same whatever the kind."""
-    from fledge.config import LOSSES
-    from fledge.train import draft_loss
+    from fledge.core.config import LOSSES
+    from fledge.train.ttt import draft_loss
     g = torch.Generator().manual_seed(3)
     n, rows_total, vd = 11, 20, 9
     probs = torch.softmax(3 * torch.randn(rows_total, vd, generator=g, dtype=torch.float64), -1)
@@ -240,7 +262,7 @@ def test_greedy_loss_moves_the_argmax_where_kl_is_content():
     """Where the target's distribution is flat, a draft that matches it exactly has nothing left
     to learn from the soft CE (its gradient is q - p = 0) and ranks the target's argmax no
     higher than its neighbours; the greedy objective still raises the argmax's logit."""
-    from fledge.train import draft_loss
+    from fledge.train.ttt import draft_loss
     probs = torch.tensor([[0.30, 0.29, 0.28, 0.13]], dtype=torch.float64)
     top, rows = torch.tensor([0]), torch.tensor([0])
     grads = {}
@@ -254,7 +276,7 @@ def test_greedy_loss_moves_the_argmax_where_kl_is_content():
 
 @pytest.mark.parametrize("kind", ["kl", "greedy", "lk"])
 def test_compiled_loss_equals_eager_loss_and_gradients(kind):
-    """TTT's loss through torch.compile (train.draft_loss_compiled, CUDA's path) against eager,
+    """TTT's loss through torch.compile (ttt.draft_loss_compiled, CUDA's path) against eager,
     on the CPU: the same loss, stats and gradients of every trained weight, at two batch
     shapes (the row count varies, so the compiled loss must take dynamic shapes), for each
     objective."""
@@ -284,7 +306,7 @@ def test_compiled_loss_equals_eager_loss_and_gradients(kind):
 
 def test_target_head_recomputes_capture_logits():
     """Offline shards keep the final-norm hidden state: the head must give the target's logits."""
-    from fledge.target import capture
+    from fledge.core.target import capture
     target = make_tiny("llama")
     ids = torch.randint(0, V, (2, 9))
     cap = capture(target, ids, (2, 4, 5))
@@ -336,10 +358,12 @@ def test_head_from_the_target_trains_or_stays(tmp_path, head):
 def test_wider_draft_mlp_trains_exports_and_drafts(tmp_path):
     """--draft-intermediate-size: the exported config carries the width (SGLang and vLLM build
     the MLP from it), the checkpoint loads back at that width, and the engine drafts with it."""
-    from fledge.checkpoint import load_checkpoint
-    from fledge.engine.drafters import Eagle3Drafter, SpecConfig
-    from fledge.engine.generate import SamplingParams, generate_ar
+    from fledge.core.shape import Shape
+    from fledge.drafter.checkpoint import load_checkpoint
+    from fledge.engine.decode import generate_ar
+    from fledge.engine.drafters import Eagle3Drafter
     from fledge.engine.hf import build_engine_target
+    from fledge.engine.sampling import SamplingParams
     from fledge.engine.spec import generate_spec
     write_data(tmp_path / "data.jsonl", n=24)
     target = Target(make_tiny("llama"), None, "tiny-alias", tmp_path / "tiny-hf-dir")
@@ -354,7 +378,7 @@ def test_wider_draft_mlp_trains_exports_and_drafts(tmp_path):
     engine = build_engine_target(target.model, torch.float32, "cpu")
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     ar = generate_ar(engine, [[1, 5, 9, 2]], params, eos_ids=[])[0][0]
-    spec, _ = generate_spec(engine, Eagle3Drafter(draft, SpecConfig(3, 2, 6), engine), [1, 5, 9, 2], params, eos_ids=[])
+    spec, _ = generate_spec(engine, Eagle3Drafter(draft, Shape(3, 2, 6), engine), [1, 5, 9, 2], params, eos_ids=[])
     assert spec == ar
     # Widening a warm start keeps what it computes: a run that barely moves it evaluates the same.
     base = train(config(tmp_path, "same", init=str(out), max_steps=1, lr=1e-12, eval_samples=8), target)
@@ -509,8 +533,8 @@ import json, sys, torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
 from conftest import make_tiny
-from fledge.target import Target
-from fledge.train import Paused, TrainConfig, train
+from fledge.core.target import Target
+from fledge.train.loop import Paused, TrainConfig, train
 try:
     train(TrainConfig(**json.loads(sys.argv[1])), Target(make_tiny("llama"), None, "tiny", None))
 except Paused:
@@ -627,8 +651,8 @@ def test_budget_plan_pays_each_new_batch_length_once(tmp_path, monkeypatch):
         now[0] += 0.5 + 2.0 * (not evals)
         evals.append(now[0])
 
-    monkeypatch.setattr("fledge.train.accumulate", accumulate)
-    monkeypatch.setattr("fledge.train.evaluate", evaluate)
+    monkeypatch.setattr("fledge.train.budget.accumulate", accumulate)
+    monkeypatch.setattr("fledge.train.budget.evaluate", evaluate)
     plan = plan_budget(run, 0.0, lambda: now[0])
     n, warmed, timed = plan["total_steps"], len(met), warm_s[2:7:2]
     figures = plan["step_fixed_s"], plan["step_s_per_token"], plan["seconds_per_new_shape"], plan["seconds_per_eval"]
@@ -689,8 +713,8 @@ def test_time_budget_pauses_and_resumes_to_the_planned_run(tmp_path):
 def test_engine_features_match_hf_capture(family):
     """Training reads the target through the engine's compact model (feature_model): its aux and
     final states on a right-padded batch equal HF's, hooks and attention mask, at every real token."""
+    from fledge.core.target import capture
     from fledge.engine.model import Transformer
-    from fledge.target import capture
     hf = make_tiny(family, seed=7)
     lens = [13, 5, 9]
     ids = torch.zeros(3, 16, dtype=torch.long)

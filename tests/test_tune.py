@@ -10,10 +10,27 @@ from pathlib import Path
 
 import pytest
 
-from fledge.acceptance import Profile, Shape, build_tree, chain_accept_length, expected_accept_length, profile_from_json
 from fledge.cli import main
-from fledge.tune import Timings, grid, parse_ms_table, predict, rank_all, report, stops_paying, sweep, verdict
-from fledge.util import FledgeError
+from fledge.core.errors import FledgeError
+from fledge.core.shape import Shape
+from fledge.perf.acceptance import (
+    Profile,
+    build_tree,
+    chain_accept_length,
+    expected_accept_length,
+    profile_from_json,
+)
+from fledge.perf.tune import (
+    Timings,
+    grid,
+    parse_ms_table,
+    predict,
+    rank_all,
+    report,
+    stops_paying,
+    sweep,
+    verdict,
+)
 
 
 def _mc_tolerance(samples: list[float]) -> float:
@@ -299,7 +316,7 @@ def test_no_import_cycle_between_bench_and_tune():
         tree = ast.parse((root / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert "fledge.tune" not in imported, name
+        assert "fledge.perf.tune" not in imported, name
 
 
 @pytest.mark.slow  # the real target and drafter on the CPU: about a minute on a loaded 2-core machine
@@ -336,7 +353,7 @@ def test_spine_table_predicts_a_chain_where_one_table_falls_short():
     import torch
     from test_engine_spec import tiny_setup
 
-    from fledge.bench import EngineRig, RankProbe, run_shape
+    from fledge.engine.rig import EngineRig, RankProbe, run_shape
 
     hf, target, draft = tiny_setup("llama", vocab=32, initializer_range=0.15)
     rig = EngineRig(hf, None, target, draft, [], torch.device("cpu"))

@@ -19,14 +19,18 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from fledge.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
-from fledge.config import DraftConfig
-from fledge.checks import PASS
-from fledge.conventions import accept_length
-from fledge.doctor import doctor
-from fledge.draft import Eagle3Draft
-from fledge.target import resolve_target
-from fledge.util import FledgeError
+from fledge.core.config import DraftConfig
+from fledge.core.conventions import accept_length
+from fledge.core.errors import FledgeError
+from fledge.core.target import resolve_target
+from fledge.doctor.checks import PASS
+from fledge.doctor.doctor import doctor
+from fledge.drafter.checkpoint import (
+    export_checkpoint,
+    load_checkpoint,
+    validate_checkpoint,
+)
+from fledge.drafter.eagle3 import Eagle3Draft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from bench_vllm_accept import run_fledge  # noqa: E402
@@ -150,7 +154,7 @@ def test_vllm_drafts_eagle31_as_fledge_does(vllm, smollm2, tmp_path):
     shipped one given both (fc_norm at its aux states' median RMS, as `fledge train --init
     --fc-norm` starts it), and fledge shows that dropping either flag changes those counts, so an
     engine that ignored one could not match."""
-    from fledge.target import load_target
+    from fledge.core.target import load_target
     python, env = vllm
     target = load_target(str(smollm2))
     base = load_checkpoint(SHIPPED, embed_from=target.model).float()

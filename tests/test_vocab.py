@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fledge import cli
-from fledge.conventions import target_ids_from_d2t
-from fledge.util import FledgeError
-from fledge.vocab import build_vocab, coverage, diff_vocab, load_vocab_ids
+from fledge.core.conventions import target_ids_from_d2t
+from fledge.core.errors import FledgeError
+from fledge.data.vocab import build_vocab, coverage, diff_vocab, load_vocab_ids
 
 
 def brute_top(counts: dict, target_vocab: int, n: int) -> list[int]:

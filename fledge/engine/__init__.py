@@ -11,10 +11,11 @@ KV compaction, rounds fused into one graph; spec.py: a request's prefill and rou
 drafters.py: EAGLE-3, oracle and n-gram behind one interface; stats.py: what every run prints.
 """
 
-from fledge.engine.generate import (SamplingParams, capture_cuda_graph, generate_ar, logits_to_probs,
-                                    make_causal_mask, sample_token)
+from fledge.engine.decode import generate_ar, make_causal_mask
+from fledge.engine.graphs import capture_cuda_graph
 from fledge.engine.hf import HFTarget, build_engine_target
 from fledge.engine.model import KVCache, ModelArgs, Transformer
+from fledge.engine.sampling import SamplingParams, logits_to_probs, sample_token
 
 __all__ = ["HFTarget", "KVCache", "ModelArgs", "SamplingParams", "Transformer", "build_engine_target",
            "capture_cuda_graph", "generate_ar", "logits_to_probs", "make_causal_mask",

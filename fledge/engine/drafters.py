@@ -1,66 +1,25 @@
-"""Drafters behind one interface: `start`, `observe`, `propose`.
-
-`start(batch, max_len)` is called once per request, before the prefill.
-
-`observe` is told every token that entered the target cache (the prompt after prefill, the
-accepted path after each verify step) with the target's aux hidden states for them, and the
-token that comes next (the next tree root). `propose` returns a tree of exactly
-`spec.num_draft_tokens` nodes, so the verify step always has one shape.
-
-`vocab` is the set of target ids it can propose (None: any).
-
-A `device_only` drafter reads nothing from the host context, so its propose and observe run
-inside a round's CUDA graph; its `buffers()` are the device tensors such a graph captures.
-"""
+"""The engine's drafters: the oracle (the target's own continuation), n-gram lookup and EAGLE-3.
+Each implements `fledge.engine.protocols.Drafter`."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from fledge.checkpoint import load_checkpoint
-from fledge.draft import Eagle3Draft
+from fledge.core.errors import FledgeError
+from fledge.core.shape import Shape
+from fledge.drafter.checkpoint import load_checkpoint
+from fledge.drafter.eagle3 import Eagle3Draft
 from fledge.engine.model import compile_static, one_off_attention
-from fledge.engine.tree import Tree, chain, logsumexp_by_chunks, select_tree, topk_by_max, topk_by_rank
-from fledge.util import FledgeError
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """SGLang's knobs: `num_steps` draft forwards per round, `topk` children per expanded node,
-    `num_draft_tokens` tree nodes verified per round, the root included."""
-
-    num_steps: int = 7
-    topk: int = 1
-    num_draft_tokens: int = 8
-
-    def __post_init__(self):
-        if self.num_steps < 1 or self.topk < 1:
-            raise FledgeError(f"--num-steps {self.num_steps} and --topk {self.topk} must be >= 1")
-        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise FledgeError(f"--num-draft-tokens {self.num_draft_tokens}: a chain (topk 1) of {self.num_steps} "
-                              f"steps verifies exactly num_steps + 1 = {self.num_steps + 1}")
-        if not 2 <= self.num_draft_tokens <= self.max_nodes:
-            raise FledgeError(f"--num-draft-tokens {self.num_draft_tokens}: a tree of {self.num_steps} steps, topk "
-                              f"{self.topk} holds 2..{self.max_nodes} nodes (root + topk + (steps-1)*topk^2)")
-
-    @property
-    def max_nodes(self) -> int:
-        return 1 + self.topk + (self.num_steps - 1) * self.topk ** 2
-
-    @property
-    def path_len(self) -> int:
-        """Most nodes an accepted path can hold (root included)."""
-        return min(self.num_steps + 1, self.num_draft_tokens)
-
-
-@dataclass
-class DraftInput:
-    root: torch.Tensor  # [B] the next tree root (last sampled token, not yet in the target cache)
-    cache_len: torch.Tensor  # [B] tokens in the target cache = the root's position
-    context: list[list[int]]  # host copy of every token so far, root included
+from fledge.engine.protocols import DraftInput
+from fledge.engine.tree import (
+    Tree,
+    chain,
+    logsumexp_by_chunks,
+    select_tree,
+    topk_by_max,
+    topk_by_rank,
+)
 
 
 def _pad_chain(tokens: list[int], n: int, fill: int) -> list[int]:
@@ -88,7 +47,7 @@ class OracleDrafter:
     device_only = True
     vocab = None
 
-    def __init__(self, spec: SpecConfig, sequences: list[list[int]], device=None):
+    def __init__(self, spec: Shape, sequences: list[list[int]], device=None):
         self.check(spec)
         self.spec, self.seq, self.shape = spec, None, None
         self.set_sequences(sequences)
@@ -96,7 +55,7 @@ class OracleDrafter:
             self._upload(torch.device(device))
 
     @staticmethod
-    def check(spec: SpecConfig) -> None:
+    def check(spec: Shape) -> None:
         if spec.topk != 1:
             raise FledgeError("--oracle drafts a chain: use --topk 1")
 
@@ -152,7 +111,7 @@ class NgramDrafter:
     device_only = False
     vocab = None
 
-    def __init__(self, spec: SpecConfig, max_n: int):
+    def __init__(self, spec: Shape, max_n: int):
         if spec.topk != 1:
             raise FledgeError("--ngram drafts a chain: use --topk 1")
         if max_n < 1:
@@ -203,7 +162,7 @@ class Eagle3Drafter:
 
     device_only = True
 
-    def __init__(self, draft: Eagle3Draft, spec: SpecConfig, target, compile: bool = False, fast_topk: bool = True):
+    def __init__(self, draft: Eagle3Draft, spec: Shape, target, compile: bool = False, fast_topk: bool = True):
         hidden, vocab, layers = target.dims()
         cfg = draft.cfg
         if cfg.target_hidden_size != hidden:
@@ -344,7 +303,7 @@ class Eagle3Drafter:
         return t.tokens, t.parents, t.depth, t.anc
 
 
-def load_drafter(path: str, spec: SpecConfig, hf_model, engine_target, device, dtype,
+def load_drafter(path: str, spec: Shape, hf_model, engine_target, device, dtype,
                  compile: bool = False, fast_topk: bool = True) -> Eagle3Drafter:
     """The EAGLE-3 drafter of a checkpoint directory (either layout), its embeddings taken from
     the target `hf_model`, cast to the engine's device and dtype. `compile`, `fast_topk`: see

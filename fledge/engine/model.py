@@ -19,10 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fledge.conventions import validate_aux_layer_ids
+from fledge.core.conventions import validate_aux_layer_ids
+from fledge.core.errors import FledgeError
 from fledge.engine import few_rows as fr
-from fledge.engine.attention import Prefix, kernel_available, kernel_takes, prefix_attention
-from fledge.util import FledgeError
+from fledge.engine.attention import (
+    Prefix,
+    kernel_available,
+    kernel_takes,
+    prefix_attention,
+)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from fledge.engine.generate import capture_cuda_graph
-from fledge.util import FledgeError
+from fledge.core.errors import FledgeError
+from fledge.engine.graphs import capture_cuda_graph
 
 SMALLEST_BUCKET = 64
 

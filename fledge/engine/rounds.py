@@ -17,10 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fledge.core.shape import Shape
 from fledge.engine.attention import Prefix, kernel_available, kernel_takes, triton
-from fledge.engine.drafters import DraftInput, SpecConfig
-from fledge.engine.generate import PinnedCopies, SamplingParams, capture_cuda_graph, logits_to_probs
+from fledge.engine.graphs import PinnedCopies, capture_cuda_graph
 from fledge.engine.model import KVCache
+from fledge.engine.protocols import Drafter, DraftInput, EngineTarget
+from fledge.engine.sampling import SamplingParams, logits_to_probs
 from fledge.engine.stats import Clock, SpecStats
 from fledge.engine.tree import Tree, path_to, verify_greedy, verify_sample
 
@@ -131,7 +133,7 @@ class RoundState:
     result: torch.Tensor  # [path_len + 2] = n, path tokens, bonus
 
     @classmethod
-    def allocate(cls, spec: SpecConfig, device, aux_width: int | None, aux_dtype) -> "RoundState":
+    def allocate(cls, spec: Shape, device, aux_width: int | None, aux_dtype) -> "RoundState":
         N, D = spec.num_draft_tokens, spec.path_len
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
         tree = Tree(zeros(1, N), zeros(1, N), zeros(1, N), torch.eye(N, dtype=torch.bool, device=device)[None])
@@ -380,7 +382,7 @@ class PhasedRound(Round):
             self.observe_call(tokens, aux.to(self.drafter.kv.dtype), n, bonus, self.cache_len)
 
 
-def round_for(target, cache, drafter, resident, use_graph: bool, phased: bool) -> Round:
+def round_for(target: EngineTarget, cache, drafter: Drafter, resident, use_graph: bool, phased: bool) -> Round:
     """The round a request runs: phased (or sampled), else fused, queued for a device drafter.
     Built anew per request, or with a `resident` once and kept in it for the next requests of
     the same drafter (Round.serves): a round's graphs capture the resident's cache, the drafter's

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from fledge.engine.drafters import OracleDrafter, SpecConfig
-from fledge.engine.generate import cut_at_eos, sample_token
+from fledge.core.errors import FledgeError
+from fledge.core.shape import Shape
+from fledge.engine.decode import cut_at_eos
+from fledge.engine.drafters import OracleDrafter
+from fledge.engine.protocols import Drafter, EngineTarget
 from fledge.engine.rounds import Request, round_for
+from fledge.engine.sampling import sample_token
 from fledge.engine.stats import Clock, SpecStats
-from fledge.util import FledgeError
 
 
-def cache_size(prompt_len: int, max_new_tokens: int, spec: SpecConfig, cache_len: int | None = None) -> int:
+def cache_size(prompt_len: int, max_new_tokens: int, spec: Shape, cache_len: int | None = None) -> int:
     """Slots needed: prompt + new tokens + one tree written past the end (rounded to 64, as AR)."""
     need = prompt_len + max_new_tokens + spec.num_draft_tokens
     size = cache_len or -(-need // 64) * 64
@@ -48,7 +51,7 @@ def prefill(target, drafter, cache, resident, req: Request):
 
 
 @torch.no_grad()
-def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len: int | None = None,
+def generate_spec(target: EngineTarget, drafter: Drafter, prompt: list[int], params, eos_ids, cache_len: int | None = None,
                   use_cuda_graph: bool = True, phased: bool = False, resident=None):
     """One prompt (batch 1). Returns (new tokens, ending at the first eos (included) or at
     max_new_tokens — the same cut as generate_ar; SpecStats).
@@ -60,7 +63,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     the next request (round_for)."""
     if not prompt:
         raise FledgeError("generate_spec: the prompt is empty")
-    spec: SpecConfig = drafter.spec
+    spec: Shape = drafter.spec
     device = next(target.parameters()).device
     size = cache_size(len(prompt), params.max_new_tokens, spec, cache_len)
     if resident is not None:  # the same check against the resident cache; the drafter's rows stay per request
@@ -98,7 +101,7 @@ def generate_spec(target, drafter, prompt: list[int], params, eos_ids, cache_len
     return out, stats
 
 
-def oracle_text(target, spec: SpecConfig, prompt: list[int], reference: list[int], params, eos_ids,
+def oracle_text(target, spec: Shape, prompt: list[int], reference: list[int], params, eos_ids,
                 max_passes: int = 8, **generate_kw) -> tuple[list[int], int]:
     """The greedy text this engine's own verify computes for `prompt` with a chain of `spec`:
     what an oracle drafter must propose so that every draft is accepted (the engine's ceiling).

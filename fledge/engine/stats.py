@@ -1,5 +1,5 @@
 """What every speculative run reports: accept length (SGLang's definition, from
-fledge.conventions), acceptance by depth, where the time goes, tok/s, a histogram."""
+fledge.core.conventions), acceptance by depth, where the time goes, tok/s, a histogram."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fledge.conventions import accept_length, accept_rate
+from fledge.core.conventions import accept_length, accept_rate
 
 
 class Clock:

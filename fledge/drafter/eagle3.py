@@ -1,0 +1,289 @@
+"""The EAGLE-3 drafter: one Llama decoder layer over [embedding ; fused target states].
+
+Parameter names are exactly the served checkpoint's (`LlamaForCausalLMEagle3` in SGLang and
+vLLM), so `state_dict()` is the export and no key mapping exists anywhere (`fledge.drafter.layout`
+lists the same names and shapes for readers that load no torch; a test holds the two equal).
+
+One draft step, for a token x_t at position t:
+    h      = fc(cat[aux_low, aux_mid, aux_high])    (first step; later steps reuse the draft's own h)
+    a      = cat[input_layernorm(embed(x_t)), hidden_norm(h)]          2H wide
+    h'     = h + o_proj(attention(q/k/v_proj(a)))
+    out    = h' + mlp(post_attention_layernorm(h'))   → fed to the next step as its h
+    logits = lm_head(norm(out))                        over the draft vocab
+EAGLE-3.1 (arXiv 2605.09992, "attention drift") changes two lines, each behind a config.json
+flag that SGLang and vLLM read under the same name:
+    fc_norm      each aux state through its own RMSNorm (`fc_norm.{0,1,2}`) before fc, so the
+                 high layers' larger states do not swamp the low one's;
+    norm_output  the next step reads norm(out), the state lm_head reads, instead of out, so the
+                 residual stream's scale cannot grow from step to step.
+Attention is split into `project` and `attend` so that training (keys concatenated across
+unrolled steps) and the engine (keys in a static cache) share every weight-touching line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from fledge.core.config import DraftConfig
+from fledge.core.conventions import (
+    d2t_from_target_ids,
+    rope_fields,
+    t2d_from_target_ids,
+)
+from fledge.core.errors import FledgeError
+
+
+def rope_config(cfg: DraftConfig) -> transformers.LlamaConfig:
+    """An HF LlamaConfig carrying only what rotary embeddings read, so the draft's RoPE
+    (including llama3/yarn scaling) is HF's own code, not a re-derivation."""
+    theta, scaling = rope_fields({"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling})
+    rope = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
+    return transformers.LlamaConfig(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = nn.Linear(2 * h, q, bias=False)
+        self.k_proj = nn.Linear(2 * h, kv, bias=False)
+        self.v_proj = nn.Linear(2 * h, kv, bias=False)
+        self.o_proj = nn.Linear(q, h, bias=False)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen (EAGLE-3 recipe)
+        self.fc_norm = self.aux_norms() if cfg.fc_norm else None
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(rope_config(cfg))  # inv_freq is a non-persistent buffer
+        # Until a vocabulary is built, the draft vocab is the first N target ids.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", t2d_from_target_ids(torch.arange(cfg.draft_vocab_size), cfg.vocab_size))
+
+    def aux_norms(self) -> nn.ModuleList:
+        return nn.ModuleList(LlamaRMSNorm(self.cfg.target_hidden_size, eps=self.cfg.rms_norm_eps) for _ in range(3))
+
+    @classmethod
+    def from_target(cls, cfg: DraftConfig, target_model, target_ids: torch.Tensor | None = None) -> "Eagle3Draft":
+        """A fresh drafter with the target's input embeddings."""
+        draft = cls(cfg)
+        draft.take_embeddings(target_model)
+        if target_ids is not None:
+            draft.set_vocab(target_ids)
+        return draft
+
+    @torch.no_grad()
+    def take_embeddings(self, target_model) -> None:
+        """Copy in the target's input embeddings (the drafter reads them, frozen, as the target does)."""
+        emb, mine = target_model.get_input_embeddings().weight, self.embed_tokens.weight
+        if emb.shape != mine.shape:
+            raise FledgeError(f"target embeddings {list(emb.shape)} do not fit the drafter {list(mine.shape)}")
+        mine.copy_(emb.float())
+
+    @torch.no_grad()
+    def init_head_from(self, target_model) -> None:
+        """Start the output side where the target's is: `lm_head` = the target's output rows of
+        the draft vocab, `norm` = its final norm, so that a draft landing on the target's final
+        hidden state of the next position predicts as the target does. The target must be a
+        Llama-family HF model, its decoder's final norm at `.norm.weight` (a FledgeError
+        otherwise). That norm is copied only where it is a plain weighted RMSNorm, or
+        1 + weight (Gemma), checked numerically; other norms keep the ones of a fresh draft.
+        Not the default: a random draft state through a copied head gives confident wrong
+        logits at first (on SmolLM2, CPU, 400 answers: soft CE 12.9 against 7.6 over the first
+        10 steps), which the draft must unlearn.
+        """
+        try:
+            norm = target_model.get_decoder().norm
+            w = norm.weight
+        except AttributeError:
+            raise FledgeError(f"the drafter's head starts from the target's, but {type(target_model).__name__} "
+                              "has no final norm at get_decoder().norm.weight (Llama-family models do)") from None
+        if w.shape != self.norm.weight.shape:
+            raise FledgeError(f"the target's final norm {list(w.shape)} does not fit the drafter's "
+                              f"{list(self.norm.weight.shape)}")
+        head = target_model.get_output_embeddings().weight
+        self.lm_head.weight.copy_(head[self.target_ids().to(head.device)].float())
+        x = torch.randn(4, w.numel(), generator=torch.Generator().manual_seed(0))
+        ref = norm(x.to(w)).float().cpu()
+        plain = LlamaRMSNorm(w.numel(), eps=self.cfg.rms_norm_eps)
+        for cand in (w.detach().float().cpu(), 1 + w.detach().float().cpu()):
+            plain.weight.copy_(cand)
+            if (plain(x) - ref).norm() <= 1e-2 * ref.norm():  # bf16 targets round at ~4e-3
+                self.norm.weight.copy_(cand)
+                return
+
+    @torch.no_grad()
+    def widen_mlp(self, size: int, seed: int = 0) -> None:
+        """Grow the MLP to `size` hidden units without changing what the draft computes: the new
+        gate/up rows start as nn.Linear's default init, the new down_proj columns at zero, so
+        each new unit adds nothing until training moves it (a warm start gains capacity without
+        first losing what it learned)."""
+        mlp, old = self.midlayer.mlp, self.cfg.intermediate_size
+        if size < old:
+            raise FledgeError(f"the drafter's MLP has {old} units; it can be widened, not narrowed to {size}")
+        g = torch.Generator().manual_seed(seed)
+        bound = self.cfg.hidden_size ** -0.5
+        grown = {}
+        for layer in (mlp.gate_proj, mlp.up_proj):
+            extra = (torch.rand(size - old, layer.in_features, generator=g) * 2 - 1) * bound
+            grown[layer] = torch.cat([layer.weight, extra.to(layer.weight)], 0)
+        w = mlp.down_proj.weight
+        grown[mlp.down_proj] = torch.cat([w, w.new_zeros(w.shape[0], size - old)], 1)
+        for layer, weight in grown.items():
+            layer.weight = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
+            layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
+        self.cfg = self.cfg.replace(intermediate_size=size)
+
+    @torch.no_grad()
+    def add_fc_norm(self, scales) -> None:
+        """Give a drafter trained without fc_norm its per-aux norms, weights set to `scales`
+        (each aux state's typical RMS, [3]): fc then sees every state at its usual scale, so the
+        first step of a token whose states have those RMS computes what it did before, and a
+        warm start keeps most of what it learned."""
+        if self.fc_norm is not None:
+            raise FledgeError("the drafter already has fc_norm")
+        w = self.fc.weight
+        self.cfg = self.cfg.replace(fc_norm=True)
+        self.fc_norm = self.aux_norms().to(device=w.device, dtype=w.dtype)
+        for norm, scale in zip(self.fc_norm, torch.as_tensor(scales).tolist(), strict=True):
+            norm.weight.fill_(scale)
+
+    @torch.no_grad()
+    def change_vocab(self, target_ids: torch.Tensor, target_model) -> dict:
+        """Move to another draft vocabulary (ascending target ids): a token both vocabularies
+        hold keeps its trained lm_head row; a new token's row is the target's output row for
+        it mapped into the draft's head space by the one linear map that best carries the
+        target's rows of the shared tokens onto the draft's (least squares), so new tokens
+        start where the trained head would likely have put them, not at random. Returns the
+        counts of tokens kept, added and dropped."""
+        old_ids, new_ids = self.target_ids().cpu(), target_ids.to(torch.int64).cpu()
+        slot = torch.full((self.cfg.vocab_size,), -1, dtype=torch.int64)
+        slot[old_ids] = torch.arange(old_ids.numel())
+        at = slot[new_ids]
+        kept = at >= 0
+        if not kept.any():
+            raise FledgeError("the new draft vocabulary shares no token with the drafter's: nothing to carry over")
+        head = self.lm_head.weight
+        theirs = target_model.get_output_embeddings().weight.detach().cpu().double()
+        mine = head.detach().cpu().double()
+        fit = torch.linalg.lstsq(theirs[new_ids[kept]], mine[at[kept]]).solution  # [H_target, H]
+        rows = (theirs[new_ids] @ fit).to(head)
+        rows[kept] = head[at[kept].to(head.device)]
+        self.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=head.device, dtype=head.dtype)
+        self.lm_head.weight.copy_(rows)
+        self.lm_head.weight.requires_grad_(head.requires_grad)
+        self.cfg = self.cfg.replace(draft_vocab_size=new_ids.numel())
+        self.d2t = torch.zeros(new_ids.numel(), dtype=torch.int64, device=self.d2t.device)
+        self.set_vocab(new_ids)
+        return {"kept": int(kept.sum()), "added": int((~kept).sum()), "dropped": old_ids.numel() - int(kept.sum())}
+
+    def cast(self, device, dtype) -> "Eagle3Draft":
+        """Weights to `dtype` on `device`, RoPE frequencies kept fp32 as HF models keep them
+        (bf16 frequencies shift the angles at long positions)."""
+        inv_freq = self.rotary.inv_freq.float()
+        self.to(device=device, dtype=dtype)
+        self.rotary.inv_freq = inv_freq.to(device)
+        return self
+
+    def set_vocab(self, target_ids: torch.Tensor) -> None:
+        """Install the draft vocabulary given as ascending target ids (conventions.py owns the encoding)."""
+        self.d2t.copy_(d2t_from_target_ids(target_ids, self.cfg.vocab_size))
+        self.t2d.copy_(t2d_from_target_ids(target_ids, self.cfg.vocab_size))
+
+    def target_ids(self) -> torch.Tensor:
+        """Target token id of every draft id: i + d2t[i]."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    # ---------------------------------------------------------------- one draft step, in two halves
+    def project(self, input_ids, hidden, positions):
+        """Queries/keys/values for new tokens. `hidden` is [B,T,3H] target aux states (fused
+        here by fc) or [B,T,H] the draft's own previous output. Returns (q, k, v, residual)
+        with q [B,heads,T,hd], k/v [B,kv_heads,T,hd] already rotated, residual [B,T,H]."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fuse(hidden)
+        layer = self.midlayer
+        a = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype)),
+                       layer.hidden_norm(hidden)], dim=-1)
+        b, t, _ = a.shape
+        attn, hd = layer.self_attn, self.cfg.head_dim
+        q = attn.q_proj(a).view(b, t, -1, hd).transpose(1, 2)
+        k = attn.k_proj(a).view(b, t, -1, hd).transpose(1, 2)
+        v = attn.v_proj(a).view(b, t, -1, hd).transpose(1, 2)
+        cos, sin = self.rotary(v, positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v, hidden
+
+    def fuse(self, aux):
+        """The first step's h from the target's aux states [..., 3 x target hidden]."""
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(3, -1))], -1)
+        return self.fc(aux)
+
+    def attend(self, q, keys, values, mask, residual):
+        """Finish the step: attention of q over `keys`/`values` ([B,kv_heads,S,hd]) under the
+        bool `mask` ([B,1,T,S], True = may attend), then the MLP. Returns the output [B,T,H]
+        that the next step reads as its hidden state (`finish`)."""
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        o = F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
+                                           attn_mask=mask)
+        return self.finish(o, residual)
+
+    def finish(self, o, residual):
+        """o_proj of the attention output `o` [B,heads,T,hd], its residual add, and the MLP: apart
+        from `attend` because the engine attends over its own cache layout. The step's output
+        is pre-norm, or with `norm_output` already through `norm`."""
+        attn = self.midlayer.self_attn
+        b, _, t, _ = o.shape
+        h = residual + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        out = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        return self.norm(out) if self.cfg.norm_output else out
+
+    def logits(self, out):
+        """Draft-vocab logits from a step's output (map to target ids with `target_ids()`)."""
+        return self.lm_head(out if self.cfg.norm_output else self.norm(out))
+
+    def forward(self, input_ids, hidden, positions, mask, past_kv=None):
+        """One step over T tokens with keys = past keys + these. Returns (out, (k, v)) where
+        (k, v) are this step's keys/values only, for the caller to keep."""
+        q, k, v, residual = self.project(input_ids, hidden, positions)
+        keys, values = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], 2), torch.cat([past_kv[1], v], 2))
+        return self.attend(q, keys, values, mask, residual), (k, v)

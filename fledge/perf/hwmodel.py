@@ -1,0 +1,423 @@
+"""Step times (Timings, what `fledge tune` ranks shapes with) of a target and its EAGLE-3 drafter
+from their configs and the hardware, no GPU.
+
+One forward of `tokens` rows per sequence for `batch` sequences at `context` cached tokens, per
+GPU of a tensor-parallel group of `tp`:
+
+    forward = launches + max(bytes / bandwidth, FLOPs / peak) + all-reduces
+
+and a serving step adds the host once (scheduler, sampling, detokenizing). Approximations,
+stated once:
+  * Memory and compute overlap perfectly (the roofline max); each reaches a fixed fraction of
+    its peak (`bw_efficiency`, `flops_efficiency`). Weights are read once per forward; KV is read
+    once per sequence; activations and KV writes are left out.
+  * MoE routing is uniform and independent per token: m = tokens x batch rows touch
+    E(1 - (1 - k/E)^m) distinct experts per layer in expectation, each read in full. Real routers
+    are skewed, so the union is a little smaller (the model errs slow on wide verifies).
+  * Tensor parallelism splits every weight matrix and the MoE experts evenly over the GPUs (no
+    expert parallelism); GQA KV heads split over min(tp, kv_heads) GPUs; the MLA latent cache is
+    replicated. Each layer does two all-reduces of rows x hidden bf16 values, each costing
+    latency + 2(tp-1)/tp x bytes / bus bandwidth (nccl-tests' bus-bandwidth convention); the
+    logits gather and the embedding are left out.
+  * Quantization (`quant`) sets the bytes of the MLP and routed-expert weights only; attention,
+    shared experts, norms and the LM head stay in `dtype` — as INT4 checkpoints of MoE models
+    ship (Kimi-K2.5's ignores self_attn, shared_experts and lm_head). INT4 is weight-only
+    (W4A16, 4 bits plus one 16-bit scale per group of 32): its math runs at the `dtype` peak.
+  * Launches cost a fixed time per forward and per kernel, a fixed number of kernels per layer;
+    CUDA graphs shrink that cost, they do not remove it.
+  * The drafter is one decoder layer whose q/k/v read 2H (embedding and hidden state), plus the
+    fc that folds 3H aux states to H (run once per round), the draft LM head, and its own KV.
+  * A speculative round is num_steps draft forwards (topk rows per sequence each), one verify
+    forward, and the drafter's pass over the accepted tokens (taken as 2 rows per sequence) with
+    the fc; the host's step time once, plus `round_host_ms`. vLLM drafts one forward fewer per
+    round than SGLang (its first draft step is that pass); the model counts SGLang's.
+  * Whole requests (`tune --output-len`): a request's prefill is one forward of its prompt, and
+    the batch's decode waits for it (no overlap of prefill and decode).
+  * The efficiencies, host times and kernel counts are estimates, not measurements: they are the
+    constants `fledge tune calibrate` fits to a live server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from fledge.core.catalog import BUILTINS
+from fledge.core.devices import short_dtype
+from fledge.core.errors import FledgeError
+from fledge.core.shape import Shape
+
+BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 4.5 / 8}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """Peak figures of one device: memory bandwidth (GB/s) and dense tensor FLOP/s (TFLOP/s) by
+    math dtype, and what a kernel launch costs (us) with and without CUDA graphs."""
+
+    hbm_gbs: float
+    tflops: dict
+    launch_us: float = 4.0  # cudaLaunchKernel host cost, a few us per kernel on current drivers
+    graph_launch_us: float = 1.0  # a replayed graph still leaves ~1 us between dependent kernels
+
+
+GPUS = {
+    # NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3, 989 TFLOP/s bf16 and 1,979 fp8 (dense).
+    "h100": Gpu(3350, {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}),
+    # NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, same tensor cores as H100 SXM.
+    "h200": Gpu(4800, {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}),
+    # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s, 312 TFLOP/s bf16; no fp8 units (fp8 runs as bf16).
+    "a100": Gpu(2039, {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5}),
+    # NVIDIA L40S datasheet: 864 GB/s, 362 bf16 and 733 fp8 (dense, half the sparse figures).
+    "l40s": Gpu(864, {"bf16": 362, "fp16": 362, "fp8": 733, "fp32": 91.6}),
+    # NVIDIA RTX PRO 6000 Blackwell datasheet: 1,792 GB/s GDDR7, 4 PFLOP/s fp4 with sparsity;
+    # dense fp8 = 4000 / 2 (sparsity) / 2 (fp4 -> fp8) = 1,000, bf16 half that; fp32 125.
+    "rtx-pro-6000": Gpu(1792, {"bf16": 500, "fp16": 500, "fp8": 1000, "fp32": 125}),
+    # A server CPU socket's order of magnitude only (DDR5, a few cores of AVX-512); PyTorch eager
+    # costs ~15 us of dispatch per op. Run `fledge tune calibrate` rather than trust these.
+    "cpu": Gpu(20, {"bf16": 0.2, "fp16": 0.2, "fp8": 0.2, "fp32": 0.2}, launch_us=15.0, graph_launch_us=15.0),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """All-reduce over the tensor-parallel group: latency (us) and bus bandwidth (GB/s)."""
+
+    latency_us: float
+    bus_gbs: float
+
+
+LINKS = {
+    # 8 GPUs on PCIe without NVLink: an 8-byte NCCL all_reduce_perf takes 42 us on 8 x RTX 4090
+    # (github.com/NVIDIA/nccl/issues/1530) and 54 us on 8 x RTX 3090 (NVIDIA/nccl#1439); 8 x RTX
+    # 5090 on PCIe 5 reach 28 GB/s bus bandwidth on large messages (NVIDIA/nccl#1639).
+    "pcie": Link(45.0, 28.0),
+    # NVLink 4 through NVSwitch (HGX H100/H200): 450 GB/s each way per GPU (datasheet), of which
+    # NCCL's ring reaches ~80% on large messages; small all-reduces take ~10 us.
+    "nvlink": Link(10.0, 360.0),
+}
+
+
+@dataclass
+class Hardware:
+    """The machine and the free constants `fledge tune calibrate` fits (every one overridable)."""
+
+    gpu: Gpu
+    tp: int = 1
+    link: Link = field(default_factory=lambda: LINKS["nvlink"])
+    cuda_graphs: bool = True
+    bw_efficiency: float = 0.8  # decode GEMVs reach ~80-90% of the HBM peak
+    flops_efficiency: float = 0.6  # small-batch GEMMs reach about half the tensor-core peak
+    host_ms: float = 0.3  # per serving step: scheduler, sampling, detokenizer, host sync
+    forward_ms: float = 0.02  # per forward before its first kernel: a graph replay, or eager framework code
+    # A round prepares three batches (draft, verify, draft extend) where a plain step prepares one.
+    round_host_ms: float = 0.6
+
+    def __post_init__(self):
+        if self.tp < 1 or not 0 < self.bw_efficiency <= 1 or not 0 < self.flops_efficiency <= 1 or self.host_ms < 0:
+            raise FledgeError(f"hardware {self}: need --tp >= 1, efficiencies in (0, 1], host ms >= 0")
+
+    @property
+    def launch_us(self) -> float:
+        return self.gpu.graph_launch_us if self.cuda_graphs else self.gpu.launch_us
+
+
+def hardware(gpu: str, tp: int = 1, interconnect: str = "nvlink", **overrides) -> Hardware:
+    """A Hardware from table names; `overrides` replace any Gpu, Link or Hardware field."""
+    if gpu not in GPUS:
+        raise FledgeError(f"--gpu {gpu!r}: unknown; pass one of {', '.join(GPUS)} (and --hbm-gbs/--tflops to adjust)")
+    if interconnect not in LINKS:
+        raise FledgeError(f"--interconnect {interconnect!r}: pass one of {', '.join(LINKS)}")
+    o = {k: v for k, v in overrides.items() if v is not None}
+    g = GPUS[gpu]
+    g = replace(g, **{k: o.pop(k) for k in ("hbm_gbs", "launch_us", "graph_launch_us") if k in o})
+    if "tflops" in o:
+        g = replace(g, tflops={**g.tflops, **o.pop("tflops")})
+    link = replace(LINKS[interconnect], **{k: o.pop(k) for k in ("latency_us", "bus_gbs") if k in o})
+    return Hardware(g, tp, link, **o)
+
+
+# --------------------------------------------------------------------------- timings
+@dataclass
+class Timings:
+    """Milliseconds per step of one batch, what `fledge tune` ranks shapes with. `verify_ms`
+    maps tokens verified per request (the tree size n) to the target forward time; `draft_ms`
+    maps topk to one draft step; `overhead_ms` is the rest of a round.
+
+    With `output_len` > 0, rates are of whole requests, as a serving benchmark's output
+    throughput counts them: each request's prefill (`prefill_ms`, which the whole batch waits
+    for) is spread over its `output_len` new tokens. Speculation shortens only the decode part,
+    so its speed-up shrinks as prefill's share grows (batch x prefill against output_len steps).
+    With 0, rates are of decode rounds alone."""
+
+    ar_ms: float
+    verify_ms: dict[int, float]
+    draft_ms: dict[int, float]
+    overhead_ms: float = 0.0
+    batch: int = 1
+    prefill_ms: float = 0.0
+    output_len: int = 0
+
+    def __post_init__(self):
+        self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
+        self.draft_ms = {int(k): float(v) for k, v in sorted(self.draft_ms.items())}
+        if not self.ar_ms > 0:
+            raise FledgeError(f"--ar-ms {self.ar_ms}: must be > 0")
+        if not self.verify_ms or min(self.verify_ms) < 1 or min(self.verify_ms.values()) <= 0:
+            raise FledgeError(f"--verify-ms {self.verify_ms}: need n >= 1 tokens and times > 0")
+        if self.output_len < 0 or self.prefill_ms < 0:
+            raise FledgeError(f"--output-len {self.output_len}: must be >= 1 (or unset for decode rounds only)")
+        if not self.draft_ms or min(self.draft_ms.values()) < 0 or self.overhead_ms < 0:
+            raise FledgeError("--draft-ms and --overhead-ms must be >= 0")
+
+    def verify(self, n: int) -> float:
+        return _interp(self.verify_ms, n)
+
+    def draft(self, topk: int) -> float:
+        return _interp(self.draft_ms, topk)
+
+    def round_ms(self, shape: Shape) -> float:
+        """One speculative round of `shape`: its draft steps, its verify, the rest."""
+        return shape.num_steps * self.draft(shape.topk) + self.verify(shape.num_draft_tokens) + self.overhead_ms
+
+    @property
+    def prefill_per_token_ms(self) -> float:
+        """Prefill time a request's stream pays per new token (0 for decode-only rates)."""
+        return self.batch * self.prefill_ms / self.output_len if self.output_len else 0.0
+
+    @property
+    def plain_ms(self) -> float:
+        """Milliseconds per token of a request without speculation."""
+        return self.ar_ms + self.prefill_per_token_ms
+
+    def spec_ms(self, accept_length: float, round_ms: float) -> float:
+        """Milliseconds per token of a request whose rounds take `round_ms` and accept `accept_length`."""
+        return round_ms / accept_length + self.prefill_per_token_ms
+
+
+def _interp(table: dict[int, float], x: float) -> float:
+    """Piecewise linear through the measured points; flat below the first (and everywhere for a
+    single point), extended along the last segment beyond the last (forward time grows ~linearly
+    once compute-bound)."""
+    xs = sorted(table)
+    if x <= xs[0] or len(xs) == 1:
+        return table[xs[0]]
+    a, b = next(((a, b) for a, b in zip(xs, xs[1:]) if x <= b), xs[-2:])
+    return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+
+
+# --------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the cost of a forward depends on, read from an HF config (dense, MoE, MLA) or an
+    EAGLE-3 drafter config (`draft`)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int  # the LM head's rows (a drafter's draft vocabulary)
+    experts: int = 0
+    active: int = 0
+    moe_intermediate: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0  # leading layers with a dense MLP in an MoE model
+    mla: tuple | None = None  # (q_lora_rank or 0, kv_lora_rank, qk_nope, qk_rope, v_head)
+    draft: bool = False
+    dtype: str = "bf16"
+    quant: str = "bf16"
+
+    def attn_params(self) -> float:
+        h, n = self.hidden, self.heads
+        if self.mla:
+            q_lora, kv_lora, nope, rope, v = self.mla
+            q = h * q_lora + q_lora * n * (nope + rope) if q_lora else h * n * (nope + rope)
+            return q + h * (kv_lora + rope) + kv_lora * n * (nope + v) + n * v * h
+        d_in = 2 * h if self.draft else h
+        return d_in * (n + 2 * self.kv_heads) * self.head_dim + n * self.head_dim * h
+
+    def kv_bytes_per_token(self, tp: int) -> float:
+        """KV bytes per cached token per layer on one GPU."""
+        if self.mla:
+            return (self.mla[1] + self.mla[3]) * BYTES[self.dtype]
+        return 2 * self.kv_heads * self.head_dim * BYTES[self.dtype] / min(tp, self.kv_heads)
+
+    def attn_flops_per_token(self, context: int) -> float:
+        if self.mla:  # weight-absorbed decoding attends over the latent
+            qk, v = self.mla[1] + self.mla[3], self.mla[1]
+        else:
+            qk = v = self.head_dim
+        return 2 * context * self.heads * (qk + v)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    def expert_params(self) -> float:
+        return 3 * self.hidden * self.moe_intermediate
+
+
+def distinct_experts(experts: int, active: int, rows: int) -> float:
+    """Expected distinct experts `rows` tokens touch per layer under uniform routing."""
+    return experts * (1 - (1 - active / experts) ** rows)
+
+
+def _need(cfg: dict, where: str, name: str):
+    if cfg.get(name) is None:
+        raise FledgeError(f"{where}: no {name}; pass an HF config.json with the model's fields")
+    return cfg[name]
+
+
+def spec_from_config(cfg: dict, where: str, dtype: str = "bf16", quant: str | None = None,
+                     draft_vocab: int | None = None) -> ModelSpec:
+    """A ModelSpec from a config dict (multimodal configs: their text_config)."""
+    cfg = cfg.get("text_config") or cfg
+    draft = "LlamaForCausalLMEagle3" in (cfg.get("architectures") or []) or "draft_vocab_size" in cfg
+    hidden, heads = int(_need(cfg, where, "hidden_size")), int(_need(cfg, where, "num_attention_heads"))
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    mla = None
+    if cfg.get("kv_lora_rank"):
+        mla = (int(cfg.get("q_lora_rank") or 0), int(cfg["kv_lora_rank"]), int(_need(cfg, where, "qk_nope_head_dim")),
+               int(_need(cfg, where, "qk_rope_head_dim")), int(_need(cfg, where, "v_head_dim")))
+    q = quant or _config_quant(cfg) or dtype
+    if dtype not in BYTES or q not in BYTES:
+        raise FledgeError(f"--dtype {dtype} / --quant {q}: pass one of {', '.join(BYTES)}")
+    return ModelSpec(
+        layers=int(_need(cfg, where, "num_hidden_layers")), hidden=hidden, heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate=int(_need(cfg, where, "intermediate_size")),
+        vocab=int(draft_vocab or cfg.get("draft_vocab_size") or _need(cfg, where, "vocab_size")),
+        experts=experts, active=int(_need(cfg, where, "num_experts_per_tok")) if experts else 0,
+        moe_intermediate=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")) if experts else 0,
+        shared_experts=int(cfg.get("n_shared_experts") or 0), dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+        mla=mla, draft=draft, dtype=dtype, quant=q)
+
+
+def _config_quant(cfg: dict) -> str | None:
+    q = cfg.get("quantization_config") or {}
+    bits = {w.get("weights", {}).get("num_bits") for w in (q.get("config_groups") or {}).values()}
+    if 4 in bits or q.get("bits") == 4 or q.get("quant_method") in ("awq", "gptq"):
+        return "int4"
+    if q.get("quant_method") == "fp8" or 8 in bits:
+        return "fp8"
+    return None
+
+
+def load_config(spec: str) -> tuple[dict, str]:
+    """A config dict from a config.json, a model directory, or a built-in target name."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        if spec not in BUILTINS:
+            raise FledgeError(f"--model {spec!r}: not a config.json, a model directory, or a built-in ({', '.join(BUILTINS)})")
+        from fledge.core.target import (
+            resolve_target,  # loads torch, and converts a built-in once
+        )
+
+        path = resolve_target(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return json.loads(path.read_text()), str(path)
+    except (OSError, ValueError) as e:
+        raise FledgeError(f"{path}: cannot read a JSON config ({e})") from None
+
+
+def default_drafter(target: ModelSpec, draft_vocab: int = 32000) -> ModelSpec:
+    """The EAGLE-3 layer fledge (and SpecForge) build for a target: attention geometry and MLP
+    width of one dense target layer (MoE targets: the dense MLP width)."""
+    head_dim = target.mla[4] if target.mla else target.head_dim
+    return ModelSpec(1, target.hidden, target.heads, target.kv_heads, head_dim, target.intermediate,
+                     min(draft_vocab, target.vocab), draft=True, dtype=target.dtype, quant=target.dtype)
+
+
+def load_specs(model: str, drafter: str | None, dtype: str | None, quant: str | None, draft_vocab: int | None):
+    """Target and drafter specs from a target config (file, directory, built-in name) and a
+    drafter directory or config.json (None: `default_drafter`). `dtype` takes torch names too."""
+    dtype = short_dtype(dtype or "bf16")
+    cfg, where = load_config(model)
+    target = spec_from_config(cfg, where, dtype, quant)
+    if drafter and (Path(drafter).is_dir() or drafter.endswith(".json")):
+        dcfg, dwhere = load_config(drafter)
+        return target, spec_from_config(dcfg, dwhere, target.dtype, target.dtype, draft_vocab)
+    if drafter:  # a hub id is fine for the printed flags; a mistyped path should not pass unnoticed
+        print(f"fledge: --drafter {drafter}: no local directory or config.json; the hardware model assumes "
+              f"the default drafter (one target-shaped layer)", file=sys.stderr)
+    return target, default_drafter(target, draft_vocab or 32000)
+
+
+# --------------------------------------------------------------------------- times
+@dataclass
+class StepTime:
+    """One forward on one GPU, in ms, and its parts."""
+
+    memory_ms: float
+    compute_ms: float
+    comm_ms: float
+    launch_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.launch_ms + max(self.memory_ms, self.compute_ms) + self.comm_ms
+
+
+KERNELS_PER_LAYER = {"dense": 12, "moe": 20}  # norms, projections, rope, attention, MLP; MoE adds routing
+KERNELS_PER_HEAD = {"target": 4, "draft": 10}  # logits and sampling; a draft step adds top-k and tree bookkeeping
+
+
+def forward(m: ModelSpec, hw: Hardware, tokens: int, batch: int, context: int) -> StepTime:
+    """`tokens` new rows per sequence for `batch` sequences, `context` tokens cached each."""
+    tp, rows = hw.tp, tokens * batch
+    wb, qb = BYTES[m.dtype], BYTES[m.quant]
+    mlp_layers = m.layers - m.moe_layers
+    weights = m.layers * m.attn_params() * wb + mlp_layers * 3 * m.hidden * m.intermediate * qb + m.vocab * m.hidden * wb
+    active = m.layers * m.attn_params() + mlp_layers * 3 * m.hidden * m.intermediate + m.vocab * m.hidden
+    if m.experts:
+        touched = distinct_experts(m.experts, m.active, rows)
+        weights += m.moe_layers * (touched * m.expert_params() * qb + m.shared_experts * m.expert_params() * wb
+                                   + m.experts * m.hidden * wb)
+        active += m.moe_layers * ((m.active + m.shared_experts) * m.expert_params() + m.experts * m.hidden)
+    kv = batch * context * m.layers * m.kv_bytes_per_token(tp)
+    flops = 2 * rows * active / tp + rows * m.layers * m.attn_flops_per_token(context) / tp
+    peak = hw.gpu.tflops["bf16" if m.quant == "int4" else m.quant if m.quant in hw.gpu.tflops else m.dtype]
+    comm = 0.0
+    if tp > 1:
+        msg = rows * m.hidden * 2.0
+        comm = 2 * m.layers * (hw.link.latency_us * 1e-6 + 2 * (tp - 1) / tp * msg / (hw.link.bus_gbs * 1e9))
+    kernels = m.layers * KERNELS_PER_LAYER["moe" if m.experts else "dense"] + KERNELS_PER_HEAD["draft" if m.draft else "target"]
+    return StepTime(memory_ms=1e3 * (weights / tp + kv) / (hw.gpu.hbm_gbs * 1e9 * hw.bw_efficiency),
+                    compute_ms=1e3 * flops / (peak * 1e12 * hw.flops_efficiency),
+                    comm_ms=1e3 * comm, launch_ms=hw.forward_ms + 1e-3 * kernels * hw.launch_us)
+
+
+def prefill_ms(target: ModelSpec, hw: Hardware, prompt: int) -> float:
+    """One request's prefill: the host step and a forward of its `prompt` tokens, each attending
+    to half the prompt on average (causal)."""
+    return hw.host_ms + forward(target, hw, prompt, 1, prompt // 2).total_ms
+
+
+VERIFY_SIZES, TOPKS = (1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8)
+
+
+def step_times(target: ModelSpec, drafter: ModelSpec, hw: Hardware, batch: int, context: int, output_len: int = 0,
+               verify_sizes=VERIFY_SIZES, topks=TOPKS) -> Timings:
+    """AR step = host + one-row forward; a round = steps x draft(topk) + verify(n) + overhead,
+    overhead = host + the drafter's pass over the accepted tokens + `round_host_ms`. With
+    `output_len`, of whole requests whose prompt is `context` tokens (Timings)."""
+    verify = {n: forward(target, hw, n, batch, context).total_ms for n in verify_sizes}
+    draft = {k: forward(drafter, hw, k, batch, context).total_ms for k in topks}
+    extend = forward(drafter, hw, 2, batch, context).total_ms
+    fc_ms = 1e3 * 3 * drafter.hidden ** 2 * BYTES[drafter.dtype] / hw.tp / (hw.gpu.hbm_gbs * 1e9 * hw.bw_efficiency)
+    return Timings(hw.host_ms + forward(target, hw, 1, batch, context).total_ms, verify, draft,
+                   hw.host_ms + hw.round_host_ms + extend + fc_ms, batch,
+                   prefill_ms(target, hw, context) if output_len else 0.0, output_len)
+
+
+def breakdown(target: ModelSpec, drafter: ModelSpec, hw: Hardware, batch: int, context: int) -> dict:
+    """The forwards `step_times` adds up, each in its parts."""
+    return {"ar": asdict(forward(target, hw, 1, batch, context)),
+            **{f"verify_{n}": asdict(forward(target, hw, n, batch, context)) for n in VERIFY_SIZES},
+            **{f"draft_topk{k}": asdict(forward(drafter, hw, k, batch, context)) for k in TOPKS}}
