@@ -108,7 +108,7 @@ def linear(x, w, b, gemv_rows: int = 0):
     a multiply and a sum over K. Compiled, that is one reduction kernel that streams the weight,
     with the ops around it (residual add, SiLU x up) fused in — where cuBLAS's smallest GEMM
     took ~3.9 us per matmul at one row on the H200 in bf16, 45% of a decode step
-    (bench/profile_decode.py --random --compile at commit d466fab). On the CPU, 2 to
+    (docs/performance.md). On the CPU, 2 to
     CPU_FEW_ROWS rows multiply as w @ x.T (see CPU_FEW_ROWS). Output in x's dtype, as F.linear."""
     rows = x.numel() // x.shape[-1]
     if rows <= gemv_rows:
@@ -198,7 +198,7 @@ def one_off_attention():
 def decode_attention(q, k, v, bias):
     """SDPA's math as two batched matmuls and a softmax, for decode steps of many rows: compiled,
     it read K/V at ~3.2-3.3 TB/s on the H200 at 256-1024 rows, where SDPA's masked kernel read
-    ~2.1 (bench/attn_decode.py at commit d466fab). Eager it would not pay (the scores make extra passes)."""
+    ~2.1 (docs/performance.md). Eager it would not pay (the scores make extra passes)."""
     s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + bias
     return s.softmax(-1).to(v.dtype) @ v
 
@@ -206,7 +206,7 @@ def decode_attention(q, k, v, bias):
 DECODE_ATTENTION_MIN_ROWS = 64  # default: a row group this large decodes through LayerFns.decode_attention
 # Compiled default: forwards of up to 4 rows (batch-1 decode) multiply as
 # reductions (`linear`). On the H200 a batch-1 decode step of SmolLM2's shapes took 0.699 ms
-# against 0.937 with cuBLAS (bench/profile_decode.py at commit d466fab, --gemv-rows 4 against 0, bf16).
+# against 0.937 with cuBLAS (bf16; docs/performance.md).
 GEMV_ROWS = 4
 
 
@@ -268,7 +268,7 @@ class LayerFns:
         (on a GPU, for head sizes it takes). `gemv_rows`: see `linear` (0: cuBLAS always).
         `few_rows`: forwards of more than `gemv_rows` and at most this many rows run o_proj as
         engine.few_rows' kernel (0: none; at most few_rows.MAX_ROWS). On the H200 (random weights,
-        bf16, both in one run of bench/profile_round.py at commit d466fab) it took 0.04 ms off a verify and a
+        bf16, both measured in one process; docs/performance.md) it took 0.04 ms off a verify and a
         round: chain 7 verify 1.006 against 1.047 ms, round 1.644 against 1.683."""
         # Static shapes: one compile per (batch, T) — decode, each verify width, each regen
         # batch. Layer 0 (delta None) is one more.
