@@ -45,6 +45,11 @@ def test_checker_catches_bad_rows(tmp_path):
     (tmp_path / "README.md").write_text("no index here")
     _, problems = check.load_corpus(tmp_path)
     assert problems == [f"README.md: source {sid!r} is not in the index"]
+    (tmp_path / "README.md").write_text(f"| `{sid}` | a title | 2 |\n")
+    _, problems = check.load_corpus(tmp_path)
+    assert problems == [f"README.md: source {sid!r} lists 2 rows, its file has 1"]
+    (tmp_path / "README.md").write_text(f"| `{sid}` | a title | 1 |\n")
+    assert check.load_corpus(tmp_path)[1] == []
     (tmp_path / "broken.json").write_text("[{")
     _, problems = check.load_corpus(tmp_path)
     assert any(p.startswith("broken.json: not valid JSON") for p in problems)

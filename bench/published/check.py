@@ -171,9 +171,24 @@ def load_corpus(folder: Path = HERE) -> tuple[list[dict], list[str]]:
             if isinstance(row, dict):
                 rows.append(row)
     index = (folder / "README.md").read_text() if (folder / "README.md").exists() else ""
-    problems += [f"README.md: source {p.stem!r} is not in the index" for p in files
-                 if f"`{p.stem}`" not in index]
+    problems += _check_index(index, Counter(r.get("source") for r in rows), [p.stem for p in files])
     return rows, problems
+
+
+def _check_index(index: str, counts: Counter, ids: list[str]) -> list[str]:
+    """Every source has one index line in README.md whose last cell is its row count."""
+    listed = {}
+    for line in index.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 1 and cells[0].startswith("`") and cells[0].endswith("`"):
+            listed[cells[0].strip("`")] = cells[-1]
+    problems = []
+    for sid in ids:
+        if sid not in listed:
+            problems.append(f"README.md: source {sid!r} is not in the index")
+        elif listed[sid] != str(counts[sid]):
+            problems.append(f"README.md: source {sid!r} lists {listed[sid]} rows, its file has {counts[sid]}")
+    return problems
 
 
 def summarize(rows: list[dict]) -> dict:
