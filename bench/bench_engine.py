@@ -35,7 +35,7 @@ from fledge.engine.decode import generate_ar
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, load_drafter
 from fledge.engine.graphs import now
 from fledge.engine.hf import build_engine_target
-from fledge.engine.model import GEMV_ROWS, LayerFns
+from fledge.engine.layers import GEMV_ROWS, LayerFns
 from fledge.engine.resident import Resident
 from fledge.engine.sampling import SamplingParams
 from fledge.engine.spec import generate_spec, oracle_text

@@ -10,7 +10,7 @@ from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
 from fledge.drafter.checkpoint import load_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
-from fledge.engine.model import compile_static, one_off_attention
+from fledge.engine.layers import compile_static, one_off_attention
 from fledge.engine.protocols import DraftInput
 from fledge.engine.tree import (
     Tree,
