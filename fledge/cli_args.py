@@ -8,7 +8,6 @@ so `fledge --help` and `fledge SUB --help` load neither torch nor transformers.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib
 import os
@@ -28,7 +27,9 @@ from fledge.core.config import (
     LOSSES,
     PARALLEL,
     TRAIN_OPTIONS,
+    RegenConfig,
     TrainConfig,
+    config_help,
 )
 
 
@@ -94,26 +95,19 @@ def add_regen(sub) -> None:
     p.add_argument("--device", default="cpu", help="local engine: torch device (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="local engine: weights dtype (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="local engine: rows decoded together (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=512,
-                   help="longest answer per turn, in tokens (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 is greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--n", type=int, default=1,
-                   help="answers per conversation, ids <id>#k; needs --temperature > 0 (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, help=regen_help("batch_size", "local engine: rows decoded together"))
+    p.add_argument("--max-new-tokens", type=int, help=regen_help("max_new_tokens", "longest answer per turn, in tokens"))
+    p.add_argument("--temperature", type=float, help=regen_help("temperature", "sampling temperature; 0 is greedy"))
+    p.add_argument("--top-p", type=float, help=regen_help("top_p", "nucleus sampling mass"))
+    p.add_argument("--n", type=int, help=regen_help("n", "answers per conversation, ids <id>#k; needs --temperature > 0"))
     p.add_argument("--max-turns", type=int,
                    help="assistant turns to write per conversation (default: all of them)")
-    p.add_argument("--max-len", type=int, default=2048,
-                   help="prompt + answer must fit in this many tokens; a turn that does not ends the "
-                        "conversation (default: %(default)s)")
-    p.add_argument("--chunk", type=int, default=256,
-                   help="conversations answered between writes to the output (default: %(default)s)")
+    p.add_argument("--max-len", type=int, help=regen_help("max_len", "prompt + answer must fit in this many tokens; "
+                                                          "a turn that does not ends the conversation"))
+    p.add_argument("--chunk", type=int, help=regen_help("chunk", "conversations answered between writes to the output"))
     p.add_argument("--limit", type=int, help="only the first N conversations (default: all)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed; each answer's seed follows from it, the sample id and the turn "
-                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, help=regen_help("seed", "sampling seed; each answer's seed follows from it, "
+                                                       "the sample id and the turn"))
     p.add_argument("--compile", action="store_true",
                    help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
     p.set_defaults(func=handler("fledge.data.regen:run_regen"))
@@ -193,9 +187,11 @@ def add_features(sub) -> None:
 
 
 def train_help(name: str, what: str) -> str:
-    """`what` an option sets, with TrainConfig's default for it (`name` in dashes) where it has one."""
-    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name.replace("-", "_")]
-    return what if default is None else f"{what} (default {default})"
+    return config_help(TrainConfig, name, what)
+
+
+def regen_help(name: str, what: str) -> str:
+    return config_help(RegenConfig, name, what)
 
 
 def add_train(sub) -> None:

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
+from fledge.core.config import RegenConfig, TrainConfig
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
 from fledge.core.shape import Shape
 from fledge.core.target import encode_chat, eos_ids, load_target
 from fledge.data.prep import load_conversations
-from fledge.data.regen import EngineBackend, RegenConfig, regenerate
+from fledge.data.regen import EngineBackend, regenerate
 from fledge.data.tokenize import build_training_set
 from fledge.data.vocab import build_vocab, save_vocab
 from fledge.doctor.checks import exit_code, report
@@ -34,7 +35,7 @@ from fledge.engine.drafters import NgramDrafter, load_drafter
 from fledge.engine.hf import build_engine_target
 from fledge.engine.sampling import SamplingParams
 from fledge.engine.spec import generate_spec
-from fledge.train.loop import TrainConfig, train
+from fledge.train.loop import train
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -91,8 +92,8 @@ def run_demo(args) -> int:
         (work / f"{name}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in part))
     t0 = _step(rows, "prep", t0, f"{len(train_convs)} MT-Bench first turns (+{len(held)} held out for eval and speed)")
 
-    cfg = RegenConfig(max_new_tokens=args.new_tokens, max_turns=1, max_len=1024)
-    backend = EngineBackend(target, cfg, batch_size=args.prompts, device="cpu", dtype=torch.float32)
+    cfg = RegenConfig(max_new_tokens=args.new_tokens, max_turns=1, max_len=1024, batch_size=args.prompts)
+    backend = EngineBackend(target, cfg, device="cpu", dtype=torch.float32)
     stats = {}
     for name in ("prompts", "heldout"):
         (work / f"{name}.regen.jsonl").unlink(missing_ok=True)

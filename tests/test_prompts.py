@@ -13,11 +13,12 @@ import transformers
 from conftest import make_tiny
 
 from fledge import cli
+from fledge.core.config import RegenConfig
 from fledge.core.errors import FledgeError
 from fledge.core.files import read_jsonl
 from fledge.core.target import encode_chat, resolve_target, user_turn_prefix
 from fledge.data.prompts import SOURCE, prompt_key, write_prompts
-from fledge.data.regen import Answer, EngineBackend, RegenConfig, answer_seed
+from fledge.data.regen import Answer, EngineBackend, answer_seed
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,8 @@ def chatty(tok):
 
 
 def _backend(target, temperature=1.0, max_new_tokens=6):
-    cfg = RegenConfig(max_new_tokens=max_new_tokens, temperature=temperature, max_len=256)
-    return EngineBackend(target, cfg, batch_size=4, device="cpu", dtype=torch.float32)
+    cfg = RegenConfig(max_new_tokens=max_new_tokens, temperature=temperature, max_len=256, batch_size=4)
+    return EngineBackend(target, cfg, device="cpu", dtype=torch.float32)
 
 
 def test_user_turn_prefix_is_where_the_users_text_begins(tok):

@@ -13,10 +13,11 @@ import transformers
 from conftest import make_tiny
 
 from fledge import cli
+from fledge.core.config import RegenConfig
 from fledge.core.errors import FledgeError
 from fledge.core.files import read_jsonl
 from fledge.core.target import resolve_target
-from fledge.data.regen import EngineBackend, RegenConfig, ServerBackend, regenerate
+from fledge.data.regen import EngineBackend, ServerBackend, regenerate
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,8 @@ def _convs(path, n=5):
 def test_engine_answers_equal_hf_greedy_and_resume(tmp_path, tiny_chat_target):
     t = tiny_chat_target
     _convs(tmp_path / "c.jsonl")
-    cfg = RegenConfig(max_new_tokens=6, max_len=256, chunk=2)
-    backend = EngineBackend(t, cfg, batch_size=3, device="cpu", dtype=torch.float32)
+    cfg = RegenConfig(max_new_tokens=6, max_len=256, chunk=2, batch_size=3)
+    backend = EngineBackend(t, cfg, device="cpu", dtype=torch.float32)
     out = tmp_path / "r.jsonl"
     counts = regenerate(tmp_path / "c.jsonl", out, backend, cfg, limit=3)
     assert counts["written"] == 3
@@ -151,8 +152,8 @@ def test_engine_prompt_without_room_ends_the_conversation(tmp_path, tiny_chat_ta
     rows = [{"id": "short", "messages": [{"role": "user", "content": "hi"}]},
             {"id": "long", "messages": [{"role": "user", "content": "word " * 200}]}]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = RegenConfig(max_new_tokens=4, max_len=64)
-    backend = EngineBackend(tiny_chat_target, cfg, batch_size=2, device="cpu", dtype=torch.float32)
+    cfg = RegenConfig(max_new_tokens=4, max_len=64, batch_size=2)
+    backend = EngineBackend(tiny_chat_target, cfg, device="cpu", dtype=torch.float32)
     counts = regenerate(tmp_path / "c.jsonl", tmp_path / "r.jsonl", backend, cfg)
     assert counts["written"] == 1 and counts["skipped_context"] == 1
     assert counts["skipped_no_turn"] == 0 and counts["failed"] == 0
@@ -161,8 +162,8 @@ def test_engine_prompt_without_room_ends_the_conversation(tmp_path, tiny_chat_ta
 
 def test_complete_last_line_without_newline_is_kept(tmp_path, tiny_chat_target):
     _convs(tmp_path / "c.jsonl", n=3)
-    cfg = RegenConfig(max_new_tokens=4, max_len=256)
-    backend = EngineBackend(tiny_chat_target, cfg, batch_size=3, device="cpu", dtype=torch.float32)
+    cfg = RegenConfig(max_new_tokens=4, max_len=256, batch_size=3)
+    backend = EngineBackend(tiny_chat_target, cfg, device="cpu", dtype=torch.float32)
     out = tmp_path / "r.jsonl"
     regenerate(tmp_path / "c.jsonl", out, backend, cfg)
     full = out.read_bytes()
@@ -182,9 +183,9 @@ def test_nan_target_stops_before_writing(tmp_path, tiny_chat_target):
     with torch.no_grad():
         model.model.layers[3].mlp.down_proj.weight[0, 0] = float("nan")
     _convs(tmp_path / "c.jsonl", n=2)
-    cfg = RegenConfig(max_new_tokens=4, max_len=256)
+    cfg = RegenConfig(max_new_tokens=4, max_len=256, batch_size=2)
     backend = EngineBackend(SimpleNamespace(model=model, tokenizer=t.tokenizer, name="nan-target"), cfg,
-                            batch_size=2, device="cpu", dtype=torch.float32)
+                            device="cpu", dtype=torch.float32)
     with pytest.raises(FledgeError, match="nan-target: the first forward gives NaN/Inf logits"):
         regenerate(tmp_path / "c.jsonl", tmp_path / "r.jsonl", backend, cfg)
     assert not (tmp_path / "r.jsonl").exists()
@@ -287,8 +288,8 @@ def test_server_seed_follows_the_sample_not_its_place(tmp_path):
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_engine_resume_mid_chunk_equals_an_uninterrupted_run(tmp_path, tiny_chat_target, temperature):
     _convs(tmp_path / "c.jsonl", n=6)
-    cfg = RegenConfig(max_new_tokens=6, max_len=256, chunk=4, temperature=temperature, seed=1)
-    backend = EngineBackend(tiny_chat_target, cfg, batch_size=4, device="cpu", dtype=torch.float32)
+    cfg = RegenConfig(max_new_tokens=6, max_len=256, chunk=4, temperature=temperature, seed=1, batch_size=4)
+    backend = EngineBackend(tiny_chat_target, cfg, device="cpu", dtype=torch.float32)
     full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
     regenerate(tmp_path / "c.jsonl", full, backend, cfg)
     lines = full.read_text().splitlines(keepends=True)
@@ -352,8 +353,8 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny_target_dir
     assert written_before < n
     assert cli.main(args) == 0
 
-    cfg = RegenConfig(max_new_tokens=12, max_len=256, chunk=3, temperature=temperature, seed=7)
-    backend = EngineBackend(load_target(str(tiny_target_dir)), cfg, batch_size=3, device="cpu", dtype=torch.float32)
+    cfg = RegenConfig(max_new_tokens=12, max_len=256, chunk=3, temperature=temperature, seed=7, batch_size=3)
+    backend = EngineBackend(load_target(str(tiny_target_dir)), cfg, device="cpu", dtype=torch.float32)
     regenerate(convs, ref, backend, cfg)
     lines = out.read_text().splitlines()
     ids = [json.loads(ln)["id"] for ln in lines]  # a torn line would not parse

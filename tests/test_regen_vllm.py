@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from fledge.core.config import RegenConfig
 from fledge.core.target import resolve_target
-from fledge.data.regen import RegenConfig, ServerBackend, regenerate
+from fledge.data.regen import ServerBackend, regenerate
 
 SERVE = Path(__file__).resolve().parents[1] / "scripts" / "vllm_serve.py"
 NAME = "smollm2-135m"

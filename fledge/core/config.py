@@ -1,9 +1,13 @@
-"""Dataclass configs: the drafter's (derived from a target's config, saved as serving JSON)
-and a training run's. Torch-free, so the CLI's help can show TrainConfig's defaults."""
+"""Dataclass configs: the drafter's (derived from a target's config, saved as serving JSON), a
+training run's and regen's. Torch-free, so the CLI's help shows the defaults written here, once.
+
+A command builds its config one way: `from_args` (each field from the flag of its name, None
+keeping the field's default), its help from `config_help`; checks live in `__post_init__`."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,3 +209,48 @@ class TrainConfig:
         inputs = {f"--{n.replace('_', '-')}": getattr(self, n) for n in ("data", "vocab", "init", "features", "eval_data")}
         for written in ("draft", "checkpoint", "metrics.jsonl", "curves.png", "result.json"):
             check_no_overlap(Path(self.out) / written, inputs)
+
+
+@dataclass
+class RegenConfig:
+    """How the target answers: `fledge regen` (and `fledge prompts`, which samples prompts)."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    n: int = 1                   # samples per conversation (needs temperature > 0 to differ)
+    max_turns: int | None = None  # assistant turns to write per conversation (None = all)
+    max_len: int = 2048          # prompt + answer must fit; longer turns end the conversation
+    chunk: int = 256             # conversations in flight between writes
+    seed: int = 0
+    batch_size: int = 64         # local engine: rows decoded together
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "n", "max_turns", "max_len", "chunk", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise FledgeError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
+            raise FledgeError(f"--temperature {self.temperature} (>= 0), --top-p {self.top_p} (in (0, 1]): "
+                              f"out of range")
+        if self.n > 1 and self.temperature == 0:
+            raise FledgeError("--n > 1 with temperature 0 would write the same answer n times")
+        if self.max_new_tokens >= self.max_len:
+            raise FledgeError(f"max_new_tokens {self.max_new_tokens} must be < max_len {self.max_len}")
+
+
+def from_args(cls, args, **given):
+    """`cls` built by keyword from a command's parsed flags: each field from the flag of the same
+    name unless that flag is None (not given: the field's default holds), then `given`. The one
+    place a Namespace becomes a config, so library code never sees the Namespace."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    flags = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return cls(**{**flags, **given})
+
+
+def config_help(cls, name: str, what: str) -> str:
+    """`what` a flag sets, with the default of `cls`'s field `name` (dashes or underscores) where
+    it has one: the help text reads the default from the dataclass instead of repeating it."""
+    field_ = {f.name: f for f in dataclasses.fields(cls)}[name.replace("-", "_")]
+    default = field_.default if field_.default is not dataclasses.MISSING else None
+    return what if default is None else f"{what} (default: {default})"

@@ -23,11 +23,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fledge.core.config import RegenConfig
 from fledge.core.conversations import read_conversations
 from fledge.core.devices import parse_dtype
 from fledge.core.errors import FledgeError
 from fledge.core.files import append_jsonl, appending, atomic_write_json, keeping
-from fledge.data.regen import EngineBackend, RegenConfig, answer_seed, repair_tail
+from fledge.data.regen import EngineBackend, answer_seed, repair_tail
 
 SOURCE = "self"
 _KEPT = "the prompts already written are kept, a rerun resumes"
@@ -99,15 +100,14 @@ def write_prompts(backend: EngineBackend, out: str | Path, n: int, chunk: int, s
 
 def run_prompts(args) -> int:
     from fledge.core.target import load_target
-    if args.batch_size < 1:
-        raise FledgeError(f"--batch-size {args.batch_size}: must be >= 1")
+    # by keyword, not from_args: prompts' --n and --chunk count prompts, not answers per conversation
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                      seed=args.seed)
+                      seed=args.seed, batch_size=args.batch_size)
     if cfg.temperature == 0:
         raise FledgeError("--temperature 0 writes one prompt over and over; sample (the default is 1.0)")
     dtype = parse_dtype(args.dtype)
     target = load_target(args.target, dtype=dtype, device=args.device)
-    backend = EngineBackend(target, cfg, args.batch_size, args.device, dtype, args.compile)
+    backend = EngineBackend(target, cfg, args.device, dtype, args.compile)
     counts = write_prompts(backend, args.out, args.n, args.chunk, args.seed)
     print(json.dumps(counts, indent=2))
     if counts["kept"] < args.n:

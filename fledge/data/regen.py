@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import json
-import math
 import os
 import sys
 import threading
@@ -40,6 +39,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fledge.core.config import RegenConfig, from_args
 from fledge.core.conversations import read_conversations
 from fledge.core.devices import parse_dtype
 from fledge.core.errors import FledgeError
@@ -52,30 +52,6 @@ from fledge.core.files import (
     read_jsonl,
 )
 from fledge.core.openai_client import Client, ServerError, with_retries
-
-
-@dataclass
-class RegenConfig:
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    n: int = 1                   # samples per conversation (needs temperature > 0 to differ)
-    max_turns: int | None = None  # assistant turns to write per conversation (None = all)
-    max_len: int = 2048          # prompt + answer must fit; longer turns end the conversation
-    chunk: int = 256             # conversations in flight between writes
-    seed: int = 0
-
-    def __post_init__(self):
-        for name in ("max_new_tokens", "n", "max_turns", "max_len", "chunk"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise FledgeError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
-            raise FledgeError(f"--temperature {self.temperature} (>= 0), --top-p {self.top_p} (in (0, 1]): "
-                              f"out of range")
-        if self.n > 1 and self.temperature == 0:
-            raise FledgeError("--n > 1 with temperature 0 would write the same answer n times")
-        if self.max_new_tokens >= self.max_len:
-            raise FledgeError(f"max_new_tokens {self.max_new_tokens} must be < max_len {self.max_len}")
 
 
 @dataclass
@@ -112,10 +88,10 @@ class EngineBackend:
 
     rows_independent = False
 
-    def __init__(self, target, cfg: RegenConfig, batch_size: int, device: str, dtype, compile: bool = False):
+    def __init__(self, target, cfg: RegenConfig, device: str, dtype, compile: bool = False):
         from fledge.core.target import eos_ids
         from fledge.engine.hf import build_engine_target
-        self.tok, self.cfg, self.batch_size = target.tokenizer, cfg, batch_size
+        self.tok, self.cfg, self.batch_size = target.tokenizer, cfg, cfg.batch_size
         self.model = build_engine_target(target.model, dtype, device, compile=compile)
         self.eos = eos_ids(target.tokenizer, target.model.generation_config)
         self.name, self.checked = target.name, False
@@ -402,10 +378,7 @@ def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend
 
 
 def run_regen(args):
-    cfg = RegenConfig(args.max_new_tokens, args.temperature, args.top_p, args.n, args.max_turns,
-                      args.max_len, args.chunk, args.seed)
-    if args.batch_size < 1:
-        raise FledgeError(f"--batch-size {args.batch_size}: must be >= 1")
+    cfg = from_args(RegenConfig, args)
     _check_paths(Path(args.conversations), Path(args.out))  # before a target load of minutes
     read_conversations(Path(args.conversations))
     if args.server:
@@ -415,7 +388,7 @@ def run_regen(args):
         from fledge.core.target import load_target
         dtype = parse_dtype(args.dtype)
         target = load_target(args.target, dtype=dtype, device=args.device)
-        backend = EngineBackend(target, cfg, args.batch_size, args.device, dtype, args.compile)
+        backend = EngineBackend(target, cfg, args.device, dtype, args.compile)
     counts = regenerate(args.conversations, args.out, backend, cfg, args.limit)
     print(json.dumps(counts, indent=2))
     if counts["failed"]:

@@ -12,7 +12,6 @@ the same command resumes it exactly, as it resumes one killed outright from its 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fledge.core.config import TrainConfig
+from fledge.core.config import TrainConfig, from_args
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_text, read_jsonl
 from fledge.core.report import print_table, save_figure, subplots
@@ -177,8 +176,7 @@ def train(cfg: TrainConfig, target, clock=time.monotonic, begun: float | None = 
 
 def run_train(args) -> int:
     from fledge.core.target import load_target
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    cfg = from_args(TrainConfig, args)
     begun = time.monotonic()  # a time budget counts the target's loading too
     try:
         result = train(cfg, load_target(cfg.target), begun=begun)
