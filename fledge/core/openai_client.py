@@ -88,6 +88,16 @@ class Client:
         where = api_url(self.url, "chat/completions")
         return self._json(where, self._read(where, body))
 
+    def completion(self, body: dict) -> dict:
+        """One text completion (a prompt of text or token ids): the reply's JSON body."""
+        where = api_url(self.url, "completions")
+        return self._json(where, self._read(where, body))
+
+    def root_json(self, path: str):
+        """The JSON at `path` beside the API (vLLM's /version), not under /v1."""
+        where = api_url(self.url, "models").removesuffix("/v1/models") + path
+        return self._json(where, self._read(where))
+
     def chat_stream(self, body: dict) -> Iterator[dict]:
         """The JSON events of one streamed chat completion, up to `data: [DONE]`."""
         where = api_url(self.url, "chat/completions")
