@@ -13,8 +13,8 @@ from pathlib import Path
 import transformers
 
 from fledge.core.conventions import default_aux_layer_ids, validate_aux_layer_ids
-from fledge.core.errors import FledgeError
 from fledge.core.devices import pick_device
+from fledge.core.errors import FledgeError
 from fledge.core.target import load_target, resolve_target
 from fledge.train.capture import FinalNorm, VllmCapture, launch_args, launch_line
 from fledge.train.features import (
@@ -43,10 +43,6 @@ class TargetShape:
         path = resolve_target(spec)
         cfg = transformers.AutoConfig.from_pretrained(path).get_text_config()
         return cls(path, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)
-
-
-def is_url(s: str | None) -> bool:
-    return bool(s) and s.startswith(("http://", "https://"))
 
 
 def aux_ids_of(shape: TargetShape, aux_layers) -> tuple:

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fledge.core.config import DraftConfig, TrainConfig
+from fledge.core.config import DraftConfig, TrainConfig, is_url
 from fledge.core.devices import pick_device
 from fledge.core.errors import FledgeError
 from fledge.data.vocab import load_vocab_ids
 from fledge.drafter.checkpoint import load_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
-from fledge.train.capture_run import StreamedFeatures, is_url, open_stream
+from fledge.train.capture_run import StreamedFeatures, open_stream
 from fledge.train.features import (
     FeatureStore,
     Sample,
