@@ -41,8 +41,9 @@ def features(tmp_path, target_dir, *extra, data=None, out="feats"):
 
 
 def one_error(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fledge")]
-    assert len(err) == 1 and err[0].startswith("fledge: error:"), err
+    text = capsys.readouterr().err
+    err = [line for line in text.splitlines() if line.startswith("fledge")]
+    assert len(err) == 1 and err[0].startswith("fledge: error:"), text[-2000:]
     return err[0]
 
 
@@ -215,3 +216,21 @@ def test_sglang_capture_reads_its_format(sglang, target_dir):
         cap.one(ids)
     with pytest.raises(FledgeError, match="a server for another model"):
         SglangCapture(url, "other-model", (2, 4, 5), 8, h, norm, retries=0).engine()
+
+
+def test_server_without_extract_hidden_states_is_one_line(sglang, tmp_path, target_dir, capsys):
+    """A plain vLLM server answers the completion but names no states file (its reply's
+    `kv_transfer_params` is null, as recorded from vLLM 0.32 without a KV connector)."""
+    write_data(tmp_path / "data.jsonl", n=4)
+    Recorded.replies = {
+        "/v1/models": lambda b: {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 1024}]},
+        "/version": lambda b: {"version": "0.32.0"},
+        "/v1/completions": lambda b: {"id": "cmpl-1", "object": "text_completion", "model": "tiny", "choices": [
+            {"index": 0, "text": "\n", "finish_reason": "length", "prompt_token_ids": b["prompt"], "token_ids": [198]}],
+            "kv_transfer_params": None}}
+    url = f"http://127.0.0.1:{sglang.server_port}"
+    assert features(tmp_path, target_dir, "--server", url, "--served-name", "tiny") == 2
+    assert "names no hidden-states file; start the server with --speculative-config extract_hidden_states" in one_error(capsys)
+    assert not list((tmp_path / "feats").glob("shard_*"))
+    assert features(tmp_path, target_dir, "--server", url, "--served-name", "other", out="o2") == 2
+    assert "serves ['tiny'], not 'other': a server for another model" in one_error(capsys)

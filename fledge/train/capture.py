@@ -142,6 +142,10 @@ class VllmCapture:
 
     def one(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [T, 3H], hidden [T, H]) of one sample, the final norm applied."""
+        return self.read_states(self.request(ids), ids)
+
+    def request(self, ids: list[int]) -> Path:
+        """Send one sample; the path of the file the server writes its states to."""
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
         try:
             reply = with_retries(lambda k: self.client.completion(body), self.retries, 1.0)
@@ -153,10 +157,10 @@ class VllmCapture:
             raise FledgeError(f"{self.url}: the reply names no hidden-states file; start the server with "
                               "--speculative-config extract_hidden_states and the hidden-states connector "
                               "(`fledge features --print-launch`)")
-        sent = reply.get("choices", [{}])[0].get("prompt_token_ids")
+        sent = (reply.get("choices") or [{}])[0].get("prompt_token_ids")
         if sent is not None and sent != ids:
             raise FledgeError(f"{self.url}: the server read other token ids than were sent ({len(sent)} vs {len(ids)})")
-        return self.read_states(Path(path), ids)
+        return Path(path)
 
     def read_states(self, path: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         states, token_ids, layers = read_and_remove(path)

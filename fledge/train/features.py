@@ -292,18 +292,17 @@ def write_source_features(source: FeatureSource, aux_ids, samples: list[Sample],
     writer = ShardWriter(out, meta)
     todo = [i for i in range(math.ceil(len(samples) / opts.shard_size)) if not writer.done(i)]
     t0, tokens = time.monotonic(), 0
-    bar = tqdm(total=sum(len(s.input_ids) for i in todo for s in samples[i * opts.shard_size:(i + 1) * opts.shard_size]),
-               desc="features", unit="tok", unit_scale=True)
-    for i in todo:
-        chunk = samples[i * opts.shard_size:(i + 1) * opts.shard_size]
-        feats = source.features(chunk)
-        lengths = torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64)
-        data = st_save({"aux": torch.cat([a for a, _ in feats]).to(torch_dtype).contiguous(),
-                        "hidden": torch.cat([h for _, h in feats]).to(torch_dtype).contiguous(), "lengths": lengths})
-        writer.write(i, data, len(chunk))
-        tokens += int(lengths.sum())
-        bar.update(int(lengths.sum()))
-    bar.close()
+    total_todo = sum(len(s.input_ids) for i in todo for s in samples[i * opts.shard_size:(i + 1) * opts.shard_size])
+    with tqdm(total=total_todo, desc="features", unit="tok", unit_scale=True) as bar:  # closed on errors too
+        for i in todo:
+            chunk = samples[i * opts.shard_size:(i + 1) * opts.shard_size]
+            feats = source.features(chunk)
+            lengths = torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64)
+            data = st_save({"aux": torch.cat([a for a, _ in feats]).to(torch_dtype).contiguous(),
+                            "hidden": torch.cat([h for _, h in feats]).to(torch_dtype).contiguous(), "lengths": lengths})
+            writer.write(i, data, len(chunk))
+            tokens += int(lengths.sum())
+            bar.update(int(lengths.sum()))
     seconds = time.monotonic() - t0
     total = sum(len(s.input_ids) for s in samples)
     return {"samples": len(samples), "tokens": total, "tokens_this_run": tokens, "seconds": round(seconds, 2),
