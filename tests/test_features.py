@@ -234,3 +234,33 @@ def test_server_without_extract_hidden_states_is_one_line(sglang, tmp_path, targ
     assert not list((tmp_path / "feats").glob("shard_*"))
     assert features(tmp_path, target_dir, "--server", url, "--served-name", "other", out="o2") == 2
     assert "serves ['tiny'], not 'other': a server for another model" in one_error(capsys)
+
+
+def test_doctor_compares_a_drafter_with_its_features(tmp_path):
+    """features_checks: aux layers, width, final norm and target of engine-captured features
+    against an exported drafter; a mismatch in each is a FAIL naming both sides."""
+    from conftest import tiny_config
+
+    from fledge.core.config import DraftConfig
+    from fledge.doctor.features_check import features_checks
+    from fledge.drafter.checkpoint import export_checkpoint
+    from fledge.drafter.eagle3 import Eagle3Draft
+    cfg = DraftConfig.from_target(tiny_config("llama"), aux_layer_ids=(2, 4, 5))
+    out = export_checkpoint(Eagle3Draft(cfg), tmp_path / "drafter", layout="eagle3")
+    meta = {"target": "tiny", "aux_layer_ids": [2, 4, 5], "hidden_size": 64, "hidden": "post-norm",
+            "engine": {"name": "sglang", "version": "0.5", "layer_ids": [1, 3, 4], "final_state": "post-norm"}}
+    feats = tmp_path / "feats"
+    feats.mkdir()
+
+    def statuses(**change):
+        (feats / "meta.json").write_text(json.dumps({**meta, **change}))
+        return {c.name: c for c in features_checks(out, feats)}
+
+    assert {n: c.status for n, c in statuses().items()} == dict.fromkeys(
+        ["features.aux_layers", "features.width", "features.final_norm", "features.target"], "PASS")
+    bad = statuses(aux_layer_ids=[3, 4, 5], engine={**meta["engine"], "layer_ids": [2, 3, 4]})
+    assert bad["features.aux_layers"].status == "FAIL" and "hold [3, 4, 5]" in bad["features.aux_layers"].why
+    bad = statuses(engine={**meta["engine"], "layer_ids": [2, 4, 5]})  # SGLang ids written unshifted
+    assert bad["features.aux_layers"].status == "FAIL" and "name different layers" in bad["features.aux_layers"].why
+    assert statuses(hidden_size=32)["features.width"].status == "FAIL"
+    assert statuses(hidden="pre-norm")["features.final_norm"].status == "FAIL"

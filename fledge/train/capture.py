@@ -138,7 +138,7 @@ class VllmCapture:
         except (ServerError, AttributeError):
             pass  # a proxy in front may not pass /version through; the name is what is checked
         return {"name": "vllm", "version": version, "layer_ids": engine_layer_ids(self.aux_ids, self.num_layers),
-                "final_state": "pre-norm (fledge applies the target's final norm)"}
+                "final_state": "pre-norm; fledge applied the target's final norm"}
 
     def one(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [T, 3H], hidden [T, H]) of one sample, the final norm applied."""
