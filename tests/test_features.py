@@ -264,3 +264,17 @@ def test_doctor_compares_a_drafter_with_its_features(tmp_path):
     assert bad["features.aux_layers"].status == "FAIL" and "name different layers" in bad["features.aux_layers"].why
     assert statuses(hidden_size=32)["features.width"].status == "FAIL"
     assert statuses(hidden="pre-norm")["features.final_norm"].status == "FAIL"
+
+
+def test_print_launch_names_the_layers_and_the_flags(target_dir, capsys):
+    """The capture server's line: aux ids then N (the pre-norm last layer), fledge's connector,
+    the storage, prefix caching and chunked prefill off, room for the longest sample."""
+    assert cli_main(["features", "--target", str(target_dir), "--aux-layers", "2,4,5", "--max-len", "99",
+                     "--print-launch", "--storage", "/mnt/states"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("PYTHONPATH=") and f"vllm serve {target_dir}" in line
+    for part in ('"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]', '"method": "extract_hidden_states"',
+                 '"kv_connector": "CPUHiddenStatesConnector"', '"kv_connector_module_path": "fledge.train.vllm_connector"',
+                 '"shared_storage_path": "/mnt/states"', "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+                 "--max-model-len 100"):
+        assert part in line, part
