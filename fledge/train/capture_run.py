@@ -105,14 +105,15 @@ class StreamedFeatures:
         self.pending: dict[tuple, Future] = {}
 
     def prefetch(self, indices) -> None:
+        """Start fetching the samples `indices` (their `Sample.index`) unless queued or the queue is full."""
         key = tuple(indices)
         if key not in self.pending and len(self.pending) < self.depth:
             self.pending[key] = self.pool.submit(self.source.features, [self.samples[i] for i in key])
 
     def batch(self, indices, t: int, device):
         key = tuple(indices)
-        self.prefetch(key)
-        feats = self.pending.pop(key).result()
+        job = self.pending.pop(key, None)
+        feats = job.result() if job else self.source.features([self.samples[i] for i in key])
         return pad_features(feats, t, self.meta["hidden_size"], device)
 
 

@@ -263,9 +263,9 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, int]:
     cfg = run.cfg
     batch = global_batch(run, step)
     if run.store is not None:  # a streamed store fetches this step's and the next step's features meanwhile
-        for b in (batch, global_batch(run, step + 1)):
+        for b in [batch] + ([global_batch(run, step + 1)] if step + 1 < run.total_steps else []):
             for m in range(cfg.grad_accum):
-                run.store.prefetch(micro_batch(run, b, run.rank, m))
+                run.store.prefetch([run.train[i].index for i in micro_batch(run, b, run.rank, m)])
     norm = sum(run.train[i].step_counts(cfg.ttt_steps) for i in batch).clamp_min(1).to(run.device) / run.world
     stats = torch.zeros(3, cfg.ttt_steps, device=run.device)
     for m in range(cfg.grad_accum):
