@@ -93,7 +93,7 @@ def test_training_from_vllm_features_matches_hf(captured, server, target, tmp_pa
     """The same drafter steps from in-process features, vLLM's shards and vLLM streamed."""
     save_vocab(tmp_path / "vocab.safetensors", torch.arange(2048), 49152, {})
     samples = load_samples(DATA, MAX_LEN, 49152)
-    local = tmp_path / "local"
+    local = tmp_path / "feats_local"
     write_features(target.model, AUX, samples, local, features_meta(TARGET, DATA, MAX_LEN), FeatureOptions("fp32", 8))
     curves = {}
     for name, feats in (("local", local), ("vllm files", captured), ("vllm streamed", server.url)):
