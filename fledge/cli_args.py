@@ -314,6 +314,8 @@ def add_doctor(sub) -> None:
     p.add_argument("--target", help="target model (HF directory or a name fledge.core.target knows)")
     p.add_argument("--launch", help='the SGLang or vLLM server command, quoted: "python -m sglang.launch_server ..."')
     p.add_argument("--against", metavar="OTHER_DRAFTER", help="compare the draft vocabulary with another drafter")
+    p.add_argument("--features", metavar="DIR", help="the features the drafter trains on (`fledge features`, from the "
+                   "target in process or a vLLM/SGLang server): aux layers, width, final norm and target must agree")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     p.add_argument("--probe", type=int, metavar="N", help="live probe: acceptance on N held-out prompts (needs --target)")
     p.add_argument("--probe-prompts", default="mtbench", help="prompt source for the probe (file or built-in name)")

@@ -264,6 +264,11 @@ def test_doctor_compares_a_drafter_with_its_features(tmp_path):
     assert bad["features.aux_layers"].status == "FAIL" and "name different layers" in bad["features.aux_layers"].why
     assert statuses(hidden_size=32)["features.width"].status == "FAIL"
     assert statuses(hidden="pre-norm")["features.final_norm"].status == "FAIL"
+    # `fledge doctor --features`: the same checks, a FAIL exits 2
+    statuses()
+    assert cli_main(["doctor", str(out), "--features", str(feats)]) in (0, 1)
+    statuses(hidden_size=32)
+    assert cli_main(["doctor", str(out), "--features", str(feats)]) == 2
 
 
 def test_print_launch_names_the_layers_and_the_flags(target_dir, capsys):
