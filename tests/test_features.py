@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import V, write_data
+from test_train import write_data
 
 from fledge.cli import main as cli_main
 from fledge.core.conventions import aux_ids_to_sglang
