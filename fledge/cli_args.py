@@ -172,18 +172,30 @@ def add_vocab(sub) -> None:
 
 
 def add_features(sub) -> None:
-    p = sub.add_parser("features", help="write target features (aux + final hidden) for offline training")
+    p = sub.add_parser("features", help="write target features (aux + final hidden) for offline training: computed "
+                                        "here, or captured from a vLLM/SGLang server (--server)")
     p.add_argument("--target", required=True, help="target model (path or built-in name)")
-    p.add_argument("--data", required=True, help="tokenized training set JSONL")
-    p.add_argument("--out", required=True, help="feature directory (resumed if it exists)")
+    p.add_argument("--data", help="tokenized training set JSONL (required unless --print-launch)")
+    p.add_argument("--out", help="feature directory (resumed if it exists; required unless --print-launch)")
     p.add_argument("--dtype", choices=sorted(SHORT_DTYPES), default="bf16", help="storage dtype (fp32 for exact parity)")
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--aux-layers", type=int_list, default=None,
                    help="canonical aux layer ids, e.g. 2,15,27 (default: conventions)")
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="samples per forward of the target in this process")
     p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.set_defaults(func=handler("fledge.train.features:run_features"))
+    s = p.add_argument_group("capture from a serving engine")
+    s.add_argument("--server", help="base URL of a capture server started with the line --print-launch prints")
+    s.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help="the server's engine (default vllm)")
+    s.add_argument("--served-name", help="the model name the server serves (default: --target)")
+    s.add_argument("--print-launch", action="store_true",
+                   help="print the vLLM launch line of a capture server for --target and --aux-layers, then exit")
+    s.add_argument("--storage", help="with --print-launch: where the server writes states before fledge reads "
+                                     "and deletes them (default /tmp/fledge-hidden-states; must be visible to both)")
+    s.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    s.add_argument("--retries", type=int, default=3, help="retries of a failed request (default 3)")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
+    p.set_defaults(func=handler("fledge.train.capture_run:run_features"))
 
 
 def train_help(name: str, what: str) -> str:
@@ -202,7 +214,8 @@ def add_train(sub) -> None:
     p.add_argument("--vocab", help="d2t/t2d file from `fledge vocab`; with --init, the warm start's head moves to "
                                    "this vocabulary (Eagle3Draft.change_vocab)")
     p.add_argument("--init", help="warm start from an exported drafter directory")
-    p.add_argument("--features", help="offline feature directory from `fledge features` (default: online)")
+    p.add_argument("--features", help="feature directory from `fledge features`, or the URL of a capture server "
+                                      "to stream them from (nothing written); default: computed online")
     p.add_argument("--eval-data", help="held-out tokenized set (default: --eval-samples split off --data)")
     p.add_argument("--aux-layers", type=lambda s: tuple(int_list(s)), help="canonical ids, e.g. 2,15,27")
     for name, typ, what in TRAIN_OPTIONS:
@@ -297,6 +310,8 @@ def add_doctor(sub) -> None:
     p.add_argument("--target", help="target model (HF directory or a name fledge.core.target knows)")
     p.add_argument("--launch", help='the SGLang or vLLM server command, quoted: "python -m sglang.launch_server ..."')
     p.add_argument("--against", metavar="OTHER_DRAFTER", help="compare the draft vocabulary with another drafter")
+    p.add_argument("--features", metavar="DIR", help="the features the drafter trains on (`fledge features`, from the "
+                   "target in process or a vLLM/SGLang server): aux layers, width, final norm and target must agree")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     p.add_argument("--probe", type=int, metavar="N", help="live probe: acceptance on N held-out prompts (needs --target)")
     p.add_argument("--probe-prompts", default="mtbench", help="prompt source for the probe (file or built-in name)")

@@ -1,7 +1,8 @@
 """Regeneration against a real vLLM OpenAI server (CPU, SmolLM2), not a mock: the server is
 SIGKILLed mid-run, the run records the failures and leaves only whole lines; after a restart the
 rerun writes every conversation exactly once, and the greedy answers written before the kill
-equal what the restarted server answers now.
+equal what the restarted server answers now; feature capture from that plain server (started
+without extract_hidden_states) is refused in one line.
 
 vLLM runs from the venv built by scripts/setup_vllm.sh, started by scripts/vllm_serve.py. Without
 that venv this skips, unless FLEDGE_REQUIRE_VLLM is set (CI), where it fails instead.
@@ -20,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from fledge.core.config import RegenConfig
+from fledge.core.errors import FledgeError
 from fledge.core.target import resolve_target
 from fledge.data.regen import ServerBackend, regenerate
+from fledge.train.capture_run import TargetShape, make_capture
 
 SERVE = Path(__file__).resolve().parents[1] / "scripts" / "vllm_serve.py"
 NAME = "smollm2-135m"
@@ -130,6 +133,12 @@ def test_regen_survives_server_kill_and_restart(tmp_path, serve):
         fresh = backend.answer([prefix for prefix, _ in turns], seeds=[0] * len(turns))
         assert all(a.finish != "error" for a in fresh)
         assert [a.text for a in fresh] == [answer for _, answer in turns]
+
+        # Features from a server started without extract_hidden_states: one line, pointing at the launch line
+        shape = TargetShape.read(NAME)
+        capture = make_capture("vllm", second.url, NAME, shape, (2, 15, 27), retries=0)
+        with pytest.raises(FledgeError, match="names no hidden-states file; start the server with --speculative-config"):
+            capture.one(list(range(1, 9)))
     finally:
         for s in servers:
             s.stop(signal.SIGKILL)

@@ -137,6 +137,11 @@ ADAPT_TRAIN_OPTIONS = tuple(o for o in TRAIN_OPTIONS if o[0] not in ("weight-dec
                                                                      "draft-intermediate-size", "time-budget"))
 
 
+def is_url(s: str | None) -> bool:
+    """Whether a --features value names a capture server to stream from, not a directory."""
+    return bool(s) and s.startswith(("http://", "https://"))
+
+
 @dataclass
 class TrainConfig:
     data: str
@@ -198,15 +203,18 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise FledgeError(f"train config: {msg}")
-        for name in ("data", "vocab", "init", "features", "eval_data"):
+        paths = ("data", "vocab", "init", "eval_data") if is_url(self.features) else ("data", "vocab", "init", "features", "eval_data")
+        for name in paths:
             if getattr(self, name) and not Path(getattr(self, name)).exists():
                 raise FledgeError(f"--{name.replace('_', '-')} {getattr(self, name)}: does not exist")
         for name, want_dir in (("data", False), ("eval_data", False), ("init", True), ("features", True)):
             path = getattr(self, name)
+            if name not in paths:
+                continue
             if path and Path(path).is_dir() != want_dir:
                 what = "a directory (drafter or feature dir)" if want_dir else "a tokenized JSONL file"
                 raise FledgeError(f"--{name.replace('_', '-')} {path}: expected {what}")
-        inputs = {f"--{n.replace('_', '-')}": getattr(self, n) for n in ("data", "vocab", "init", "features", "eval_data")}
+        inputs = {f"--{n.replace('_', '-')}": getattr(self, n) for n in paths}
         for written in ("draft", "checkpoint", "metrics.jsonl", "curves.png", "result.json"):
             check_no_overlap(Path(self.out) / written, inputs)
 

@@ -88,6 +88,17 @@ class Client:
         where = api_url(self.url, "chat/completions")
         return self._json(where, self._read(where, body))
 
+    def completion(self, body: dict) -> dict:
+        """One text completion (a prompt of text or token ids): the reply's JSON body."""
+        where = api_url(self.url, "completions")
+        return self._json(where, self._read(where, body))
+
+    def root_json(self, path: str, body: dict | None = None):
+        """The JSON reply of `path` beside the API, not under /v1 (vLLM's /version, SGLang's
+        /generate): a GET, or a POST of `body`."""
+        where = api_url(self.url, "models").removesuffix("/v1/models") + path
+        return self._json(where, self._read(where, body))
+
     def chat_stream(self, body: dict) -> Iterator[dict]:
         """The JSON events of one streamed chat completion, up to `data: [DONE]`."""
         where = api_url(self.url, "chat/completions")

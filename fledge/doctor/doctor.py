@@ -457,6 +457,9 @@ def doctor(drafter, target: str | None = None, launch: str | None = None, agains
 
 def run_doctor(args) -> int:
     results = doctor(args.drafter, args.target, args.launch, args.against)
+    if args.features:
+        from fledge.doctor.features_check import features_checks
+        results += features_checks(args.drafter, args.features)
     if args.probe:
         if not args.target:
             raise FledgeError("--probe needs --target: the probe runs the drafter against its target")

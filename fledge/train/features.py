@@ -14,10 +14,11 @@ training see identical numbers when the shards hold fp32.
 
 from __future__ import annotations
 
-import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,16 +26,13 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 from tqdm import tqdm
 
+import fledge
 from fledge.core.conventions import default_aux_layer_ids, validate_aux_layer_ids
-from fledge.core.devices import parse_dtype, pick_device
+from fledge.core.devices import parse_dtype
 from fledge.core.errors import FledgeError
-from fledge.core.files import (
-    atomic_write_bytes,
-    atomic_write_json,
-    read_jsonl,
-    sha256_file,
-)
-from fledge.core.target import capture, load_target
+from fledge.core.files import read_jsonl, sha256_file
+from fledge.core.target import capture
+from fledge.train.shards import ShardWriter, read_json_object, shard_name, verify_shards
 
 
 # --------------------------------------------------------------------------- samples
@@ -58,6 +56,9 @@ def load_samples(path, max_len: int, vocab_size: int) -> list[Sample]:
         ids, mask = rec.get("input_ids"), rec.get("loss_mask")
         if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
             raise FledgeError(f"{path}:{lineno}: needs 'input_ids' and 'loss_mask' lists of equal length")
+        bad = [t for t in ids if type(t) is not int] + [m for m in mask if type(m) not in (int, bool)]
+        if bad:
+            raise FledgeError(f"{path}:{lineno}: 'input_ids' and 'loss_mask' must hold integers, found {bad[0]!r}")
         ids, mask = torch.tensor(ids[:max_len], dtype=torch.int64), torch.tensor(mask[:max_len], dtype=torch.bool)
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise FledgeError(f"{path}:{lineno}: token id outside the target vocab [0, {vocab_size})")
@@ -201,68 +202,138 @@ class TargetHead:
         return draft.softmax(-1, dtype=torch.float32), top
 
 
+
+# --------------------------------------------------------------------------- where features come from
+class FeatureSource(Protocol):
+    """Computes (aux [T, 3H], hidden [T, H]) on the CPU for each sample, in order."""
+    hidden_size: int
+
+    def features(self, samples: list[Sample]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def engine(self) -> dict: ...
+
+
+@dataclass
+class ModelFeatures:
+    """The target in this process (`feature_model`), `batch_size` samples a forward."""
+    model: object
+    aux_ids: tuple
+    batch_size: int
+    device: object
+
+    def __post_init__(self):
+        self.hidden_size = self.model.get_input_embeddings().weight.shape[1]
+        self.fmodel = feature_model(self.model)
+
+    def engine(self) -> dict:
+        import transformers
+        return {"name": "fledge", "version": fledge.__version__, "transformers": transformers.__version__,
+                "layer_ids": list(self.aux_ids), "final_state": "post-norm"}
+
+    def features(self, samples):
+        out = []
+        for b in range(0, len(samples), self.batch_size):
+            part = samples[b:b + self.batch_size]
+            ids, _, attn = (x.to(self.device) for x in pad_batch(part))
+            aux, hidden = online_features(self.fmodel, self.aux_ids, ids, attn)
+            out += [(aux[r, :len(s.input_ids)].cpu(), hidden[r, :len(s.input_ids)].cpu()) for r, s in enumerate(part)]
+        return out
+
+
+@dataclass
+class ServerFeatures:
+    """A capture server (capture.VllmCapture or capture_sglang.SglangCapture)."""
+    capture: object
+
+    def __post_init__(self):
+        self.hidden_size = self.capture.hidden_size
+
+    def engine(self) -> dict:
+        return self.capture.engine()
+
+    def features(self, samples):
+        return self.capture.many([s.input_ids.tolist() for s in samples])
+
+
 # --------------------------------------------------------------------------- shards on disk
-def _shard_path(root: Path, i: int) -> Path:
-    return root / f"shard_{i:05d}.safetensors"
-
-
 @dataclass(frozen=True)
 class FeatureOptions:
-    """How `write_features` runs: the stored dtype and samples per shard (recorded in
-    meta.json, so a resumed run must keep them), and the batch size and device of the target's
-    forward passes (not recorded: a resumed run may change them)."""
+    """How features are written: the stored dtype and samples per shard (recorded in
+    meta.json, so a resumed run must keep them), and the batch size and device of an in-process
+    target's forward passes (not recorded: a resumed run may change them)."""
     dtype: str = "bf16"
     shard_size: int = 256
     batch_size: int = 8
     device: str | torch.device = "cpu"
 
+    def __post_init__(self):
+        if self.shard_size < 1:
+            raise FledgeError(f"--shard-size {self.shard_size}: a shard holds at least one sample")
+        if self.batch_size < 1:
+            raise FledgeError(f"--batch-size {self.batch_size}: must be at least 1")
+        parse_dtype(self.dtype)
 
-def write_features(model, aux_ids, samples: list[Sample], out, meta: dict,
-                   opts: FeatureOptions = FeatureOptions()) -> dict:
-    """Write aux+hidden for every sample, `opts.shard_size` samples a shard. Resumable: a shard
-    that exists is complete (each is written atomically), so a rerun computes only the rest.
-    `meta` identifies the data and target; a directory holding other features is refused."""
-    out, torch_dtype = Path(out), parse_dtype(opts.dtype)
+
+def write_features(model, aux_ids, samples: list[Sample], out, meta: dict, opts: FeatureOptions = FeatureOptions()) -> dict:
+    """`write_source_features` from the target in this process."""
+    return write_source_features(ModelFeatures(model, aux_ids, opts.batch_size, opts.device), aux_ids, samples, out,
+                                 meta, opts)
+
+
+def write_source_features(source: FeatureSource, aux_ids, samples: list[Sample], out, meta: dict,
+                          opts: FeatureOptions) -> dict:
+    """Write aux+hidden for every sample, `opts.shard_size` samples a shard (shards.py: atomic,
+    listed in a manifest, so a rerun computes only what is not listed). `meta` identifies the
+    data and target; a directory holding other features is refused. Returns the summary."""
+    torch_dtype = parse_dtype(opts.dtype)
     meta = {**meta, "aux_layer_ids": list(aux_ids), "dtype": opts.dtype, "shard_size": opts.shard_size,
-            "num_samples": len(samples), "hidden_size": model.get_input_embeddings().weight.shape[1]}
-    if (out / "meta.json").exists():
-        old = json.loads((out / "meta.json").read_text())
-        if old != meta:
-            diff = sorted(k for k in meta.keys() | old.keys() if old.get(k) != meta.get(k))
-            raise FledgeError(f"{out}: holds features of another run ({', '.join(diff)} differ); use a new --out")
-    else:
-        atomic_write_json(out / "meta.json", meta)
-    todo = [i for i in range(math.ceil(len(samples) / opts.shard_size)) if not _shard_path(out, i).exists()]
-    model = feature_model(model)
-    for i in tqdm(todo, desc="features", unit="shard"):
-        chunk = samples[i * opts.shard_size:(i + 1) * opts.shard_size]
-        aux, hidden = [], []
-        for b in range(0, len(chunk), opts.batch_size):
-            ids, _, attn = (x.to(opts.device) for x in pad_batch(chunk[b:b + opts.batch_size]))
-            a, h = online_features(model, aux_ids, ids, attn)
-            aux.append(a[attn.bool()].to("cpu", torch_dtype))  # each sample's real tokens, in order
-            hidden.append(h[attn.bool()].to("cpu", torch_dtype))
-        lengths = torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64)
-        atomic_write_bytes(_shard_path(out, i), st_save({"aux": torch.cat(aux), "hidden": torch.cat(hidden),
-                                                         "lengths": lengths}))
+            "num_samples": len(samples), "hidden_size": source.hidden_size, "hidden": "post-norm",
+            "engine": source.engine()}
+    writer = ShardWriter(out, meta)
+    todo = [i for i in range(math.ceil(len(samples) / opts.shard_size)) if not writer.done(i)]
+    t0, tokens = time.monotonic(), 0
+    total_todo = sum(len(s.input_ids) for i in todo for s in samples[i * opts.shard_size:(i + 1) * opts.shard_size])
+    with tqdm(total=total_todo, desc="features", unit="tok", unit_scale=True) as bar:  # closed on errors too
+        for i in todo:
+            chunk = samples[i * opts.shard_size:(i + 1) * opts.shard_size]
+            feats = source.features(chunk)
+            lengths = torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64)
+            data = st_save({"aux": torch.cat([a for a, _ in feats]).to(torch_dtype).contiguous(),
+                            "hidden": torch.cat([h for _, h in feats]).to(torch_dtype).contiguous(), "lengths": lengths})
+            writer.write(i, data, len(chunk))
+            tokens += int(lengths.sum())
+            bar.update(int(lengths.sum()))
+    seconds = time.monotonic() - t0
+    total = sum(len(s.input_ids) for s in samples)
+    return {"samples": len(samples), "tokens": total, "tokens_this_run": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1) if tokens and seconds > 0 else None,
+            "bytes_on_disk": writer.bytes_on_disk(), "bytes_per_token": round(writer.bytes_on_disk() / total, 1)}
+
+
+def read_meta(root: Path) -> dict:
+    if not (root / "meta.json").exists():
+        raise FledgeError(f"{root}: no meta.json (not a `fledge features` directory)")
+    meta = read_json_object(root / "meta.json", "meta.json")
+    for k in ("num_samples", "shard_size", "hidden_size", "aux_layer_ids"):
+        if k not in meta:
+            raise FledgeError(f"{root / 'meta.json'}: no {k!r}")
+    if meta.get("hidden", "post-norm") != "post-norm":
+        raise FledgeError(f"{root / 'meta.json'}: 'hidden' holds {meta['hidden']!r} states; training needs the final-norm state")
     return meta
 
 
 class FeatureStore:
-    """Random access to the features of sample i, read lazily from its shard."""
+    """Random access to the features of sample i, read lazily from its shard. Every shard is
+    checked against the manifest (and `lengths`, each sample's token count) before training."""
 
-    def __init__(self, root, expect: dict, hidden_size: int):
+    def __init__(self, root, expect: dict, hidden_size: int, lengths: list[int] | None = None):
         self.root = Path(root)
-        if not (self.root / "meta.json").exists():
-            raise FledgeError(f"{self.root}: no meta.json (not a `fledge features` directory)")
-        self.meta = json.loads((self.root / "meta.json").read_text())
+        self.meta = read_meta(self.root)
         for k, v in expect.items():
             if self.meta.get(k) != v:
                 raise FledgeError(f"{self.root}: features were made with {k}={self.meta.get(k)!r}, this run has {v!r}")
         n_shards = math.ceil(self.meta["num_samples"] / self.meta["shard_size"])
-        missing = [i for i in range(n_shards) if not _shard_path(self.root, i).exists()]
-        if missing:
-            raise FledgeError(f"{self.root}: {len(missing)} of {n_shards} shards missing; rerun `fledge features` to finish")
+        verify_shards(self.root, n_shards, self.meta["shard_size"], lengths)
         self._open: dict[int, tuple] = {}
         aux, hidden, _ = self._shard(0)
         if hidden.get_shape()[-1] != hidden_size or aux.get_shape()[-1] != 3 * hidden_size:
@@ -271,7 +342,7 @@ class FeatureStore:
 
     def _shard(self, i):
         if i not in self._open:
-            f = safe_open(str(_shard_path(self.root, i)), "pt")
+            f = safe_open(str(self.root / shard_name(i)), "pt")
             offsets = torch.cat([torch.zeros(1, dtype=torch.int64), f.get_tensor("lengths").cumsum(0)])
             self._open[i] = (f.get_slice("aux"), f.get_slice("hidden"), offsets, f)
         return self._open[i][:3]
@@ -282,14 +353,20 @@ class FeatureStore:
         a, b = int(off[r]), int(off[r + 1])
         return aux[a:b], hidden[a:b]
 
+    def prefetch(self, indices) -> None:
+        """Nothing to do: shards are read when a batch needs them."""
+
     def batch(self, indices, t: int, device):
         """Padded (aux [B,t,3H], hidden [B,t,H]) in fp32 on `device`."""
-        out_a = torch.zeros(len(indices), t, 3 * self.meta["hidden_size"])
-        out_h = torch.zeros(len(indices), t, self.meta["hidden_size"])
-        for r, i in enumerate(indices):
-            a, h = self.get(i)
-            out_a[r, :len(a)], out_h[r, :len(h)] = a.float(), h.float()
-        return out_a.to(device), out_h.to(device)
+        return pad_features([self.get(i) for i in indices], t, self.meta["hidden_size"], device)
+
+
+def pad_features(feats, t: int, hidden_size: int, device):
+    out_a = torch.zeros(len(feats), t, 3 * hidden_size)
+    out_h = torch.zeros(len(feats), t, hidden_size)
+    for r, (a, h) in enumerate(feats):
+        out_a[r, :len(a)], out_h[r, :len(h)] = a.float(), h.float()
+    return out_a.to(device), out_h.to(device)
 
 
 def features_meta(target_name: str, data_path, max_len: int) -> dict:
@@ -297,15 +374,7 @@ def features_meta(target_name: str, data_path, max_len: int) -> dict:
     return {"target": target_name, "data_sha": sha256_file(data_path)[:16], "max_len": max_len}
 
 
-def run_features(args) -> int:
-    device = pick_device(args.device)  # before a load of minutes
-    target = load_target(args.target, device=device)
-    model = target.model
-    samples = load_samples(args.data, args.max_len, model.config.get_text_config().vocab_size)
-    aux_ids = aux_layer_ids_for(model, args.aux_layers)
-    opts = FeatureOptions(args.dtype, args.shard_size, args.batch_size, device)
-    meta = write_features(model, aux_ids, samples, args.out, features_meta(target.name, args.data, args.max_len), opts)
-    tokens = sum(len(s.input_ids) for s in samples)
-    per_token = 4 * meta["hidden_size"] * parse_dtype(args.dtype).itemsize
-    print(f"{len(samples)} samples, {tokens} tokens, {per_token} bytes/token ({per_token * tokens / 2**30:.2f} GiB) in {args.out}")
-    return 0
+def summary_line(s: dict, out) -> str:
+    rate = f", {s['tokens_per_s']:,} tokens/s" if s["tokens_per_s"] else ""
+    return (f"{s['samples']} samples, {s['tokens']:,} tokens{rate}, {s['bytes_per_token']:,} bytes/token "
+            f"({s['bytes_on_disk'] / 2**30:.2f} GiB) in {out}")

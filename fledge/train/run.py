@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fledge.core.config import DraftConfig, TrainConfig
+from fledge.core.config import DraftConfig, TrainConfig, is_url
 from fledge.core.devices import pick_device
 from fledge.core.errors import FledgeError
 from fledge.data.vocab import load_vocab_ids
 from fledge.drafter.checkpoint import load_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.train.capture_run import StreamedFeatures, open_stream
 from fledge.train.features import (
     FeatureStore,
     Sample,
@@ -72,7 +73,7 @@ class Run:
     verifier: str          # the target as engines load it: its resolved HF directory, not a fledge alias
     head: TargetHead
     aux_ids: tuple
-    store: FeatureStore | None
+    store: FeatureStore | StreamedFeatures | None
     train: list[Sample]
     evals: list[Sample]
     opt: torch.optim.Optimizer
@@ -160,9 +161,10 @@ def setup(cfg: TrainConfig, target) -> Run:
     tcfg = model.config.get_text_config()
     samples = load_samples(cfg.data, cfg.max_len, tcfg.vocab_size)
     store = None
-    if cfg.features:
+    if cfg.features and not is_url(cfg.features):
         store = FeatureStore(cfg.features, {**features_meta(target.name, cfg.data, cfg.max_len),
-                                            "num_samples": len(samples)}, tcfg.hidden_size)
+                                            "num_samples": len(samples)}, tcfg.hidden_size,
+                             [len(s.input_ids) for s in samples])
     train, evals = split_eval(samples, cfg, tcfg.vocab_size)
     if cfg.loop_cut:
         train, cut = cut_loops(train, cfg.loop_cut)
@@ -172,6 +174,8 @@ def setup(cfg: TrainConfig, target) -> Run:
     draft = build_draft(cfg, target, rank)
     fmodel = feature_model(model)
     aux_ids = aux_layer_ids_for(model, draft.cfg.aux_layer_ids)
+    if cfg.features and is_url(cfg.features):
+        store = open_stream(cfg.features, target, samples, aux_ids)
     if store and tuple(store.meta["aux_layer_ids"]) != aux_ids:
         raise FledgeError(f"--features {cfg.features}: aux layers {store.meta['aux_layer_ids']}, drafter reads {list(aux_ids)}")
     if cfg.fc_norm and not draft.cfg.fc_norm:
@@ -258,6 +262,10 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, int]:
     returns the all-reduced stats [3, k] and the target tokens of the global batch."""
     cfg = run.cfg
     batch = global_batch(run, step)
+    if run.store is not None:  # a streamed store fetches this step's and the next step's features meanwhile
+        for b in [batch] + ([global_batch(run, step + 1)] if step + 1 < run.total_steps else []):
+            for m in range(cfg.grad_accum):
+                run.store.prefetch([run.train[i].index for i in micro_batch(run, b, run.rank, m)])
     norm = sum(run.train[i].step_counts(cfg.ttt_steps) for i in batch).clamp_min(1).to(run.device) / run.world
     stats = torch.zeros(3, cfg.ttt_steps, device=run.device)
     for m in range(cfg.grad_accum):
