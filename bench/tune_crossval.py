@@ -1,0 +1,103 @@
+"""Leave-one-source-out cross-validation of `fledge tune`'s serving model on the corpus of
+published measurements.
+
+    python bench/tune_crossval.py [--corpus bench/published] [--margin 0]
+
+For each engine family (vLLM, SGLang, TensorRT-LLM) and each source in it, the family's
+constants (fledge.perf.servemodel) are fitted without that source and its rows predicted, each
+with its own accept length; each row's range comes from the other sources' residuals. Prints the
+table (row, predicted, measured, error, range, verdict) and the summary; writes
+bench/results/tune_crossval_cpu.json, and the constants fitted on every row with the residuals
+(what `fledge tune` reads for its ranges) to fledge/perf/servemodel_fit.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from fledge.core.files import atomic_write_json
+from fledge.core.report import print_table
+from fledge.perf import corpus
+from fledge.perf import servemodel as S
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1f}%"
+
+
+def run(folder: Path, margin: float) -> dict:
+    rows = corpus.load_rows(folder)
+    cs, skipped = corpus.cases(rows)
+    cv = corpus.crossval(cs, margin)
+    table = []
+    for r in cv["rows"]:
+        c = r["case"]
+        table.append({"source": r["source"], "file": c.row.get("_file"), "family": r["family"],
+                      "target": c.row.get("target"), "gpu": c.row.get("gpu"), "tp": c.deployment.tp,
+                      "batch": c.load.batch, "shape": c.shape.label, "accept_length": c.accept_length,
+                      "speedup_predicted": r["speedup_predicted"], "speedup_measured": r["speedup_measured"],
+                      "error_percent": 100 * (r["speedup_predicted"] / r["speedup_measured"] - 1),
+                      "low": r["low"], "high": r["high"], "verdict": r["verdict"], "verdict_right": r["verdict_right"],
+                      "plain_ms_predicted": r["plain_ms_predicted"], "plain_ms_measured": r["plain_ms_measured"]})
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"machine": "this CPU (the fit and the cross-validation; the measurements are the sources')",
+            "commit": commit, "corpus": str(folder), "margin": margin, "rows_read": len(rows),
+            "skipped": [{"source": r.get("source"), "target": r.get("target"), "why": why} for r, why in skipped],
+            "table": table, "summary": cv["summary"], "constants": cv["constants"],
+            "residuals": cv["residuals"], "quantiles": S.QUANTILES}
+
+
+def show(report: dict) -> None:
+    head = ["source", "target", "engine", "gpu", "tp", "batch", "shape", "accept", "pred", "meas", "error", "range",
+            "verdict", "right"]
+    body = [[t["source"][:22], str(t["target"])[:20], t["family"], str(t["gpu"])[:12], t["tp"], t["batch"], t["shape"],
+             f"{t['accept_length']:.2f}", f"{t['speedup_predicted']:.2f}x", f"{t['speedup_measured']:.2f}x",
+             f"{t['error_percent']:+.1f}%", f"{t['low']:.2f}-{t['high']:.2f}", t["verdict"],
+             "yes" if t["verdict_right"] else "NO"] for t in report["table"]]
+    print_table([head] + body)
+    s = report["summary"]
+    print(f"\n{s['rows']} rows from {s['sources']} sources ({len(report['skipped'])} rows skipped); leave-one-source-out:")
+    print(f"  speed-up mean |error| {_pct(s['speedup_mean_abs_error_percent'])}, max "
+          f"{_pct(s['speedup_max_abs_error_percent'])}; plain tok/s mean |error| {_pct(s['plain_mean_abs_error_percent'])}"
+          f" over {s['plain_rows']} rows")
+    print(f"  verdicts right {s['verdicts_right']}/{s['rows']} ({s['too_close_to_call']} too close to call); best shape "
+          f"right in {s['best_shape_right']}/{s['best_shape_groups']} settings with several shapes")
+    for fam, f in s["per_family"].items():
+        print(f"  {fam:<7} {f['rows']:>3} rows, {f['sources']:>2} sources: speed-up {_pct(f['speedup_mean_abs_error_percent'])}"
+              f", plain {_pct(f['plain_mean_abs_error_percent'])}, verdicts right {f['verdicts_right']}/{f['rows']}")
+    for fam, c in report["constants"].items():
+        print(f"  {fam} constants: " + ", ".join(f"{k} {v:.3g}" for k, v in c.items()))
+    whys = {}
+    for sk in report["skipped"]:
+        whys[sk["why"]] = whys.get(sk["why"], 0) + 1
+    for why, n in sorted(whys.items(), key=lambda x: -x[1]):
+        print(f"  skipped {n}: {why}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--corpus", type=Path, default=ROOT / "bench" / "published")
+    ap.add_argument("--margin", type=float, default=0.0, help="a verdict 'pays' needs the range above 1 + margin")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tune_crossval_cpu.json")
+    ap.add_argument("--fit-out", type=Path, default=ROOT / "fledge" / "perf" / "servemodel_fit.json",
+                    help="the constants and residuals `fledge tune` reads")
+    args = ap.parse_args(argv)
+    report = run(args.corpus, args.margin)
+    show(report)
+    atomic_write_json(args.out, report)
+    atomic_write_json(args.fit_out, {"kind": "fledge servemodel fit", "commit": report["commit"],
+                                     "rows": report["summary"]["rows"], "sources": report["summary"]["sources"],
+                                     "constants": report["constants"], "residuals": report["residuals"],
+                                     "summary": {k: v for k, v in report["summary"].items()}})
+    print(f"wrote {args.out} and {args.fit_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
