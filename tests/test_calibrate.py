@@ -132,7 +132,7 @@ def test_fit_reproduces_the_servers_and_predicts_another_chain(servers, tmp_path
 
     assert chain2(hw) == pytest.approx(chain2(truth_hw()), rel=0.1)
     # and `fledge tune --profile` reads it
-    assert main(["tune", "--model", str(TARGET), "--profile", str(out), "--context", "256", "--profile-json", str(out),
+    assert main(["tune", "model", "--model", str(TARGET), "--hardware-profile", str(out), "--context", "256", "--accept-json", str(out),
                  "--concurrency", "1,2", "--json", str(tmp_path / "t.json")]) == 0
     assert "calibrated by" in json.loads((tmp_path / "t.json").read_text())["notes"][0]
 

@@ -105,7 +105,7 @@ def test_kimi_k25_on_8_rtx_pro_6000_pcie(tmp_path):
     assert st.verify_ms[16] == pytest.approx(30, rel=0.2)  # "near": within 20%
     assert st.verify_ms[16] > 2 * st.ar_ms  # the expert union: a wide verify costs several AR steps
     out = tmp_path / "kimi.json"
-    rc = main(["tune", "--model", str(FIXTURES / "kimi_k25_config.json"), "--gpu", "rtx-pro-6000", "--tp", "8",
+    rc = main(["tune", "model", "--model", str(FIXTURES / "kimi_k25_config.json"), "--gpu", "rtx-pro-6000", "--tp", "8",
                "--interconnect", "pcie", "--accept-length", "2.1", "--accept-shape", "3,4,16", "--json", str(out)])
     assert rc == 0
     ref = json.loads(out.read_text())["reference"]
@@ -178,7 +178,7 @@ def test_bad_configs_and_names(tmp_path, capsys):
                        (["--model", str(FIXTURES / "llama31_8b_config.json"), "--gpu", "h900"], "--gpu"),
                        (["--model", str(FIXTURES / "llama31_8b_config.json")], "--gpu"),
                        (["--model", str(tmp_path / "nope.json"), "--gpu", "h100"], "--model")]:
-        rc = main(["tune", *argv, "--accept-length", "2"])
+        rc = main(["tune", "model", *argv, "--accept-length", "2"])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and word in err and len(err.splitlines()) == 1, err
 
@@ -189,7 +189,7 @@ def test_whole_requests_shrink_the_gain_not_the_break_even(tmp_path):
     runs = {}
     for name, extra in (("decode", []), ("requests", ["--output-len", "256"])):
         out = tmp_path / f"{name}.json"
-        assert main(["tune", "--model", str(FIXTURES / "llama33_70b_config.json"), "--gpu", "h200", "--tp", "4",
+        assert main(["tune", "model", "--model", str(FIXTURES / "llama33_70b_config.json"), "--gpu", "h200", "--tp", "4",
                      "--batch", "8", "--context", "1024", "--accept-length", "3", "--json", str(out), *extra]) == 0
         runs[name] = {(p["num_steps"], p["topk"], p["num_draft_tokens"]): p
                       for p in json.loads(out.read_text())["predictions"]}

@@ -162,7 +162,7 @@ def test_kimi_k25_what_if_says_speculation_loses(tmp_path):
     at 3 steps, 54-57 tok/s observed. The prediction is derived here from the formula."""
     ar_ms, verify_ms, draft_ms, L = 1000 / 86, 30.0, 1.5, 2.1
     out = tmp_path / "kimi.json"
-    rc = main(["tune", "--what-if", "--ar-ms", str(ar_ms), "--verify-ms", f"4:{verify_ms}", "--draft-ms", str(draft_ms),
+    rc = main(["tune", "what-if", "--ar-ms", str(ar_ms), "--verify-ms", f"4:{verify_ms}", "--draft-ms", str(draft_ms),
                "--accept-length", str(L), "--accept-steps", "3", "--json", str(out), "--png", str(tmp_path / "k.png")])
     assert rc == 0 and (tmp_path / "k.png").stat().st_size > 1000
     data = json.loads(out.read_text())
@@ -202,10 +202,10 @@ def test_bad_input(capsys):
         Profile([[0.8, 0.3]])  # sums past 1
     with pytest.raises(FledgeError):
         Shape(3, 1, 6)  # a chain verifies steps + 1
-    rc = main(["tune", "--what-if", "--ar-ms", "10", "--verify-ms", "1:ten", "--draft-ms", "1", "--accept-length", "2"])
+    rc = main(["tune", "what-if", "--ar-ms", "10", "--verify-ms", "1:ten", "--draft-ms", "1", "--accept-length", "2"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--verify-ms" in err and len(err.splitlines()) == 1
-    rc = main(["tune", "--what-if", "--ar-ms", "10", "--verify-ms", "1:10", "--draft-ms", "1", "--accept-length", "9"])
+    rc = main(["tune", "what-if", "--ar-ms", "10", "--verify-ms", "1:10", "--draft-ms", "1", "--accept-length", "9"])
     assert rc == 2 and "--accept-length" in capsys.readouterr().err
 
 
@@ -252,7 +252,7 @@ def test_accept_length_fit_at_the_shape_it_was_measured_at():
 
 
 def test_draft_ms_is_predicted_when_absent(tmp_path, capsys):
-    argv = ["tune", "--what-if", "--ar-ms", "6", "--verify-ms", "1:6,8:6.5", "--accept-length", "2.5"]
+    argv = ["tune", "what-if", "--ar-ms", "6", "--verify-ms", "1:6,8:6.5", "--accept-length", "2.5"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--draft-ms" in err and "--model" in err and len(err.strip().splitlines()) == 1
@@ -283,7 +283,7 @@ def test_concurrency_sweep_against_ranking_each_level():
 def test_hardware_model_cli_writes_table_json_png(tmp_path):
     out, png = tmp_path / "t.json", tmp_path / "t.png"
     fixture = str(Path(__file__).parent / "fixtures" / "tune" / "llama31_8b_config.json")
-    assert main(["tune", "--model", fixture, "--gpu", "h200", "--accept-length", "3.0", "--accept-shape", "3,1,4",
+    assert main(["tune", "model", "--model", fixture, "--gpu", "h200", "--accept-length", "3.0", "--accept-shape", "3,1,4",
                  "--concurrency", "1,8,64", "--json", str(out), "--png", str(png)]) == 0
     data = json.loads(out.read_text())
     assert [r["concurrency"] for r in data["concurrency"]] == [1, 8, 64]
@@ -296,7 +296,7 @@ def test_plain_decoding_reads_the_same_in_header_and_verdict(tmp_path):
     header's plain tok/s is the one the verdict compares against."""
     out = tmp_path / "t.json"
     fixture = str(Path(__file__).parent / "fixtures" / "tune" / "llama31_8b_config.json")
-    assert main(["tune", "--model", fixture, "--gpu", "h200", "--accept-length", "3.0", "--accept-shape", "3,1,4",
+    assert main(["tune", "model", "--model", fixture, "--gpu", "h200", "--accept-length", "3.0", "--accept-shape", "3,1,4",
                  "--context", "4096", "--output-len", "64", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     timings = data["timings"]
@@ -311,8 +311,8 @@ def test_no_import_cycle_between_bench_and_tune():
 
     import fledge
 
-    root = Path(fledge.__file__).parent
-    for name in ("bench.py", "serving.py", "calibrate.py", "acceptance.py", "hwmodel.py"):
+    root = Path(fledge.__file__).parent / "perf"
+    for name in ("bench.py", "serving.py", "calibrate.py", "acceptance.py", "hwmodel.py", "servemodel.py", "corpus.py"):
         tree = ast.parse((root / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
@@ -325,8 +325,8 @@ def test_measured_tune_validates_on_the_shipped_engine_path(tmp_path):
     then runs the shapes asked for through the same path (fused rounds) and reports both."""
     out = tmp_path / "v.json"
     drafter = str(Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m")
-    rc = main(["tune", "--target", "smollm2-135m", "--drafter", drafter, "--device", "cpu", "--num-prompts", "1",
-               "--max-new-tokens", "12", "--max-steps", "3", "--probe-topk", "2", "--validate",
+    rc = main(["tune", "engine", "--target", "smollm2-135m", "--drafter", drafter, "--device", "cpu", "--num-prompts", "1",
+               "--max-new-tokens", "12", "--max-depth", "3", "--probe-topk", "2", "--validate",
                "--shapes", "1,1,2;3,2,6", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())

@@ -191,6 +191,8 @@ class Timings:
     batch: int = 1
     prefill_ms: float = 0.0
     output_len: int = 0
+    extra_drafts: int = 0  # draft forwards a round takes beyond num_steps (SGLang's extend pass: 1)
+    tree_ms: float = 0.0  # host time to build a topk > 1 tree, per round
 
     def __post_init__(self):
         self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
@@ -212,7 +214,8 @@ class Timings:
 
     def round_ms(self, shape: Shape) -> float:
         """One speculative round of `shape`: its draft steps, its verify, the rest."""
-        return shape.num_steps * self.draft(shape.topk) + self.verify(shape.num_draft_tokens) + self.overhead_ms
+        return ((shape.num_steps + self.extra_drafts) * self.draft(shape.topk) + self.verify(shape.num_draft_tokens)
+                + self.overhead_ms + (self.tree_ms if shape.topk > 1 else 0.0))
 
     @property
     def prefill_per_token_ms(self) -> float:

@@ -54,8 +54,10 @@ percentile of log(measured / predicted)) and the verdict: "pays" when the whole 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
@@ -237,3 +239,36 @@ def quantile_pair(residuals: list[float]) -> tuple[float, float]:
         return xs[a] + (xs[b] - xs[a]) * (i - a)
 
     return min(q(QUANTILES[0]), 0.0), max(q(QUANTILES[1]), 0.0)
+
+
+FIT_FILE = Path(__file__).with_name("servemodel_fit.json")  # written by bench/tune_crossval.py
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """One family's constants and the cross-validation residuals its ranges come from."""
+
+    engine: str
+    constants: dict
+    residuals: list
+    note: str
+
+
+def fitted(engine: str, path: Path = FIT_FILE) -> Fitted:
+    """The shipped fit of `engine`'s family; a family the corpus held too few sources of borrows
+    every family's residuals (its range is then wider than its own would be), and says so."""
+    try:
+        fit = json.loads(Path(path).read_text())
+        consts, residuals = fit["constants"], fit["residuals"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FledgeError(f"{path}: no fitted constants ({e}); run bench/tune_crossval.py") from None
+    where = f"{fit.get('rows', '?')} published rows from {fit.get('sources', '?')} sources"
+    if engine in consts and len(residuals.get(engine, [])) >= 3:
+        return Fitted(engine, check_constants(consts[engine], str(path)), residuals[engine],
+                      f"{engine} constants fitted on {where}; ranges from its leave-one-source-out errors")
+    pooled = [r for rs in residuals.values() for r in rs]
+    base = consts.get(engine) or next(iter(consts.values()), defaults())
+    return Fitted(engine, check_constants(base, str(path)), pooled,
+                  f"{engine}: too few published rows of its own; constants "
+                  f"{'its own' if engine in consts else 'of another family'}, ranges from every family's errors "
+                  f"({where})")
