@@ -464,7 +464,7 @@ def add_tune(sub) -> None:
     c.add_argument("--metrics-url", action="append", help="its Prometheus /metrics (default: URL's host + /metrics)")
     _tune_models(c, False)
     _tune_machine(c)
-    c.add_argument("--levels", default="1,2,4,8,16,32,64,128,256", help="concurrency levels to measure")
+    c.add_argument("--levels", help="concurrency levels to measure (default 1,2,4,...,256; 1,2,4 on --gpu cpu)")
     c.add_argument("--requests", type=int, default=4, help="requests per level (at least the level's concurrency)")
     c.add_argument("--max-new-tokens", type=int, default=64, help="tokens each request generates")
     c.add_argument("--predict-ks", default="1,2,3,4,5", help="chains to predict from the measured plain server")
