@@ -35,10 +35,20 @@ class Case:
     row: dict
     deployment: S.Deployment
     load: S.Load
-    shape: Shape
-    accept_length: float
-    speedup: float  # measured, speculative over plain
+    shape: Shape | None
+    accept_length: float | None  # None: the row serves the plain decoding fit only
+    speedup: float | None  # measured, speculative over plain
     plain_ms: float | None  # measured ms per token of one request, when the row gives it
+
+    @property
+    def speculates(self) -> bool:
+        return bool(self.accept_length and self.speedup and self.shape)
+
+    @property
+    def explainable(self) -> bool:
+        """A round never costs less than a plain step, so no speed-up exceeds the accept length:
+        a row measuring more used another accept length or baseline than its figures say."""
+        return not self.speculates or self.speedup <= self.accept_length * 1.02
 
     @property
     def source(self) -> str:
@@ -48,8 +58,11 @@ class Case:
     def family(self) -> str:
         return self.deployment.engine
 
-    def predict(self, c: dict) -> tuple[float, float]:
-        """(speed-up, plain ms per token of a request) under constants `c`."""
+    def predict(self, c: dict) -> tuple[float | None, float]:
+        """(speed-up, plain ms per token of a request) under constants `c` (no speed-up for a
+        row without an accept length)."""
+        if not self.speculates:
+            return None, S.speeds(self.deployment, c, self.load, Shape(1, 1, 2), 1.0)[0]
         plain, spec = S.speeds(self.deployment, c, self.load, self.shape, self.accept_length)
         return plain / spec, plain
 
@@ -139,22 +152,21 @@ def case(row: dict) -> Case:
         raise FledgeError("no architecture")
     if gpu is None:
         raise FledgeError(f"GPU {row.get('gpu')!r} not in the table")
-    if not row.get("accept_length"):
-        raise FledgeError("no accept length")
     target = spec_from_arch(arch, _quant(row.get("quant")))
     tp = int(row.get("tp") or row.get("gpu_count") or 1)
     link = "pcie" if "pcie" in str(row.get("interconnect") or "").lower() else "nvlink"
     d = S.Deployment(target, hwmodel.default_drafter(target), hwmodel.GPUS[gpu], tp, hwmodel.LINKS[link],
                      S.family(str(row.get("engine") or "")), _drafting(row.get("method")),
                      row.get("cuda_graphs") is not False)
-    shape = _shape(row)
+    try:
+        shape = _shape(row)
+    except FledgeError:
+        shape = None
     speedup = row.get("speedup")
     if row.get("plain_tok_s") and row.get("spec_tok_s"):
         speedup = row["spec_tok_s"] / row["plain_tok_s"]
     elif row.get("plain_tpot_ms") and row.get("spec_tpot_ms"):
         speedup = row["plain_tpot_ms"] / row["spec_tpot_ms"]
-    if not speedup:
-        raise FledgeError("no speed-up")
     batch = int(row.get("batch") or 1)
     tpot = bool(row.get("plain_tpot_ms")) and not row.get("plain_tok_s")
     prompt, out = int(row.get("input_len") or 0), int(row.get("output_len") or 0)
@@ -165,7 +177,10 @@ def case(row: dict) -> Case:
         plain = float(row["plain_tpot_ms"])
     elif row.get("plain_tok_s"):
         plain = 1e3 / row["plain_tok_s"] * (1 if _per_request(row) else batch)
-    return Case(row, d, load, shape, float(row["accept_length"]), float(speedup), plain)
+    if not (row.get("accept_length") and speedup and shape) and not plain:
+        raise FledgeError("no accept length, and no plain speed")
+    accept = float(row["accept_length"]) if row.get("accept_length") else None
+    return Case(row, d, load, shape, accept, float(speedup) if speedup else None, plain)
 
 
 def cases(rows: list[dict]) -> tuple[list[Case], list[tuple[dict, str]]]:
@@ -183,7 +198,7 @@ def free_constants(cs: list[Case]) -> list[str]:
     """The constants `cs` can inform: a tree's host time needs SGLang trees, the MoE and
     dequant terms MoE or quantised targets, the all-reduce one tensor parallelism."""
     free = ["step", "draft_fixed", "round_extra", "bw_eff"]
-    if any(c.shape.topk > 1 and c.family == "sglang" for c in cs):
+    if any(c.speculates and c.shape.topk > 1 and c.family == "sglang" for c in cs):
         free.append("tree_host")
     if any(c.deployment.target.experts for c in cs):
         free.append("moe_rows")
@@ -199,6 +214,7 @@ def fit(cs: list[Case]) -> dict:
     from scipy.optimize import least_squares
 
     base = S.defaults()
+    cs = [c for c in cs if c.explainable]
     free = free_constants(cs)
     if not cs:
         return base
@@ -212,7 +228,8 @@ def fit(cs: list[Case]) -> dict:
         c, out = unpack(x), []
         for cs_ in cs:
             speedup, plain = cs_.predict(c)
-            out.append(math.log(speedup / cs_.speedup))
+            if speedup:
+                out.append(math.log(speedup / cs_.speedup))
             if cs_.plain_ms:
                 out.append(PLAIN_WEIGHT * math.log(plain / cs_.plain_ms))
         return out + [PRIOR_WEIGHT * (v - 1) for v in x]
@@ -223,8 +240,9 @@ def fit(cs: list[Case]) -> dict:
 
 def crossval(cs: list[Case], margin: float = 0.0) -> dict:
     """Leave each source out of its family's fit and predict its rows; each row's range comes from
-    the residuals of the family's other sources (so no row's range has seen its own source)."""
-    table, constants = [], {}
+    the residuals of the family's other sources (so no row's range has seen its own source).
+    Rows without an accept length are predicted for plain decoding only."""
+    table, plain_rows, constants, seen = [], [], {}, set()
     for fam in S.FAMILIES:
         mine = [c for c in cs if c.family == fam]
         if not mine:
@@ -233,22 +251,30 @@ def crossval(cs: list[Case], margin: float = 0.0) -> dict:
         for src in sorted({c.source for c in mine}):
             train = [c for c in mine if c.source != src] or [c for c in cs if c.source != src]
             const = fit(train)
-            for c in mine:
-                if c.source == src:
-                    speedup, plain = c.predict(const)
-                    table.append({"case": c, "source": src, "family": fam, "speedup_predicted": speedup,
-                                  "speedup_measured": c.speedup, "plain_ms_predicted": plain,
-                                  "plain_ms_measured": c.plain_ms,
+            for c in (c for c in mine if c.source == src):
+                speedup, plain = c.predict(const)
+                key = (src, json.dumps(c.row.get("arch"), sort_keys=True), c.row.get("gpu"), c.load, c.plain_ms)
+                if c.plain_ms and key not in seen:  # one baseline shared by several speculative rows counts once
+                    seen.add(key)
+                    plain_rows.append({"case": c, "source": src, "family": fam, "plain_ms_predicted": plain,
+                                       "plain_ms_measured": c.plain_ms})
+                if speedup:
+                    table.append({"case": c, "source": src, "family": fam, "explainable": c.explainable,
+                                  "speedup_predicted": speedup, "speedup_measured": c.speedup,
+                                  "plain_ms_predicted": plain, "plain_ms_measured": c.plain_ms,
                                   "residual": math.log(c.speedup / speedup)})
     for r in table:
-        others = [o["residual"] for o in table if o["family"] == r["family"] and o["source"] != r["source"]]
+        usable = [o for o in table if o["explainable"] and o["source"] != r["source"]]
+        others = [o["residual"] for o in usable if o["family"] == r["family"]]
         if len(others) < 3:
-            others = [o["residual"] for o in table if o["source"] != r["source"]]
+            others = [o["residual"] for o in usable]
         rng = S.with_range(r["speedup_predicted"], others)
-        r.update(low=rng.low, high=rng.high, verdict=rng.verdict(margin), verdict_right=bool(_right(rng, r["speedup_measured"],
-                                                                                                      margin)))
-    residuals = {fam: [r["residual"] for r in table if r["family"] == fam] for fam in constants}
-    return {"rows": table, "constants": constants, "residuals": residuals, "summary": summary(table)}
+        r.update(low=rng.low, high=rng.high, verdict=rng.verdict(margin),
+                 verdict_right=bool(_right(rng, r["speedup_measured"], margin)))
+    residuals = {fam: [r["residual"] for r in table if r["family"] == fam and r["explainable"]] for fam in constants}
+    return {"rows": table, "plain_rows": plain_rows, "constants": constants, "residuals": residuals,
+            "summary": summary(table, plain_rows),
+            "summary_explainable": summary([r for r in table if r["explainable"]], plain_rows)}
 
 
 def _right(rng: S.Range, measured: float, margin: float) -> bool:
@@ -264,7 +290,7 @@ def _mean_abs(errors: list[float]) -> float | None:
     return 100 * statistics.mean(abs(e) for e in errors) if errors else None
 
 
-def summary(table: list[dict]) -> dict:
+def summary(table: list[dict], plain_rows: list[dict]) -> dict:
     """Mean |error| of the speed-up (overall, per family), of plain tok/s, the verdicts right,
     the best shape right where a source measured several shapes of one setting."""
     def err(r, key):
@@ -273,17 +299,18 @@ def summary(table: list[dict]) -> dict:
     out = {"rows": len(table), "sources": len({r["source"] for r in table}),
            "speedup_mean_abs_error_percent": _mean_abs([err(r, "speedup") for r in table]),
            "speedup_max_abs_error_percent": max((100 * abs(err(r, "speedup")) for r in table), default=None),
-           "plain_mean_abs_error_percent": _mean_abs([err(r, "plain_ms") for r in table if r["plain_ms_measured"]]),
-           "plain_rows": sum(1 for r in table if r["plain_ms_measured"]),
+           "plain_mean_abs_error_percent": _mean_abs([err(r, "plain_ms") for r in plain_rows]),
+           "plain_rows": len(plain_rows), "plain_sources": len({r["source"] for r in plain_rows}),
            "verdicts_right": sum(r["verdict_right"] for r in table),
            "too_close_to_call": sum(r["verdict"] == "too close to call" for r in table),
            "per_family": {}}
-    for fam in sorted({r["family"] for r in table}):
+    for fam in sorted({r["family"] for r in table + plain_rows}):
         mine = [r for r in table if r["family"] == fam]
         out["per_family"][fam] = {"rows": len(mine), "sources": len({r["source"] for r in mine}),
                                   "speedup_mean_abs_error_percent": _mean_abs([err(r, "speedup") for r in mine]),
                                   "plain_mean_abs_error_percent": _mean_abs(
-                                      [err(r, "plain_ms") for r in mine if r["plain_ms_measured"]]),
+                                      [err(r, "plain_ms") for r in plain_rows if r["family"] == fam]),
+                                  "plain_rows": sum(r["family"] == fam for r in plain_rows),
                                   "verdicts_right": sum(r["verdict_right"] for r in mine)}
     groups = {}
     for r in table:

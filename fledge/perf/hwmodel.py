@@ -88,6 +88,10 @@ GPUS = {
     "a10g": Gpu(600, {"bf16": 70, "fp16": 70, "fp8": 70, "fp32": 35}),
     # NVIDIA GeForce RTX 4090: 1,008 GB/s GDDR6X, 165 TFLOP/s bf16 dense (fp32 accumulate), 330 fp8.
     "rtx-4090": Gpu(1008, {"bf16": 165, "fp16": 165, "fp8": 330, "fp32": 83}),
+    # NVIDIA GeForce RTX 3090: 936 GB/s GDDR6X, 71 TFLOP/s bf16 dense (fp32 accumulate); no fp8 units.
+    "rtx-3090": Gpu(936, {"bf16": 71, "fp16": 71, "fp8": 71, "fp32": 35.6}),
+    # NVIDIA A40 datasheet: 696 GB/s GDDR6, 150 TFLOP/s bf16 dense; no fp8 units.
+    "a40": Gpu(696, {"bf16": 150, "fp16": 150, "fp8": 150, "fp32": 37.4}),
     # A server CPU socket's order of magnitude only (DDR5, a few cores of AVX-512); PyTorch eager
     # costs ~15 us of dispatch per op. Run `fledge tune calibrate` rather than trust these.
     "cpu": Gpu(20, {"bf16": 0.2, "fp16": 0.2, "fp8": 0.2, "fp32": 0.2}, launch_us=15.0, graph_launch_us=15.0),
@@ -140,7 +144,8 @@ class Hardware:
 # Other spellings of the table's devices: same silicon, or close enough for a roofline.
 GPU_ALIASES = {"h800": "h100", "h100-sxm": "h100", "h100-pcie": "h100", "h100-nvl": "h100", "gh200": "h200",
                "h200-nvl": "h200", "a800": "a100", "a100-80g": "a100", "a100-sxm": "a100", "b100": "b200",
-               "rtx-pro-6000-blackwell": "rtx-pro-6000", "rtx-6000-pro": "rtx-pro-6000", "4090": "rtx-4090"}
+               "rtx-pro-6000-blackwell": "rtx-pro-6000", "rtx-6000-pro": "rtx-pro-6000", "4090": "rtx-4090",
+               "3090": "rtx-3090", "a100-40gb": "a100", "a100-40g": "a100"}
 
 
 def gpu_key(name: str) -> str | None:
