@@ -153,6 +153,8 @@ def case(row: dict) -> Case:
     if gpu is None:
         raise FledgeError(f"GPU {row.get('gpu')!r} not in the table")
     target = spec_from_arch(arch, _quant(row.get("quant")))
+    if not row.get("tp") and int(row.get("gpu_count") or 1) > 8:
+        raise FledgeError("several nodes without their TP/EP split (one tensor-parallel group is what the model prices)")
     tp = int(row.get("tp") or row.get("gpu_count") or 1)
     link = "pcie" if "pcie" in str(row.get("interconnect") or "").lower() else "nvlink"
     d = S.Deployment(target, hwmodel.default_drafter(target), hwmodel.GPUS[gpu], tp, hwmodel.LINKS[link],

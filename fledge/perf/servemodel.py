@@ -71,8 +71,8 @@ CONSTANTS = {
     "round_extra": (0.5, 0.0, 6.0),
     "tree_host": (0.5, 0.0, 4.0),
     "bw_eff": (0.75, 0.35, 0.95),
-    "moe_rows": (32.0, 2.0, 512.0),
-    "dequant": (1.3, 1.0, 3.0),
+    "moe_rows": (32.0, 8.0, 512.0),
+    "dequant": (1.3, 1.0, 2.0),
     "allreduce_scale": (1.0, 0.3, 4.0),
 }
 FAMILIES = ("vllm", "sglang", "trtllm")
