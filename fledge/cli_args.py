@@ -377,7 +377,7 @@ class Moved(argparse.Action):
     """An old spelling of a tune option or mode: one line naming the new one, exit 2."""
 
     def __init__(self, option_strings, dest, new: str, nargs=0, **kw):
-        super().__init__(option_strings, dest, nargs=nargs, help=argparse.SUPPRESS, **kw)
+        super().__init__(option_strings, dest, nargs=nargs, help=f"old spelling: now {new}", **kw)
         self.new = new
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -486,7 +486,7 @@ def add_tune(sub) -> None:
     e.add_argument("--validate", action="store_true", help="also run >= 8 shapes for real: predicted vs measured")
     e.add_argument("--shapes", help="with --validate: STEPS,TOPK,TOKENS;... to run (default: 8 picked from the ranking)")
     _tune_common(e)
-    e.set_defaults(func=handler("fledge.perf.tune:run_engine"))
+    e.set_defaults(func=handler("fledge.perf.tune_engine:run_engine"))
 
     w = modes.add_parser("what-if", help="your own timings and acceptance (no GPU)")
     w.add_argument("--ar-ms", type=float, required=True, help="plain decoding: ms per step")

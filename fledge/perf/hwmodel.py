@@ -31,7 +31,7 @@ stated once:
     forward, and the drafter's pass over the accepted tokens (taken as 2 rows per sequence) with
     the fc; the host's step time once, plus `round_host_ms`. vLLM drafts one forward fewer per
     round than SGLang (its first draft step is that pass); the model counts SGLang's.
-  * Whole requests (`tune --output-len`): a request's prefill is one forward of its prompt, and
+  * Whole requests (`tune model --output-len`): a request's prefill is one forward of its prompt, and
     the batch's decode waits for it (no overlap of prefill and decode).
   * The efficiencies, host times and kernel counts are estimates, not measurements: they are the
     constants `fledge tune calibrate` fits to a live server.

@@ -18,21 +18,18 @@ is to serve without speculation.
 
 from __future__ import annotations
 
-import itertools
 import math
-import statistics
 from dataclasses import asdict, dataclass
 
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
 from fledge.core.report import save_figure, subplots
-from fledge.core.shape import Shape, max_nodes, parse_shapes
-from fledge.perf import bench, hwmodel, servemodel
+from fledge.core.shape import Shape, max_nodes
+from fledge.perf import hwmodel, servemodel
 from fledge.perf.acceptance import (
     Profile,
     expected_accept_length,
     profile_from_args,
-    profile_from_json,
 )
 from fledge.perf.calibrate import load_profile
 from fledge.perf.hwmodel import Timings
@@ -77,10 +74,10 @@ def predict(profile: Profile, timings: Timings, shape: Shape, spread: tuple[floa
     return Prediction(shape, L, t, 1e3 / ms, sp, t / timings.ar_ms, lo, hi)
 
 
-def grid(max_steps: int = 8, topks=(1, 2, 4, 8), draft_tokens=(4, 8, 16, 32, 64)) -> list[Shape]:
-    """Chains of 1..max_steps, and trees of every (steps, topk > 1, draft tokens) that fits."""
-    return [Shape(s, 1, s + 1) for s in range(1, max_steps + 1)] + [
-        Shape(s, k, n) for s in range(2, max_steps + 1) for k in topks for n in draft_tokens
+def grid(max_depth: int = 8, topks=(1, 2, 4, 8), draft_tokens=(4, 8, 16, 32, 64)) -> list[Shape]:
+    """Chains of 1..max_depth, and trees of every (steps, topk > 1, draft tokens) that fits."""
+    return [Shape(s, 1, s + 1) for s in range(1, max_depth + 1)] + [
+        Shape(s, k, n) for s in range(2, max_depth + 1) for k in topks for n in draft_tokens
         if k > 1 and s + 1 < n <= max_nodes(s, k)]
 
 
@@ -317,7 +314,7 @@ TOPKS = (1, 2, 4, 8)
 
 
 # --------------------------------------------------------------------------- modes
-def _finish(args, result) -> int:
+def finish(args, result) -> int:
     text, data, preds = result
     print(text)
     if args.json:
@@ -327,7 +324,7 @@ def _finish(args, result) -> int:
     return 0
 
 
-def _check(args) -> None:
+def check_args(args) -> None:
     if args.max_depth < 1 or args.max_depth > 16:
         raise FledgeError(f"--max-depth {args.max_depth}: draft steps from 1 to 16")
     if not 0 <= args.margin < 1:
@@ -338,7 +335,7 @@ def _check(args) -> None:
             raise FledgeError(f"--{name.replace('_', '-')} {v}: must be {'>= 0' if name in ('context', 'output_len') else '>= 1'}")
 
 
-def _ranked(args, profile: Profile, timings: Timings, shapes, ref_shape: Shape | None, notes, conc=None, spread=None,
+def ranked(args, profile: Profile, timings: Timings, shapes, ref_shape: Shape | None, notes, conc=None, spread=None,
             engine: str = "sglang"):
     preds = rank_all(profile, timings, shapes, spread)
     ref = predict(profile, timings, ref_shape, spread) if ref_shape else None
@@ -349,7 +346,7 @@ def _ranked(args, profile: Profile, timings: Timings, shapes, ref_shape: Shape |
 
 def run_what_if(args) -> int:
     """`fledge tune what-if`: your own timings and acceptance."""
-    _check(args)
+    check_args(args)
     notes = ["timings: as given (what-if)"]
     if args.draft_ms is not None:
         draft = parse_ms_table(args.draft_ms, "--draft-ms")
@@ -364,7 +361,7 @@ def run_what_if(args) -> int:
                           "--gpu NAME to predict it from the drafter's size (one decoder layer and its LM head)")
     timings = Timings(args.ar_ms, parse_ms_table(args.verify_ms, "--verify-ms"), draft, args.overhead_ms, args.batch)
     profile, ref_shape, note = profile_from_args(args)
-    return _finish(args, _ranked(args, profile, timings, grid(args.max_depth), ref_shape, (*notes, note),
+    return finish(args, ranked(args, profile, timings, grid(args.max_depth), ref_shape, (*notes, note),
                                  engine=args.engine or "sglang"))
 
 
@@ -372,7 +369,7 @@ def run_model(args) -> int:
     """`fledge tune model`: the serving model fitted on published measurements (each prediction
     with its cross-validated range); with --hardware-profile or a hardware override, the roofline
     as given or calibrated on your server (no range)."""
-    _check(args)
+    check_args(args)
     cpu_defaults(args)
     target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
     profile, ref_shape, note = profile_from_args(args)
@@ -402,96 +399,9 @@ def run_model(args) -> int:
               f"and {args.output_len} new tokens" if args.output_len else "; decode rounds only"))
     chains = [s for s in shapes if s.topk == 1] if engine == "vllm" else shapes
     conc = sweep(profile, timings_at, chains, parse_levels(args.concurrency, "--concurrency"), args.margin, spread)
-    text, data, preds = _ranked(args, profile, timings, shapes, ref_shape, (src, note), conc, spread, engine)
+    text, data, preds = ranked(args, profile, timings, shapes, ref_shape, (src, note), conc, spread, engine)
     if spread is not None:  # where the roofline puts the time (the table's device, unfitted)
         hw = hwmodel.hardware(args.gpu, args.tp or 1, args.interconnect or "nvlink", cuda_graphs=not args.no_cuda_graphs)
         data.update(constants=fit.constants, range_quantiles=list(servemodel.QUANTILES), range_log=list(spread))
     data.update(hardware=asdict(hw), breakdown=hwmodel.breakdown(target, drafter, hw, args.batch, args.context))
-    return _finish(args, (text, data, preds))
-
-
-def run_engine(args) -> int:
-    """`fledge tune engine`: time the engine as `fledge generate` runs it, measure acceptance,
-    predict every shape; with --validate, also run shapes for real and compare."""
-    _check(args)
-    rig = bench.load_rig(args.target, args.drafter, args.device, args.dtype)
-    prompts = bench.load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
-    ar = bench.run_ar(rig, prompts, args.max_new_tokens)
-    topks = sorted({1, *[k for k in (2, 4, 8) if k <= args.probe_topk]})
-    context = max(len(p) for p in prompts) + args.max_new_tokens // 2
-    shapes = grid(args.max_depth, tuple(topks))
-    # Every width a shape verifies, timed rather than interpolated: the engine's matmul path
-    # changes with the row count (reductions up to model.GEMV_ROWS, then the few-rows kernel),
-    # so verify time is not smooth in n.
-    sizes = sorted({s.num_draft_tokens for s in shapes})
-    iters = 20 if rig.device.type == "cuda" else 3  # CPU forwards are slow and steady
-    verify_ms = bench.measure_verify_ms(rig, sizes, context, iters)
-    draft_ms, overhead = bench.measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens), context, iters)
-    timings = Timings(ar["ar_ms"], verify_ms, draft_ms, overhead, batch=1)
-    if args.accept_json:
-        profile = profile_from_json(args.accept_json)
-    else:
-        probed = bench.probe_profile(rig, prompts, args.max_depth, args.probe_topk, args.max_new_tokens)
-        profile = Profile(probed["ranks"], probed["spine"])
-    note = f"timings: measured on fledge's engine ({bench.engine_path(rig)}), batch 1"
-    text, data, preds = _ranked(args, profile, timings, shapes, None, (note,))
-    data["ar_measured_tok_s"] = ar["tok_s"]
-    if args.validate:
-        picks = parse_shapes(args.shapes) if args.shapes else validation_shapes(preds)
-        data["validation"] = validate(rig, prompts, [predict(profile, timings, s) for s in picks], args.max_new_tokens,
-                                      ar["tok_s"])
-        text += "\n" + validation_table(data["validation"])
-    return _finish(args, (text, data, preds))
-
-
-def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
-    """The predicted best chain and tree, the fixed reference shapes the grid holds, then the
-    next best of each kind in turn: `want` shapes (chains and trees both present when the grid
-    has trees)."""
-    chains = [p.shape for p in preds if p.shape.topk == 1]
-    trees = [p.shape for p in preds if p.shape.topk > 1]
-    fixed = [s for s in (Shape(2, 1, 3), Shape(4, 1, 5), Shape(6, 1, 7), Shape(4, 2, 8), Shape(5, 4, 16), Shape(6, 4, 32))
-             if s in chains or s in trees]
-    turns = [s for pair in itertools.zip_longest(chains, trees) for s in pair if s is not None]
-    return list(dict.fromkeys(chains[:1] + trees[:1] + fixed + turns))[:want]
-
-
-def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> list[dict]:
-    """Run each predicted shape on the engine: measured against predicted tok/s, and its two
-    factors apart — accept length (the profile) and round time (the timings)."""
-    def err(predicted, measured):
-        return 100 * (predicted - measured) / measured
-
-    rows = []
-    for p in preds:
-        stats, tok_s = bench.run_shape(rig, rig.drafter(p.shape), prompts, max_new_tokens, f"validate {p.shape.label}")
-        accept, round_ms = stats.accept_length(), stats.summary()["round_ms_per_step"]
-        rows.append({**asdict(p.shape), "label": p.shape.label,
-                     "accept_predicted": p.accept_length, "accept_measured": accept,
-                     "accept_error_percent": err(p.accept_length, accept),
-                     "round_ms_predicted": p.iter_ms, "round_ms_measured": round_ms,
-                     "round_error_percent": err(p.iter_ms, round_ms),
-                     "tok_s_predicted": p.tok_s, "tok_s_measured": tok_s, "speedup_measured": tok_s / ar_tok_s,
-                     "error_percent": err(p.tok_s, tok_s)})
-    return rows
-
-
-def validation_table(rows: list[dict]) -> str:
-    lines = [f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept pred':>11} {'meas':>6} {'error':>7} "
-             f"{'round ms pred':>13} {'meas':>6} {'error':>7} {'tok/s pred':>10} {'meas':>8} {'error':>7}"]
-    for r in rows:
-        lines.append(f"{r['num_steps']:>5} {r['topk']:>4} {r['num_draft_tokens']:>6} {r['accept_predicted']:>11.2f} "
-                     f"{r['accept_measured']:>6.2f} {r['accept_error_percent']:>+6.1f}% {r['round_ms_predicted']:>13.3f} "
-                     f"{r['round_ms_measured']:>6.3f} {r['round_error_percent']:>+6.1f}% {r['tok_s_predicted']:>10.1f} "
-                     f"{r['tok_s_measured']:>8.1f} {r['error_percent']:>+6.1f}%")
-
-    def spread(key):
-        errs = [abs(r[key]) for r in rows]
-        return f"{statistics.mean(errs):.1f}%  max {max(errs):.1f}%"
-
-    pred, meas = (max(rows, key=lambda r: r[key])["label"] for key in ("tok_s_predicted", "tok_s_measured"))
-    lines.append(f"tok/s mean |error| {spread('error_percent')} over {len(rows)} shapes; best shape "
-                 f"{'the same' if pred == meas else 'differs'} (predicted {pred}, measured {meas})")
-    lines.append(f"accept length mean |error| {spread('accept_error_percent')}; round time mean |error| "
-                 f"{spread('round_error_percent')}")
-    return "\n".join(lines)
+    return finish(args, (text, data, preds))
