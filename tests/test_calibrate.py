@@ -197,13 +197,13 @@ def test_bad_servers(tmp_path, capsys):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_calibrated_prediction_against_real_vllm(vllm_venv, tmp_path):
-    """SmolLM2 + the shipped drafter in vLLM (CPU): calibrate on the plain server and chains of 1
-    and 3 through vLLM's own spec-decode counters, and predict each chain from the saved profile.
-    What is checked is the mechanism: the counters' accept lengths (greedy, so not a timing), the
-    fit reproducing the servers it measured, and a prediction made from the profile. How close the
-    prediction comes to vLLM's tok/s is a timing of a shared 2-core machine (one run read +10%,
-    the next -20% at the same k): that goal is met in `bench/tune_vllm_cpu.py` and its JSON."""
+def test_plain_server_calibration_predicts_real_vllm_chains(vllm_venv, tmp_path):
+    """SmolLM2 + the shipped drafter in vLLM (CPU): calibrate on the plain server alone (the
+    model and the device read from the server and this host), predict chains of 1 and 3, and
+    compare with the speculating servers measured in the same run. What is checked is the
+    mechanism and the order of magnitude (a shared 2-core machine's timings move by 15% from
+    run to run): the counters' accept lengths, and each prediction within a factor of two.
+    `bench/tune_vllm_cpu.py` measures how close it comes, k = 1..5, into its JSON."""
     import importlib.util
     import sys
 
@@ -212,16 +212,14 @@ def test_calibrated_prediction_against_real_vllm(vllm_venv, tmp_path):
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
-    report = bench.run([1, 3], [1, 3], "1,2", 32, 3, tmp_path)
+    report = bench.run([1, 3], "1,2,4", 16, 2, tmp_path)
     print(json.dumps(report["rows"], indent=1))
-    acc = {r["k"]: r["accept_predicted"] for r in report["rows"]}
+    assert report["calibrated_on"] == "the plain server only"
+    assert all(p["k"] == 0 for p in report["profile"]["points"])
+    acc = {r["k"]: r["accept_length"] for r in report["rows"]}
     assert 1.0 < acc[1] <= 2.0 and acc[1] < acc[3] <= 4.0, acc  # k drafts + 1 bonus at most
-    # The fit explains what it measured better than one flat ms/token for every server would
-    # (its absolute error is a timing of a shared machine: 1-10% here from run to run).
-    ms = [p["ms_per_token"] for p in report["profile"]["points"]]
-    flat = sum(abs(sum(ms) / len(ms) / m - 1) for m in ms) / len(ms) * 100
-    assert report["profile_fit"] < flat, (report["profile_fit"], flat)
-    assert all(r["tok_s_predicted"] > 0 and r["tok_s_measured"] > 0 for r in report["rows"]), report["rows"]
+    for r in report["rows"]:
+        assert 0.5 < r["tok_s_predicted"] / r["tok_s_measured"] < 2.0, r
 
 
 def test_counters_that_appear_during_a_level_are_read():
