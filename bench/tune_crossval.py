@@ -44,10 +44,13 @@ def run(folder: Path, margin: float) -> dict:
                       "error_percent": 100 * (r["speedup_predicted"] / r["speedup_measured"] - 1),
                       "explainable": r["explainable"], "low": r["low"], "high": r["high"], "verdict": r["verdict"], "verdict_right": r["verdict_right"],
                       "plain_ms_predicted": r["plain_ms_predicted"], "plain_ms_measured": r["plain_ms_measured"]})
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    def head(where) -> str:
+        return subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+
+    commit, corpus_commit = head(ROOT), head(folder)
     return {"machine": "this CPU (the fit and the cross-validation; the measurements are the sources')",
-            "commit": commit, "corpus": str(folder), "margin": margin, "rows_read": len(rows),
+            "commit": commit, "corpus": str(folder), "corpus_commit": corpus_commit, "margin": margin, "rows_read": len(rows),
             "skipped": [{"source": r.get("source"), "target": r.get("target"), "why": why} for r, why in skipped],
             "table": table, "plain_table": [{"source": r["source"], "family": r["family"],
                                              "target": r["case"].row.get("target"), "gpu": r["case"].row.get("gpu"),
