@@ -376,13 +376,14 @@ def run_model(args) -> int:
     engine = args.engine or "sglang"
     overrides = [args.hbm_gbs, args.tflops, args.allreduce_us, args.allreduce_gbs, args.host_ms, args.bw_efficiency,
                  args.flops_efficiency]
-    if args.hardware_profile or any(v is not None for v in overrides) or not args.gpu:
+    # The published measurements are of GPU servers: a CPU server gets the roofline (calibrate it).
+    if args.hardware_profile or any(v is not None for v in overrides) or args.gpu in (None, "cpu"):
         hw, label = machine(args)
         spread = None
 
         def timings_at(batch: int) -> Timings:
             return hwmodel.step_times(target, drafter, hw, batch, args.context, args.output_len or 0)
-        how = f"roofline on {label} (as given: no cross-validated range)"
+        how = f"roofline on {label} (as given or calibrated: no cross-validated range; on a CPU, run `tune calibrate`)"
     else:
         fit = servemodel.fitted(engine)
         spread = servemodel.quantile_pair(fit.residuals)
