@@ -285,3 +285,17 @@ def test_crossval_leaves_each_source_out_and_ranges_hold_the_prediction():
         assert r["verdict"] == want
     assert S.Range(1.3, 1.1, 1.5).verdict() == "pays" and S.Range(0.8, 0.7, 0.9).verdict() == "loses"
     assert S.Range(1.0, 0.9, 1.2).verdict() == "too close to call" and S.Range(1.3, 1.1, 1.5).verdict(0.2) != "pays"
+
+
+def test_a_row_without_a_gpu_takes_the_device_its_plain_speed_implies():
+    """No GPU named: the reference device scaled until the model's plain step is the row's own,
+    so the row's speed-up is predicted at the measured plain speed, under any constants."""
+    row = _rows(S.defaults(), "vllm")[0]
+    unnamed = {**row, "gpu": None, "plain_tok_s": 55.0}
+    case = C.case(unnamed)
+    assert case.device_from_plain
+    for c in (S.defaults(), {**S.defaults(), "step": 3.0, "bw_eff": 0.4}):
+        speedup, plain_ms = case.predict(c)
+        assert plain_ms == pytest.approx(1e3 / 55.0, rel=1e-6) and speedup > 0
+    with pytest.raises(Exception, match="no plain speed"):
+        C.case({**unnamed, "plain_tok_s": None, "spec_tok_s": None})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fledge.core.errors import FledgeError
@@ -24,6 +24,7 @@ from fledge.core.shape import Shape
 from fledge.perf import hwmodel
 from fledge.perf import servemodel as S
 
+REFERENCE = "h100"  # the device a row that names none is scaled from (Case.device_from_plain)
 PLAIN_WEIGHT = 0.5  # a plain tok/s residual counts half a speed-up residual in the fit
 # The pull of each constant towards its default, per unit of (value / default - 1); of the forms
 # tried (this, on the log, and weaker), the one with the lowest leave-one-source-out error.
@@ -41,6 +42,7 @@ class Case:
     accept_length: float | None  # None: the row serves the plain decoding fit only
     speedup: float | None  # measured, speculative over plain
     plain_ms: float | None  # measured ms per token of one request, when the row gives it
+    device_from_plain: bool = False  # no GPU named: the device is the one whose plain speed is the row's
 
     @property
     def speculates(self) -> bool:
@@ -63,10 +65,28 @@ class Case:
     def predict(self, c: dict) -> tuple[float | None, float]:
         """(speed-up, plain ms per token of a request) under constants `c` (no speed-up for a
         row without an accept length)."""
+        d = self.deployment
+        if self.device_from_plain:
+            d = replace(d, gpu=_device_for(d, c, self.load, self.plain_ms))
         if not self.speculates:
-            return None, S.speeds(self.deployment, c, self.load, Shape(1, 1, 2), 1.0)[0]
-        plain, spec = S.speeds(self.deployment, c, self.load, self.shape, self.accept_length)
+            return None, S.speeds(d, c, self.load, Shape(1, 1, 2), 1.0)[0]
+        plain, spec = S.speeds(d, c, self.load, self.shape, self.accept_length)
         return plain / spec, plain
+
+
+def _device_for(d: S.Deployment, c: dict, load: S.Load, plain_ms: float) -> hwmodel.Gpu:
+    """The reference device with its bandwidth and FLOP/s scaled (by bisection, 1/20 to 5 times)
+    until the model's plain step takes `plain_ms`: for a row that names no GPU, its own plain
+    speed stands for the device's."""
+    def scaled(x):
+        return replace(d.gpu, hbm_gbs=d.gpu.hbm_gbs * x, tflops={k: v * x for k, v in d.gpu.tflops.items()})
+
+    lo, hi = math.log(0.05), math.log(5.0)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        plain = S.speeds(replace(d, gpu=scaled(math.exp(mid))), c, load, Shape(1, 1, 2), 1.0)[0]
+        lo, hi = (mid, hi) if plain > plain_ms else (lo, mid)
+    return scaled(math.exp((lo + hi) / 2))
 
 
 def load_rows(folder) -> list[dict]:
@@ -152,14 +172,15 @@ def case(row: dict) -> Case:
     arch, gpu = row.get("arch"), hwmodel.gpu_key(str(row.get("gpu") or ""))
     if not isinstance(arch, dict) or not arch:
         raise FledgeError("no architecture")
-    if gpu is None:
+    unnamed = not row.get("gpu")
+    if gpu is None and not unnamed:
         raise FledgeError(f"GPU {row.get('gpu')!r} not in the table")
     target = spec_from_arch(arch, _quant(row.get("quant")))
     if not row.get("tp") and int(row.get("gpu_count") or 1) > 8:
         raise FledgeError("several nodes without their TP/EP split (one tensor-parallel group is what the model prices)")
     tp = int(row.get("tp") or row.get("gpu_count") or 1)
     link = "pcie" if "pcie" in str(row.get("interconnect") or "").lower() else "nvlink"
-    d = S.Deployment(target, hwmodel.default_drafter(target), hwmodel.GPUS[gpu], tp, hwmodel.LINKS[link],
+    d = S.Deployment(target, hwmodel.default_drafter(target), hwmodel.GPUS[gpu or REFERENCE], tp, hwmodel.LINKS[link],
                      S.family(str(row.get("engine") or "")), _drafting(row.get("method")),
                      row.get("cuda_graphs") is not False)
     try:
@@ -184,7 +205,9 @@ def case(row: dict) -> Case:
     if not (row.get("accept_length") and speedup and shape) and not plain:
         raise FledgeError("no accept length, and no plain speed")
     accept = float(row["accept_length"]) if row.get("accept_length") else None
-    return Case(row, d, load, shape, accept, float(speedup) if speedup else None, plain)
+    if unnamed and not (plain and accept):
+        raise FledgeError("no GPU named, and no plain speed to stand for it")
+    return Case(row, d, load, shape, accept, float(speedup) if speedup else None, plain, unnamed)
 
 
 def cases(rows: list[dict]) -> tuple[list[Case], list[tuple[dict, str]]]:
@@ -234,7 +257,7 @@ def fit(cs: list[Case]) -> dict:
             speedup, plain = cs_.predict(c)
             if speedup:
                 out.append(math.log(speedup / cs_.speedup))
-            if cs_.plain_ms:
+            if cs_.plain_ms and not cs_.device_from_plain:
                 out.append(PLAIN_WEIGHT * math.log(plain / cs_.plain_ms))
         return out + [PRIOR_WEIGHT * (v - 1) for v in x]
 
@@ -258,7 +281,7 @@ def crossval(cs: list[Case], margin: float = 0.0) -> dict:
             for c in (c for c in mine if c.source == src):
                 speedup, plain = c.predict(const)
                 key = (src, json.dumps(c.row.get("arch"), sort_keys=True), c.row.get("gpu"), c.load, c.plain_ms)
-                if c.plain_ms and key not in seen:  # one baseline shared by several speculative rows counts once
+                if c.plain_ms and not c.device_from_plain and key not in seen:  # one baseline shared by several speculative rows counts once
                     seen.add(key)
                     plain_rows.append({"case": c, "source": src, "family": fam, "plain_ms_predicted": plain,
                                        "plain_ms_measured": c.plain_ms})
