@@ -27,7 +27,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pct(x) -> str:
-    return "-" if x is None else f"{x:.1f}%"
+    return "–" if x is None else f"{x:.1f}%"
+
+
+def _shown(folder: Path) -> str:
+    folder = folder.resolve()
+    return str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
+
+
+FAMILIES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+
+
+def docs_table(summary: dict) -> str:
+    """The summary as docs/tune.md shows it (copied from this, never typed)."""
+    lines = ["| | speed-up rows (sources) | speed-up mean \\|error\\| | plain tok/s rows | plain tok/s mean \\|error\\| "
+             "| verdicts right |", "|---|---|---|---|---|---|",
+             f"| all | {summary['rows']} ({summary['sources']}) | {_pct(summary['speedup_mean_abs_error_percent'])} (max "
+             f"{_pct(summary['speedup_max_abs_error_percent'])}) | {summary['plain_rows']} | "
+             f"{_pct(summary['plain_mean_abs_error_percent'])} | {summary['verdicts_right']} of {summary['rows']} "
+             f"({summary['too_close_to_call']} too close to call) |"]
+    for fam, f in sorted(summary["per_family"].items(), key=lambda kv: list(FAMILIES).index(kv[0])):
+        lines.append(f"| {FAMILIES.get(fam, fam)} | {f['rows']} ({f['sources']}) | {_pct(f['speedup_mean_abs_error_percent'])} "
+                     f"| {f['plain_rows']} | {_pct(f['plain_mean_abs_error_percent'])} | {f['verdicts_right']} of "
+                     f"{f['rows']} |")
+    return "\n".join(lines)
 
 
 def run(folder: Path, margin: float) -> dict:
@@ -50,7 +73,7 @@ def run(folder: Path, margin: float) -> dict:
 
     commit, corpus_commit = head(ROOT), head(folder)
     return {"machine": "this CPU (the fit and the cross-validation; the measurements are the sources')",
-            "commit": commit, "corpus": str(folder), "corpus_commit": corpus_commit, "margin": margin, "rows_read": len(rows),
+            "commit": commit, "corpus": _shown(folder), "corpus_commit": corpus_commit, "margin": margin, "rows_read": len(rows),
             "skipped": [{"source": r.get("source"), "target": r.get("target"), "why": why} for r, why in skipped],
             "table": table, "plain_table": [{"source": r["source"], "family": r["family"],
                                              "target": r["case"].row.get("target"), "gpu": r["case"].row.get("gpu"),
@@ -83,6 +106,7 @@ def show(report: dict) -> None:
                   f"{_pct(f['speedup_mean_abs_error_percent'])}, plain {_pct(f['plain_mean_abs_error_percent'])} "
                   f"({f['plain_rows']} rows), "
                   f"verdicts right {f['verdicts_right']}/{f['rows']}")
+    print("\nfor docs/tune.md:\n" + docs_table(report["summary"]) + "\n")
     print(f"{report['rows_read']} rows read, {len(report['skipped'])} skipped")
     for fam, c in report["constants"].items():
         print(f"  {fam} constants: " + ", ".join(f"{k} {v:.3g}" for k, v in c.items()))

@@ -3,6 +3,7 @@ independent Monte Carlo walk, the Kimi-K2.5 what-if against the formula, bad inp
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -416,3 +417,19 @@ def test_vllm_users_get_a_chain_verdict(tmp_path):
     data = json.loads(out.read_text())
     assert data["engine"] == "vllm" and data["best"]["topk"] == 1 and data["best"]["vllm"]
     assert any(p["topk"] > 1 for p in data["predictions"])  # trees stay in the table for comparison
+
+
+def test_docs_crossval_table_is_the_bench_json():
+    """docs/tune.md's cross-validated error is copied from the JSON bench/tune_crossval.py wrote
+    (its table and the commits it names), and `tune model` reads the fit of that same run."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("tune_crossval", root / "bench" / "tune_crossval.py")
+    cv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cv)
+    report = json.loads((root / "bench" / "results" / "tune_crossval_cpu.json").read_text())
+    docs = (root / "docs" / "tune.md").read_text()
+    assert cv.docs_table(report["summary"]) in docs
+    assert f"fledge commit {report['commit']}" in docs and f"corpus commit {report['corpus_commit']}" in docs
+    assert f"of {report['rows_read']} rows, {len(report['skipped'])} could not be used" in docs
+    fit = json.loads((root / "fledge" / "perf" / "servemodel_fit.json").read_text())
+    assert fit["constants"] == report["constants"] and fit["residuals"] == report["residuals"]
