@@ -160,7 +160,7 @@ def test_plain_server_alone_predicts_chains_and_names_its_model(tmp_path):
         srv.shutdown()
     assert rc == 0
     prof = json.loads(out.read_text())
-    assert prof["model"] == str(model_dir)
+    assert prof["model"] == str(model_dir) and prof["engine"] == "vllm"  # the server listed its `root`
     plain = {p["concurrency"]: p["ms_per_token"] for p in prof["points"]}
     rows = {r["k"]: r for r in prof["predictions"]}
     assert rows[1]["verify_ms"] == pytest.approx(plain[2]) and rows[3]["verify_ms"] == pytest.approx(plain[4])
@@ -170,6 +170,11 @@ def test_plain_server_alone_predicts_chains_and_names_its_model(tmp_path):
         assert r["round_ms"] == pytest.approx(r["verify_ms"] + r["k"] * r["draft_ms"] + extra)
         assert r["tok_s_predicted"] == pytest.approx(1e3 * r["accept_length"] / r["round_ms"])
         assert r["speedup_predicted"] == pytest.approx(r["accept_length"] * plain[1] / r["round_ms"])
+    # The calibrated vLLM server's profile makes `tune model` lead with a chain, without --engine.
+    assert main(["tune", "model", "--model", str(model_dir), "--hardware-profile", str(out), "--accept-length", "2.2",
+                 "--concurrency", "1", "--json", str(tmp_path / "t.json")]) == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["engine"] == "vllm" and data["best"]["topk"] == 1
 
 
 def test_bad_servers(tmp_path, capsys):

@@ -227,7 +227,7 @@ def load_profile(path: str, flag: str) -> dict:
     """A profile `cmd_calibrate` wrote, with the keys `fledge tune` reads."""
     try:
         profile = json.loads(Path(path).read_text())
-        return {"hardware": profile["hardware"], "points": profile["points"]}
+        return {"hardware": profile["hardware"], "points": profile["points"], "engine": profile.get("engine")}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise FledgeError(f"{flag} {path}: not a `fledge tune calibrate` profile ({e})") from None
 
@@ -297,7 +297,10 @@ def cmd_calibrate(args) -> int:
     errs = [abs(p["error_percent"]) for p in points]
     stuck = pinned(x, hwmodel.GPUS[args.gpu], target.dtype)
     worst = sorted(points, key=lambda p: -abs(p["error_percent"]))[:3]
+    # Only vLLM lists the directory it loaded (`root`) and exports spec-decode counters under `vllm:`.
+    engine = args.engine or ("vllm" if served_model(args.url[0])[1] or any(p["k"] for p in points) else None)
     profile = {"kind": "fledge tune calibrate profile", "model": args.model, "context": args.context, "points": points,
+               "engine": engine,
                "hardware": {"gpu": args.gpu, "tp": tp, "interconnect": link, "cuda_graphs": graphs,
                             "overrides": _overrides(x)},
                "fit": {"mean_abs_error_percent": sum(errs) / len(errs), "max_abs_error_percent": max(errs),
@@ -329,5 +332,6 @@ def cmd_calibrate(args) -> int:
               f"(verify = plain step at concurrency {(r['k'] + 1) * r['batch']}{', extrapolated' if r['beyond_measured'] else ''}"
               f"), {r['tok_s_predicted']:.1f} tok/s per request, {r['speedup_predicted']:.2f}x plain")
     print(f"wrote {out}: `fledge tune model --model {args.model} --hardware-profile {out} ...` reads it"
+          + (f" (engine {engine}: its verdict reads {'chains' if engine == 'vllm' else 'every shape'})" if engine else "")
           + (f"; `--accept-json {out}` its measured acceptance" if ranks else ""))
     return 0

@@ -373,7 +373,9 @@ def run_model(args) -> int:
     cpu_defaults(args)
     target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
     profile, ref_shape, note = profile_from_args(args)
-    engine = args.engine or "sglang"
+    # The engine the user serves leads the verdict: named, or the one the calibrated server ran.
+    engine = (args.engine or (load_profile(args.hardware_profile, "--hardware-profile")["engine"] if args.hardware_profile
+                              else None) or "sglang")
     overrides = [args.hbm_gbs, args.tflops, args.allreduce_us, args.allreduce_gbs, args.host_ms, args.bw_efficiency,
                  args.flops_efficiency]
     # The published measurements are of GPU servers: a CPU server gets the roofline (calibrate it).
