@@ -194,11 +194,12 @@ def report(preds: list[Prediction], timings: Timings, drafter: str, margin: floa
                      + (f" {'range':>11} {'verdict':>17}" if ranged else ""))
         lines += [f"{r['concurrency']:>11} {r['ar_tok_s_total']:>11.1f} {r['label']:>12} {r['speedup']:>7.2f}x"
                   + (f" {r['low']:>5.2f}-{r['high']:.2f}x {r['call']:>17}" if ranged else "") for r in conc]
-        where = f"it stops paying surely at {stop}" if stop else "at every level shown"
+        paying = [str(r["concurrency"]) for r in conc if r["pays"]]
+        where = ("at every level shown" if not stop else f"it stops paying surely at {stop}" if paying
+                 else "it surely pays at no level shown")
         if ranged and stop:
-            where += f", and loses even at the top of its range from {lost}" if lost else ", and never surely loses"
-        lines.append("speculation pays at concurrency " + (", ".join(str(r["concurrency"]) for r in conc if r["pays"])
-                                                           or "none") + "; " + where)
+            where += f"; it loses even at the top of its range from {lost}" if lost else "; it never surely loses"
+        lines.append("speculation pays at concurrency " + (", ".join(paying) or "none") + "; " + where)
         data.update(concurrency=conc, stops_paying_at=stop, surely_loses_at=lost)
     return "\n".join(line for line in lines if line), data
 
