@@ -40,12 +40,12 @@ FAMILIES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 
 def docs_table(summary: dict) -> str:
     """The summary as docs/tune.md shows it (copied from this, never typed)."""
-    lines = ["| | speed-up rows (sources) | speed-up mean \\|error\\| | plain tok/s rows | plain tok/s mean \\|error\\| "
-             "| verdicts right |", "|---|---|---|---|---|---|",
-             f"| all | {summary['rows']} ({summary['sources']}) | {_pct(summary['speedup_mean_abs_error_percent'])} (max "
+    lines = [("| | speed-up rows (sources) | speed-up mean \\|error\\| | plain tok/s rows | plain tok/s mean \\|error\\| "
+              "| verdicts right |"), "|---|---|---|---|---|---|",
+             (f"| all | {summary['rows']} ({summary['sources']}) | {_pct(summary['speedup_mean_abs_error_percent'])} (max "
              f"{_pct(summary['speedup_max_abs_error_percent'])}) | {summary['plain_rows']} | "
              f"{_pct(summary['plain_mean_abs_error_percent'])} | {summary['verdicts_right']} of {summary['rows']} "
-             f"({summary['too_close_to_call']} too close to call) |"]
+             f"({summary['too_close_to_call']} too close to call) |")]
     for fam, f in sorted(summary["per_family"].items(), key=lambda kv: list(FAMILIES).index(kv[0])):
         lines.append(f"| {FAMILIES.get(fam, fam)} | {f['rows']} ({f['sources']}) | {_pct(f['speedup_mean_abs_error_percent'])} "
                      f"| {f['plain_rows']} | {_pct(f['plain_mean_abs_error_percent'])} | {f['verdicts_right']} of "
@@ -68,7 +68,7 @@ def run(folder: Path, margin: float) -> dict:
                       "explainable": r["explainable"], "low": r["low"], "high": r["high"], "verdict": r["verdict"], "verdict_right": r["verdict_right"],
                       "plain_ms_predicted": r["plain_ms_predicted"], "plain_ms_measured": r["plain_ms_measured"]})
     def head(where) -> str:
-        return subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True,
+        return subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], check=False, capture_output=True,
                               text=True).stdout.strip()
 
     commit, corpus_commit = head(ROOT), head(folder)
@@ -92,8 +92,8 @@ def show(report: dict) -> None:
              ("yes" if t["verdict_right"] else "NO") + ("" if t["explainable"] else " *")] for t in report["table"]]
     print_table([head] + body)
     for title, s in (("every row", report["summary"]),
-                     ("rows the model can explain (* above: measured speed-up above the accept length, which no "
-                      "round can give; left out of the fit)", report["summary_explainable"])):
+                     (("rows the model can explain (* above: measured speed-up above the accept length, which no "
+                       "round can give; left out of the fit)"), report["summary_explainable"])):
         print(f"\n{title}: {s['rows']} rows from {s['sources']} sources, leave-one-source-out")
         print(f"  speed-up mean |error| {_pct(s['speedup_mean_abs_error_percent'])}, max "
               f"{_pct(s['speedup_max_abs_error_percent'])}; plain tok/s mean |error| "

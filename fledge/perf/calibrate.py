@@ -46,9 +46,9 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
+from fledge.core.catalog import BUILTINS
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
-from fledge.core.catalog import BUILTINS
 from fledge.core.openai_client import Client, api_url, metrics_url
 from fledge.core.shape import Shape
 from fledge.perf import hwmodel
@@ -56,7 +56,7 @@ from fledge.perf.acceptance import chain_profile
 from fledge.perf.serving import PROMPTS, ServerBench, parse_levels, run_level
 
 _SAMPLE = re.compile(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos)_total)"
-                     r"(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+                     r"(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
 
 
 def scrape(text: str) -> dict:
