@@ -264,8 +264,10 @@ def fitted(engine: str, path: Path = FIT_FILE) -> Fitted:
         raise FledgeError(f"{path}: no fitted constants ({e}); run bench/tune_crossval.py") from None
     where = f"{fit.get('rows', '?')} published rows from {fit.get('sources', '?')} sources"
     if engine in consts and len(residuals.get(engine, [])) >= 3:
+        own = fit.get("summary", {}).get("per_family", {}).get(engine, {})
+        mine = f"{own.get('rows', len(residuals[engine]))} published speed-up rows from {own.get('sources', '?')} sources"
         return Fitted(engine, check_constants(consts[engine], str(path)), residuals[engine],
-                      f"{engine} constants fitted on {where}; ranges from its leave-one-source-out errors")
+                      f"{engine} constants fitted on its {mine}; ranges from their leave-one-source-out errors")
     pooled = [r for rs in residuals.values() for r in rs]
     base = consts.get(engine) or next(iter(consts.values()), defaults())
     return Fitted(engine, check_constants(base, str(path)), pooled,
