@@ -384,66 +384,133 @@ def add_bench(sub) -> None:
     p.set_defaults(func=handler("fledge.perf.bench:run_bench"))
 
 
-def add_tune(sub) -> None:
-    p = sub.add_parser("tune", help="predict spec-decoding tok/s per shape; say whether it beats no speculation",
-                       description="Modes: --model CONFIG --gpu NAME (the hardware model), --target T --drafter D "
-                       "(measure fledge's engine), --what-if (your timings), `tune calibrate --url URL` (fit the "
-                       "hardware model to a live server; later calls read it with --profile).")
-    p.add_argument("action", nargs="?", choices=["calibrate"], help="calibrate: measure a live server, write a --profile")
-    p.add_argument("--what-if", action="store_true", help="use the timings and acceptance given here (no GPU)")
-    p.add_argument("--ar-ms", type=float, help="plain decoding: ms per step")
-    p.add_argument("--verify-ms", help="target forward ms by tokens verified per request, e.g. '1:11.6,8:30,16:34'")
-    p.add_argument("--draft-ms", help="ms per draft step, one number or by topk '1:1.2,4:1.6' (absent: predicted from --model)")
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="per-round extra (sampling, KV moves, host)")
-    p.add_argument("--accept-profile", help="per-depth acceptance, ranks by '/': '0.7/0.1,0.6/0.12,0.5'")
+class Moved(argparse.Action):
+    """An old spelling of a tune option or mode: one line naming the new one, exit 2."""
+
+    def __init__(self, option_strings, dest, new: str, nargs=0, **kw):
+        super().__init__(option_strings, dest, nargs=nargs, help=f"old spelling: now {new}", **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(2, f"fledge: error: tune {option_string} is now {self.new}\n")
+
+
+def _moved(p, flags: dict) -> None:
+    for flag, (new, nargs) in flags.items():
+        p.add_argument(flag, action=Moved, new=new, nargs=nargs)
+
+
+def _tune_acceptance(p) -> None:
     p.add_argument("--accept-length", type=float, help="measured accept length (SGLang's, bonus incl.); see --accept-shape")
-    p.add_argument("--accept-shape", help="STEPS,TOPK,TOKENS the --accept-length was measured at (default: a chain of --accept-steps)")
-    p.add_argument("--accept-steps", type=int, default=3, help="chain length --accept-length was measured at, without --accept-shape")
-    p.add_argument("--profile-json", help="acceptance profile from `fledge bench --json` (engine --probe, or a vLLM --log)")
-    p.add_argument("--max-steps", type=int, default=8, help="deepest shape to consider (measured mode: probe depth)")
-    p.add_argument("--batch", type=int, default=1, help="batch size the timings are for (hardware model: predicted at it)")
-    p.add_argument("--margin", type=float, default=0.05, help="a shape pays only above this fractional gain (default 0.05)")
-    m = p.add_argument_group("hardware model (--model)")
-    m.add_argument("--model", help="target config: a config.json, a model directory, or a built-in name")
-    m.add_argument("--gpu", help="GPU from fledge.perf.hwmodel.GPUS: h100, h200, a100, l40s, rtx-pro-6000, cpu")
-    m.add_argument("--tp", type=int, help="tensor-parallel GPUs (default 1)")
-    m.add_argument("--interconnect", choices=["pcie", "nvlink"], help="link between the TP GPUs (default nvlink)")
-    m.add_argument("--context", type=int, default=2048, help="tokens in each sequence's KV cache (and the prompt "
-                                                                "prefilled, with --output-len)")
+    p.add_argument("--accept-shape", help="STEPS,TOPK,TOKENS the --accept-length was measured at (default: a chain of "
+                                          "--accept-steps)")
+    p.add_argument("--accept-steps", type=int, default=3, help="chain length --accept-length was measured at")
+    p.add_argument("--accept-profile", help="per-depth acceptance, ranks by '/': '0.7/0.1,0.6/0.12,0.5'")
+    p.add_argument("--accept-json", help="acceptance profile from `fledge bench --json` (engine --probe, a vLLM --log) "
+                                         "or `tune calibrate --out`")
+
+
+def _tune_common(p) -> None:
+    p.add_argument("--max-depth", type=int, default=8, help="deepest speculation (draft steps) to consider (engine "
+                                                            "mode: also the probe's depth)")
+    p.add_argument("--batch", type=int, default=1, help="batch size the timings are for")
+    p.add_argument("--margin", type=float, default=0.05, help="a shape pays only above this fractional gain")
+    p.add_argument("--json", help="write the predictions here")
+    p.add_argument("--png", help="plot speed-up by shape (and by concurrency) here")
+    _moved(p, {"--max-steps": ("--max-depth", 1), "--profile-json": ("--accept-json", 1),
+               "--profile": ("--hardware-profile", 1)})
+
+
+def _tune_models(p, need_model: bool) -> None:
+    p.add_argument("--model", required=need_model, help="target config: a config.json, a model directory, or a built-in")
+    p.add_argument("--drafter", help="drafter directory or config.json (default: one target-shaped EAGLE-3 layer); "
+                                     "printed in the vLLM flags")
+    p.add_argument("--dtype", help="activations and unquantised weights: bf16 (default), fp16, fp32")
+    p.add_argument("--quant", choices=["bf16", "fp16", "fp8", "int4", "fp32"], help="MLP/expert weights (default: from "
+                                                                                     "the config)")
+    p.add_argument("--draft-vocab", type=int, help="drafter LM head rows (default: its config, else 32000)")
+
+
+def _tune_machine(p) -> None:
+    from fledge.perf.hwmodel import GPUS  # torch-free, as this module must stay
+    from fledge.perf.servemodel import FAMILIES
+
+    p.add_argument("--gpu", help=f"closest device in the table: {', '.join(GPUS)}")
+    p.add_argument("--tp", type=int, help="tensor-parallel GPUs (default 1)")
+    p.add_argument("--interconnect", choices=["pcie", "nvlink"], help="link between the TP GPUs (default nvlink)")
+    p.add_argument("--engine", choices=FAMILIES, help="the engine you serve with: its fitted constants, and the "
+                                                          "verdict leads with what it can run (vLLM: chains)")
+    p.add_argument("--context", type=int, help="tokens in each sequence's KV cache (default 2048; 256 on --gpu cpu)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="the server runs without CUDA graphs (default on "
+                                                                 "--gpu cpu)")
+
+
+def add_tune(sub) -> None:
+    p = sub.add_parser("tune", help="will speculation pay, with which flags: predict tok/s per shape",
+                       description="Modes: `model` (configs + hardware + engine: fitted on published measurements, "
+                       "every prediction with its range), `calibrate` (your plain server measured: predict the "
+                       "speculating one), `engine` (measure fledge's engine), `what-if` (your own timings).")
+    _moved(p, {"--what-if": ("`fledge tune what-if`", 0), "--model": ("`fledge tune model --model ...`", 1),
+               "--target": ("`fledge tune engine --target ...`", 1)})
+    modes = p.add_subparsers(dest="mode", required=True, metavar="{model,calibrate,engine,what-if}")
+
+    m = modes.add_parser("model", help="predict from the configs, the hardware and the engine (no GPU)")
+    _tune_models(m, True)
+    _tune_machine(m)
+    _tune_acceptance(m)
+    _tune_common(m)
     m.add_argument("--output-len", type=int, help="new tokens a request generates: rates of whole requests, their "
-                                                  "prefill included, as serving benchmarks count them (default: "
-                                                  "decode rounds only)")
-    m.add_argument("--quant", choices=["bf16", "fp16", "fp8", "int4", "fp32"], help="MLP/expert weights (default: from the config)")
-    m.add_argument("--draft-vocab", type=int, help="drafter LM head rows (default: its config, else 32000)")
+                                                  "prefill included, as serving benchmarks count them")
     m.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="levels of the speed-up-by-concurrency sweep")
-    m.add_argument("--no-cuda-graphs", action="store_true", help="the server runs without CUDA graphs (eager launches)")
-    m.add_argument("--profile", help="hardware profile from `fledge tune calibrate` (CLI figures override it)")
+    m.add_argument("--hardware-profile", help="a `tune calibrate --out` profile: the model calibrated on your server")
     for flag, h in [("--hbm-gbs", "memory bandwidth, GB/s"), ("--tflops", "peak dense TFLOP/s of the math dtype"),
                     ("--allreduce-us", "all-reduce latency, us"), ("--allreduce-gbs", "all-reduce bus bandwidth, GB/s"),
                     ("--host-ms", "host time per serving step, ms"), ("--bw-efficiency", "fraction of peak bandwidth reached"),
                     ("--flops-efficiency", "fraction of peak FLOP/s reached")]:
         m.add_argument(flag, type=float, help=f"override: {h}")
-    e = p.add_argument_group("engine (--target)")
-    e.add_argument("--target", help="target (built-in name, GGUF, HF dir)")
-    e.add_argument("--drafter", help="drafter checkpoint (engine; hardware model: its config.json; printed in vLLM flags)")
+    m.set_defaults(func=handler("fledge.perf.tune:run_model"))
+
+    c = modes.add_parser("calibrate", help="measure your plain server (and any speculating one); predict speculation")
+    c.add_argument("--url", action="append", required=True, help="OpenAI-compatible server (repeat for several)")
+    c.add_argument("--metrics-url", action="append", help="its Prometheus /metrics (default: URL's host + /metrics)")
+    _tune_models(c, False)
+    _tune_machine(c)
+    c.add_argument("--levels", help="concurrency levels to measure (default 1,2,4,...,256; 1,2,4 on --gpu cpu)")
+    c.add_argument("--requests", type=int, default=4, help="requests per level (at least the level's concurrency)")
+    c.add_argument("--max-new-tokens", type=int, default=64, help="tokens each request generates")
+    c.add_argument("--predict-ks", default="1,2,3,4,5", help="chains to predict from the measured plain server")
+    _tune_acceptance(c)
+    c.add_argument("--out", help="profile JSON to write (default fledge-profile.json)")
+    c.add_argument("--merge", help="an earlier profile whose points join this fit (servers measured one at a time)")
+    c.set_defaults(func=handler("fledge.perf.calibrate:cmd_calibrate"))
+
+    e = modes.add_parser("engine", help="measure fledge's own engine, predict every shape, optionally run them")
+    e.add_argument("--target", required=True, help="target (built-in name, GGUF, HF dir)")
+    e.add_argument("--drafter", required=True, help="drafter checkpoint")
     e.add_argument("--device", help="default cuda if available, else cpu")
-    e.add_argument("--dtype", help="engine: default bfloat16 on cuda, float32 on cpu; hardware model: bf16 (or fp32)")
+    e.add_argument("--dtype", help="default bfloat16 on cuda, float32 on cpu")
     e.add_argument("--prompts", help="conversations JSONL for the acceptance probe (default: built-in prompts)")
     e.add_argument("--num-prompts", type=int, default=8)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--probe-topk", type=int, default=4, help="topk of the full tree the rank probe drafts")
+    e.add_argument("--accept-json", help="an acceptance profile instead of the probe")
     e.add_argument("--validate", action="store_true", help="also run >= 8 shapes for real: predicted vs measured")
     e.add_argument("--shapes", help="with --validate: STEPS,TOPK,TOKENS;... to run (default: 8 picked from the ranking)")
-    c = p.add_argument_group("calibrate")
-    c.add_argument("--url", action="append", help="OpenAI-compatible server (repeat for several: plain and speculating)")
-    c.add_argument("--metrics-url", action="append", help="its Prometheus /metrics (default: URL's host + /metrics), same order")
-    c.add_argument("--levels", default="1,2,4", help="concurrency levels to measure")
-    c.add_argument("--requests", type=int, default=4, help="requests per level")
-    c.add_argument("--out", help="profile JSON to write (default fledge-profile.json)")
-    c.add_argument("--merge", help="an earlier profile whose points join this fit (servers measured one at a time)")
-    p.add_argument("--json", help="write the predictions here")
-    p.add_argument("--png", help="plot speed-up by shape (and by concurrency) here")
-    p.set_defaults(func=handler("fledge.perf.tune:run_tune"))
+    _tune_common(e)
+    e.set_defaults(func=handler("fledge.perf.tune_engine:run_engine"))
+
+    w = modes.add_parser("what-if", help="your own timings and acceptance (no GPU)")
+    w.add_argument("--ar-ms", type=float, required=True, help="plain decoding: ms per step")
+    w.add_argument("--verify-ms", required=True, help="target forward ms by tokens verified per request, e.g. "
+                                                      "'1:11.6,8:30,16:34'")
+    w.add_argument("--draft-ms", help="ms per draft step, one number or by topk '1:1.2,4:1.6' (absent: predicted from "
+                                      "--model and --gpu)")
+    w.add_argument("--overhead-ms", type=float, default=0.0, help="per-round extra (sampling, KV moves, host)")
+    _tune_models(w, False)
+    _tune_machine(w)
+    _tune_acceptance(w)
+    _tune_common(w)
+    w.set_defaults(func=handler("fledge.perf.tune:run_what_if"))
 
 
 # Subcommands in pipeline order, each a function adding its parser(s).

@@ -240,8 +240,8 @@ def test_vllm_log_feeds_tune(tmp_path):
     log.write_text(VLLM_LINE.format(i=0, mal=2.5, acc=300, dr=600, rates="0.800, 0.500, 0.200", avg=50.0))
     assert main(["bench", "--log", str(log), "--json", str(prof)]) == 0
     out = tmp_path / "t.json"
-    assert main(["tune", "--what-if", "--ar-ms", "10", "--verify-ms", "1:10,4:12", "--draft-ms", "1",
-                 "--profile-json", str(prof), "--max-steps", "3", "--json", str(out)]) == 0
+    assert main(["tune", "what-if", "--ar-ms", "10", "--verify-ms", "1:10,4:12", "--draft-ms", "1",
+                 "--accept-json", str(prof), "--max-depth", "3", "--json", str(out)]) == 0
     chain3 = next(p for p in json.loads(out.read_text())["predictions"] if p["num_steps"] == 3)
     assert chain3["accept_length"] == pytest.approx(1 + 0.8 + 0.5 + 0.2)
     assert chain3["tok_s"] == pytest.approx(1e3 * 2.5 / (3 * 1 + 12))

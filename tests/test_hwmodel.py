@@ -105,7 +105,7 @@ def test_kimi_k25_on_8_rtx_pro_6000_pcie(tmp_path):
     assert st.verify_ms[16] == pytest.approx(30, rel=0.2)  # "near": within 20%
     assert st.verify_ms[16] > 2 * st.ar_ms  # the expert union: a wide verify costs several AR steps
     out = tmp_path / "kimi.json"
-    rc = main(["tune", "--model", str(FIXTURES / "kimi_k25_config.json"), "--gpu", "rtx-pro-6000", "--tp", "8",
+    rc = main(["tune", "model", "--model", str(FIXTURES / "kimi_k25_config.json"), "--gpu", "rtx-pro-6000", "--tp", "8",
                "--interconnect", "pcie", "--accept-length", "2.1", "--accept-shape", "3,4,16", "--json", str(out)])
     assert rc == 0
     ref = json.loads(out.read_text())["reference"]
@@ -178,7 +178,7 @@ def test_bad_configs_and_names(tmp_path, capsys):
                        (["--model", str(FIXTURES / "llama31_8b_config.json"), "--gpu", "h900"], "--gpu"),
                        (["--model", str(FIXTURES / "llama31_8b_config.json")], "--gpu"),
                        (["--model", str(tmp_path / "nope.json"), "--gpu", "h100"], "--model")]:
-        rc = main(["tune", *argv, "--accept-length", "2"])
+        rc = main(["tune", "model", *argv, "--accept-length", "2"])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and word in err and len(err.splitlines()) == 1, err
 
@@ -189,7 +189,7 @@ def test_whole_requests_shrink_the_gain_not_the_break_even(tmp_path):
     runs = {}
     for name, extra in (("decode", []), ("requests", ["--output-len", "256"])):
         out = tmp_path / f"{name}.json"
-        assert main(["tune", "--model", str(FIXTURES / "llama33_70b_config.json"), "--gpu", "h200", "--tp", "4",
+        assert main(["tune", "model", "--model", str(FIXTURES / "llama33_70b_config.json"), "--gpu", "h200", "--tp", "4",
                      "--batch", "8", "--context", "1024", "--accept-length", "3", "--json", str(out), *extra]) == 0
         runs[name] = {(p["num_steps"], p["topk"], p["num_draft_tokens"]): p
                       for p in json.loads(out.read_text())["predictions"]}
@@ -198,3 +198,104 @@ def test_whole_requests_shrink_the_gain_not_the_break_even(tmp_path):
         r = runs["requests"][label]
         assert r["break_even_accept_length"] == pytest.approx(d["break_even_accept_length"])
         assert (r["speedup"] - 1) * (d["speedup"] - 1) >= 0 and abs(r["speedup"] - 1) < abs(d["speedup"] - 1)
+
+
+# --------------------------------------------------------------------------- the serving model and its fit
+from fledge.core.shape import Shape  # noqa: E402
+from fledge.perf import corpus as C  # noqa: E402
+from fledge.perf import servemodel as S  # noqa: E402
+
+LLAMA8 = dict(family="llama", params_b=8.03, active_params_b=8.03, layers=32, hidden=4096, heads=32, kv_heads=8,
+              head_dim=128, vocab=128256, moe=None, attention="gqa")
+KIMI = dict(family="kimi", params_b=1040, active_params_b=32.9, layers=61, hidden=7168, heads=64, kv_heads=1,
+            head_dim=576, vocab=163840, moe=dict(experts=384, active=8, expert_intermediate=2048), attention="mla")
+
+
+def test_corpus_arch_matches_the_configs():
+    llama = H.spec_from_config(json.loads((FIXTURES / "llama31_8b_config.json").read_text()), "l")
+    kimi = H.spec_from_config(json.loads((FIXTURES / "kimi_k25_config.json").read_text()), "k")
+    a, b = C.spec_from_arch(LLAMA8, None), C.spec_from_arch(KIMI, "int4")
+    assert a.intermediate == llama.intermediate and a.attn_params() == llama.attn_params()
+    assert (b.experts, b.active, b.moe_intermediate, b.shared_experts, b.mla) == (384, 8, 2048, 1, kimi.mla)
+
+
+def test_vllm_drafts_one_forward_fewer_than_sglang():
+    target = C.spec_from_arch(LLAMA8, None)
+    c = S.defaults()
+    for steps in (1, 3, 5):
+        rounds = {}
+        for engine in ("vllm", "sglang"):
+            d = S.Deployment(target, H.default_drafter(target), H.GPUS["h100"], 1, H.LINKS["nvlink"], engine)
+            rounds[engine] = S.round_ms(d, c, Shape(steps, 1, steps + 1), 4, 1024)
+        one = c["draft_fixed"] + S.forward_ms(d.drafter, d, c, 1, 4, 1024)
+        assert rounds["sglang"] - rounds["vllm"] == pytest.approx(one)
+        assert S.draft_forwards("vllm", Shape(steps, 1, steps + 1)) == steps
+    # a tree pays SGLang's host-side build; n-gram lookup drafts nothing
+    d = S.Deployment(target, H.default_drafter(target), H.GPUS["h100"], 1, H.LINKS["nvlink"], "sglang")
+    assert S.round_ms(d, {**c, "tree_host": 2.0}, Shape(3, 4, 16), 1, 1024) - S.round_ms(d, c, Shape(3, 4, 16), 1, 1024) \
+        == pytest.approx(2.0 - c["tree_host"])
+    assert S.draft_forwards("vllm", Shape(3, 1, 4), "ngram") == 0
+
+
+def _rows(truth: dict, engine: str) -> list[dict]:
+    """Rows in the corpus's schema whose figures are the model's own at `truth`."""
+    rows = []
+    for i, (arch, quant, gpu, tp, batch, steps, accept) in enumerate(
+            [(LLAMA8, None, "H100", 1, 1, 3, 2.6), (LLAMA8, None, "H100", 1, 16, 3, 2.6), (LLAMA8, None, "A100", 1, 4, 5, 3.1),
+             (KIMI, "int4", "H200", 8, 1, 2, 2.0), (KIMI, "int4", "H200", 8, 32, 2, 2.0), (LLAMA8, None, "L40S", 2, 8, 1, 1.7)]):
+        row = dict(source=f"s{i % 3}", arch=arch, quant=quant, gpu=gpu, gpu_count=tp, tp=tp, interconnect="nvlink",
+                   engine=engine, batch=batch, input_len=None, output_len=None, method="eagle3",
+                   shape=dict(num_steps=steps, topk=1, num_draft_tokens=steps + 1), accept_length=accept,
+                   tok_s_kind="per_request", plain_tpot_ms=None, spec_tpot_ms=None)
+        case = C.case({**row, "speedup": 1.0, "plain_tok_s": 1.0, "spec_tok_s": 1.0})
+        plain, spec = S.speeds(case.deployment, truth, case.load, case.shape, accept)
+        rows.append({**row, "plain_tok_s": 1e3 / plain, "spec_tok_s": 1e3 / spec, "speedup": plain / spec})
+    return rows
+
+
+def test_fit_explains_rows_made_by_the_model_and_stays_in_range():
+    truth = {**S.defaults(), "step": 1.2, "draft_fixed": 0.8, "bw_eff": 0.6, "moe_rows": 64.0}
+    cases, skipped = C.cases(_rows(truth, "vllm"))
+    assert not skipped and len(cases) == 6
+    def mean_error(consts):
+        return sum(abs(c.predict(consts)[0] / c.speedup - 1) for c in cases) / len(cases)
+
+    # The pull towards the defaults keeps some error; the fit removes a good part of the defaults'.
+    assert mean_error(C.fit(cases)) < min(0.05, mean_error(S.defaults()) / 1.5), (mean_error(C.fit(cases)),
+                                                                                 mean_error(S.defaults()))
+    # Nonsense figures cannot push a constant out of its physical range.
+    wild = [C.Case(c.row, c.deployment, c.load, c.shape, c.accept_length, c.speedup * f, c.plain_ms * f)
+            for c, f in zip(cases, (0.05, 20, 0.1, 9, 0.2, 30))]
+    for k, v in C.fit(wild).items():
+        assert S.CONSTANTS[k][1] - 1e-9 <= v <= S.CONSTANTS[k][2] + 1e-9, (k, v)
+
+
+def test_crossval_leaves_each_source_out_and_ranges_hold_the_prediction():
+    truth = {**S.defaults(), "step": 1.0}
+    rows = _rows(truth, "sglang")
+    rows.append({**rows[0], "source": "odd", "speedup": 9.0, "spec_tok_s": rows[0]["plain_tok_s"] * 9})
+    cases, _ = C.cases(rows)
+    cv = C.crossval(cases)
+    assert len(cv["rows"]) == 7 and {r["source"] for r in cv["rows"]} == {"s0", "s1", "s2", "odd"}
+    odd = next(r for r in cv["rows"] if r["source"] == "odd")
+    assert not odd["explainable"] and len(cv["residuals"]["sglang"]) == 6  # above its accept length: not fitted
+    for r in cv["rows"]:
+        assert r["low"] <= r["speedup_predicted"] <= r["high"]
+        want = ("pays" if r["low"] > 1 else "loses" if r["high"] < 1 else "too close to call")
+        assert r["verdict"] == want
+    assert S.Range(1.3, 1.1, 1.5).verdict() == "pays" and S.Range(0.8, 0.7, 0.9).verdict() == "loses"
+    assert S.Range(1.0, 0.9, 1.2).verdict() == "too close to call" and S.Range(1.3, 1.1, 1.5).verdict(0.2) != "pays"
+
+
+def test_a_row_without_a_gpu_takes_the_device_its_plain_speed_implies():
+    """No GPU named: the reference device scaled until the model's plain step is the row's own,
+    so the row's speed-up is predicted at the measured plain speed, under any constants."""
+    row = _rows(S.defaults(), "vllm")[0]
+    unnamed = {**row, "gpu": None, "plain_tok_s": 55.0}
+    case = C.case(unnamed)
+    assert case.device_from_plain
+    for c in (S.defaults(), {**S.defaults(), "step": 3.0, "bw_eff": 0.4}):
+        speedup, plain_ms = case.predict(c)
+        assert plain_ms == pytest.approx(1e3 / 55.0, rel=1e-6) and speedup > 0
+    with pytest.raises(Exception, match="no plain speed"):
+        C.case({**unnamed, "plain_tok_s": None, "spec_tok_s": None})

@@ -57,7 +57,7 @@ def accept_check(accepted: int, steps: int, by_depth, n_prompts: int, tokens: in
         return fail("probe.accept", why, "the drafter adds nothing: check it was trained for this target "
                     "(aux ids, vocab map, tokenizer) and compare features, not just acceptance")
     if al < WARN_BELOW:
-        return warn("probe.accept", why, "likely slower than plain decoding; `fledge tune --what-if` with your timings")
+        return warn("probe.accept", why, "likely slower than plain decoding; `fledge tune what-if` with your timings")
     return ok("probe.accept", why)
 
 

@@ -112,11 +112,11 @@ def profile_from_json(path) -> Profile:
 def profile_from_args(args) -> tuple[Profile, Shape | None, str]:
     """The acceptance profile the user gave, the shape an --accept-length was measured at (the
     reference for "what would have to change"), and a line saying what was assumed."""
-    given = [a for a in (args.accept_profile, args.accept_length, args.profile_json) if a is not None]
+    given = [a for a in (args.accept_profile, args.accept_length, args.accept_json) if a is not None]
     if len(given) != 1:
-        raise FledgeError("give exactly one of --accept-length (with --accept-shape), --accept-profile, --profile-json")
-    if args.profile_json:
-        return profile_from_json(args.profile_json), None, f"acceptance: the profile in {args.profile_json}"
+        raise FledgeError("give exactly one of --accept-length (with --accept-shape), --accept-profile, --accept-json")
+    if args.accept_json:
+        return profile_from_json(args.accept_json), None, f"acceptance: the profile in {args.accept_json}"
     if args.accept_profile:
         return parse_profile(args.accept_profile), None, "acceptance: the --accept-profile given"
     steps = args.accept_steps

@@ -31,7 +31,7 @@ stated once:
     forward, and the drafter's pass over the accepted tokens (taken as 2 rows per sequence) with
     the fc; the host's step time once, plus `round_host_ms`. vLLM drafts one forward fewer per
     round than SGLang (its first draft step is that pass); the model counts SGLang's.
-  * Whole requests (`tune --output-len`): a request's prefill is one forward of its prompt, and
+  * Whole requests (`tune model --output-len`): a request's prefill is one forward of its prompt, and
     the batch's decode waits for it (no overlap of prefill and decode).
   * The efficiencies, host times and kernel counts are estimates, not measurements: they are the
     constants `fledge tune calibrate` fits to a live server.
@@ -40,6 +40,7 @@ stated once:
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -75,6 +76,22 @@ GPUS = {
     # NVIDIA RTX PRO 6000 Blackwell datasheet: 1,792 GB/s GDDR7, 4 PFLOP/s fp4 with sparsity;
     # dense fp8 = 4000 / 2 (sparsity) / 2 (fp4 -> fp8) = 1,000, bf16 half that; fp32 125.
     "rtx-pro-6000": Gpu(1792, {"bf16": 500, "fp16": 500, "fp8": 1000, "fp32": 125}),
+    # NVIDIA H20 (China-market Hopper): 4.0 TB/s HBM3, 148 TFLOP/s bf16 and 296 fp8 dense.
+    "h20": Gpu(4000, {"bf16": 148, "fp16": 148, "fp8": 296, "fp32": 44}),
+    # NVIDIA B200 datasheet (HGX B200, per GPU): 8 TB/s HBM3e, 2.25 PFLOP/s bf16 and 4.5 fp8 dense.
+    "b200": Gpu(8000, {"bf16": 2250, "fp16": 2250, "fp8": 4500, "fp32": 75}),
+    # AMD Instinct MI300X datasheet: 5.3 TB/s HBM3, 1,307 TFLOP/s bf16 and 2,615 fp8 dense.
+    "mi300x": Gpu(5300, {"bf16": 1307, "fp16": 1307, "fp8": 2615, "fp32": 163}),
+    # NVIDIA L4 datasheet: 300 GB/s GDDR6, 121 TFLOP/s bf16 and 242 fp8 dense.
+    "l4": Gpu(300, {"bf16": 121, "fp16": 121, "fp8": 242, "fp32": 30}),
+    # NVIDIA A10G (AWS g5): 600 GB/s GDDR6, 70 TFLOP/s bf16 dense.
+    "a10g": Gpu(600, {"bf16": 70, "fp16": 70, "fp8": 70, "fp32": 35}),
+    # NVIDIA GeForce RTX 4090: 1,008 GB/s GDDR6X, 165 TFLOP/s bf16 dense (fp32 accumulate), 330 fp8.
+    "rtx-4090": Gpu(1008, {"bf16": 165, "fp16": 165, "fp8": 330, "fp32": 83}),
+    # NVIDIA GeForce RTX 3090: 936 GB/s GDDR6X, 71 TFLOP/s bf16 dense (fp32 accumulate); no fp8 units.
+    "rtx-3090": Gpu(936, {"bf16": 71, "fp16": 71, "fp8": 71, "fp32": 35.6}),
+    # NVIDIA A40 datasheet: 696 GB/s GDDR6, 150 TFLOP/s bf16 dense; no fp8 units.
+    "a40": Gpu(696, {"bf16": 150, "fp16": 150, "fp8": 150, "fp32": 37.4}),
     # A server CPU socket's order of magnitude only (DDR5, a few cores of AVX-512); PyTorch eager
     # costs ~15 us of dispatch per op. Run `fledge tune calibrate` rather than trust these.
     "cpu": Gpu(20, {"bf16": 0.2, "fp16": 0.2, "fp8": 0.2, "fp32": 0.2}, launch_us=15.0, graph_launch_us=15.0),
@@ -124,6 +141,26 @@ class Hardware:
         return self.gpu.graph_launch_us if self.cuda_graphs else self.gpu.launch_us
 
 
+# Other spellings of the table's devices: same silicon, or close enough for a roofline.
+GPU_ALIASES = {"h800": "h100", "h100-sxm": "h100", "h100-pcie": "h100", "h100-nvl": "h100", "gh200": "h200",
+               "h200-nvl": "h200", "a800": "a100", "a100-80g": "a100", "a100-sxm": "a100", "b100": "b200",
+               "rtx-pro-6000-blackwell": "rtx-pro-6000", "rtx-6000-pro": "rtx-pro-6000", "4090": "rtx-4090",
+               "3090": "rtx-3090", "a100-40gb": "a100", "a100-40g": "a100"}
+
+
+def gpu_key(name: str) -> str | None:
+    """The GPUS key of a device as people write it ("NVIDIA H100 80GB HBM3", "8xH200"), or None."""
+    s = re.sub(r"^\d+\s*[x×]\s*", "", name.strip().lower()).replace("nvidia", "").replace("geforce", "")
+    s = re.sub(r"\b(\d+\s*gb|hbm3e?|gddr\d\w*|server edition|workstation edition|max-q)\b", "", s)
+    s = "-".join(s.replace("_", " ").split())
+    for cand in (s, s.split("-")[0], "-".join(s.split("-")[:2]), "-".join(s.split("-")[:3])):
+        if cand in GPUS:
+            return cand
+        if cand in GPU_ALIASES:
+            return GPU_ALIASES[cand]
+    return None
+
+
 def hardware(gpu: str, tp: int = 1, interconnect: str = "nvlink", **overrides) -> Hardware:
     """A Hardware from table names; `overrides` replace any Gpu, Link or Hardware field."""
     if gpu not in GPUS:
@@ -159,6 +196,8 @@ class Timings:
     batch: int = 1
     prefill_ms: float = 0.0
     output_len: int = 0
+    extra_drafts: int = 0  # draft forwards a round takes beyond num_steps (SGLang's extend pass: 1)
+    tree_ms: float = 0.0  # host time to build a topk > 1 tree, per round
 
     def __post_init__(self):
         self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
@@ -180,7 +219,8 @@ class Timings:
 
     def round_ms(self, shape: Shape) -> float:
         """One speculative round of `shape`: its draft steps, its verify, the rest."""
-        return shape.num_steps * self.draft(shape.topk) + self.verify(shape.num_draft_tokens) + self.overhead_ms
+        return ((shape.num_steps + self.extra_drafts) * self.draft(shape.topk) + self.verify(shape.num_draft_tokens)
+                + self.overhead_ms + (self.tree_ms if shape.topk > 1 else 0.0))
 
     @property
     def prefill_per_token_ms(self) -> float:
@@ -368,6 +408,11 @@ KERNELS_PER_LAYER = {"dense": 12, "moe": 20}  # norms, projections, rope, attent
 KERNELS_PER_HEAD = {"target": 4, "draft": 10}  # logits and sampling; a draft step adds top-k and tree bookkeeping
 
 
+def kernels(m: ModelSpec) -> int:
+    """Kernels one forward of `m` launches."""
+    return m.layers * KERNELS_PER_LAYER["moe" if m.experts else "dense"] + KERNELS_PER_HEAD["draft" if m.draft else "target"]
+
+
 def forward(m: ModelSpec, hw: Hardware, tokens: int, batch: int, context: int) -> StepTime:
     """`tokens` new rows per sequence for `batch` sequences, `context` tokens cached each."""
     tp, rows = hw.tp, tokens * batch
@@ -387,10 +432,10 @@ def forward(m: ModelSpec, hw: Hardware, tokens: int, batch: int, context: int) -
     if tp > 1:
         msg = rows * m.hidden * 2.0
         comm = 2 * m.layers * (hw.link.latency_us * 1e-6 + 2 * (tp - 1) / tp * msg / (hw.link.bus_gbs * 1e9))
-    kernels = m.layers * KERNELS_PER_LAYER["moe" if m.experts else "dense"] + KERNELS_PER_HEAD["draft" if m.draft else "target"]
+    n_kernels = kernels(m)
     return StepTime(memory_ms=1e3 * (weights / tp + kv) / (hw.gpu.hbm_gbs * 1e9 * hw.bw_efficiency),
                     compute_ms=1e3 * flops / (peak * 1e12 * hw.flops_efficiency),
-                    comm_ms=1e3 * comm, launch_ms=hw.forward_ms + 1e-3 * kernels * hw.launch_us)
+                    comm_ms=1e3 * comm, launch_ms=hw.forward_ms + 1e-3 * n_kernels * hw.launch_us)
 
 
 def prefill_ms(target: ModelSpec, hw: Hardware, prompt: int) -> float:

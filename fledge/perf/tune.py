@@ -9,34 +9,33 @@ speculation pays iff E[accept length] > t_iter / t_ar — the break-even accept 
 reports. Where only an accept length is known (`--accept-length`, measured at `--accept-shape`),
 the profile is fledge.perf.acceptance's sibling prior fitted to it.
 
-Timings (fledge.perf.hwmodel.Timings) come from the user (--what-if), from the hardware model
-(--model: the configs and the hardware, optionally calibrated on a live server), or from the
-engine (--target). A shape "pays" only if its predicted gain exceeds `--margin` (default 5%):
-below that the difference is inside what the timings and the model can resolve, and the verdict
-is to serve without speculation.
+Timings (fledge.perf.hwmodel.Timings) come from the user (`tune what-if`), from the serving
+model fitted on published measurements or the roofline calibrated on a live server (`tune model`,
+fledge.perf.tune_inputs), or from fledge's engine (`tune engine`, fledge.perf.tune_engine). A
+shape "pays" only if its predicted gain exceeds `--margin` (default 5%): below that the difference
+is inside what the timings and the model can resolve, and the verdict is to serve without
+speculation.
 """
 
 from __future__ import annotations
 
-import itertools
-import statistics
+import math
 from dataclasses import asdict, dataclass
 
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
 from fledge.core.report import save_figure, subplots
-from fledge.core.shape import Shape, max_nodes, parse_shapes
-from fledge.engine import rig as engine_rig
-from fledge.perf import bench, hwmodel
+from fledge.core.shape import Shape, max_nodes
+from fledge.perf import hwmodel, servemodel
 from fledge.perf.acceptance import (
     Profile,
     expected_accept_length,
     profile_from_args,
-    profile_from_json,
 )
-from fledge.perf.calibrate import cmd_calibrate, load_profile
+from fledge.perf.calibrate import load_profile
 from fledge.perf.hwmodel import Timings
 from fledge.perf.serving import parse_levels
+from fledge.perf.tune_inputs import cpu_defaults, machine, served_timings
 
 
 def parse_ms_table(text: str, arg: str) -> dict[int, float]:
@@ -58,44 +57,59 @@ class Prediction:
     tok_s: float  # per request
     speedup: float  # vs plain decoding at the same batch size
     break_even: float  # accept length at which this shape only matches plain decoding
+    low: float | None = None  # the speed-up's range, where the timings carry one
+    high: float | None = None
+
+    def call(self, margin: float) -> str:
+        """"pays", "loses" or "too close to call" (module doc); without a range, the point decides."""
+        lo, hi = (self.low, self.high) if self.low is not None else (self.speedup, self.speedup)
+        return "pays" if lo > 1 + margin else "loses" if hi < 1 else "too close to call"
 
 
-def predict(profile: Profile, timings: Timings, shape: Shape) -> Prediction:
+def predict(profile: Profile, timings: Timings, shape: Shape, spread: tuple[float, float] | None = None) -> Prediction:
+    """`spread`: log(measured / predicted) quantiles of the timings' source (None: exact timings)."""
     L = expected_accept_length(profile, shape)
     t = timings.round_ms(shape)
     ms = timings.spec_ms(L, t)
-    return Prediction(shape, L, t, 1e3 / ms, timings.plain_ms / ms, t / timings.ar_ms)
+    sp = timings.plain_ms / ms
+    lo, hi = (sp * math.exp(spread[0]), sp * math.exp(spread[1])) if spread else (None, None)
+    return Prediction(shape, L, t, 1e3 / ms, sp, t / timings.ar_ms, lo, hi)
 
 
-def grid(max_steps: int = 8, topks=(1, 2, 4, 8), draft_tokens=(4, 8, 16, 32, 64)) -> list[Shape]:
-    """Chains of 1..max_steps, and trees of every (steps, topk > 1, draft tokens) that fits."""
-    return [Shape(s, 1, s + 1) for s in range(1, max_steps + 1)] + [
-        Shape(s, k, n) for s in range(2, max_steps + 1) for k in topks for n in draft_tokens
+def grid(max_depth: int = 8, topks=(1, 2, 4, 8), draft_tokens=(4, 8, 16, 32, 64)) -> list[Shape]:
+    """Chains of 1..max_depth, and trees of every (steps, topk > 1, draft tokens) that fits."""
+    return [Shape(s, 1, s + 1) for s in range(1, max_depth + 1)] + [
+        Shape(s, k, n) for s in range(2, max_depth + 1) for k in topks for n in draft_tokens
         if k > 1 and s + 1 < n <= max_nodes(s, k)]
 
 
-def rank_all(profile: Profile, timings: Timings, shapes: list[Shape]) -> list[Prediction]:
+def rank_all(profile: Profile, timings: Timings, shapes: list[Shape], spread=None) -> list[Prediction]:
     """Predictions for every shape the profile can speak for, best tok/s first. Trees need
     rank > 0 probabilities: a chain-only profile is evaluated on chains only."""
     usable = [s for s in shapes if s.topk == 1 or profile.width > 1]
-    return sorted((predict(profile, timings, s) for s in usable), key=lambda p: -p.tok_s)
+    return sorted((predict(profile, timings, s, spread) for s in usable), key=lambda p: -p.tok_s)
 
 
-def sweep(profile: Profile, timings_at, shapes: list[Shape], levels, margin: float) -> list[dict]:
+def sweep(profile: Profile, timings_at, shapes: list[Shape], levels, margin: float, spread=None) -> list[dict]:
     """Best shape and speed-up at each concurrency; `timings_at(c)` gives the Timings of batch c."""
     rows = []
     for c in levels:
         t = timings_at(c)
-        best = rank_all(profile, t, shapes)[0]
+        best = rank_all(profile, t, shapes, spread)[0]
         rows.append({"concurrency": c, "ar_tok_s_per_request": 1e3 / t.ar_ms, "ar_tok_s_total": c * 1e3 / t.ar_ms,
                      "best": asdict(best.shape), "label": best.shape.label, "speedup": best.speedup,
-                     "pays": best.speedup > 1 + margin})
+                     "low": best.low, "high": best.high, "call": best.call(margin), "pays": best.call(margin) == "pays"})
     return rows
 
 
 def stops_paying(rows: list[dict]) -> int | None:
-    """The first concurrency at which speculation no longer pays (None: it pays at every level shown)."""
+    """The first concurrency at which speculation no longer surely pays (None: it pays at every level shown)."""
     return next((r["concurrency"] for r in rows if not r["pays"]), None)
+
+
+def surely_loses(rows: list[dict]) -> int | None:
+    """The first concurrency at which even the top of the range loses (None: no level shown)."""
+    return next((r["concurrency"] for r in rows if r["call"] == "loses"), None)
 
 
 # --------------------------------------------------------------------------- verdict and report
@@ -107,21 +121,30 @@ class Verdict:
 
 
 def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Prediction | None = None) -> Verdict:
-    """One line: speculate with the best shape only if it beats plain decoding by more than
-    `margin`; and for `ref` (default the best shape) the verify time or the accept length at
-    which it would clear that bar."""
+    """One line: speculate with the best shape only if it (its whole range, where it has one)
+    beats plain decoding by more than `margin`; "too close to call" where its range holds both;
+    and for `ref` (default the best shape) the verify time or the accept length at which it
+    would clear that bar."""
     best, ar_tok_s, need = preds[0], 1e3 / timings.plain_ms, 1 + margin
     gain = 100 * (best.speedup - 1)
-    if best.speedup > need:
+    rng = f" (range {best.low:.2f}-{best.high:.2f}x)" if best.low is not None else ""
+    call = best.call(margin)
+    if call == "pays":
         line = (f"VERDICT: speculate with {best.shape.label}: {best.tok_s:.1f} tok/s per request against "
-                f"{ar_tok_s:.1f} without ({gain:+.1f}%)")
+                f"{ar_tok_s:.1f} without ({gain:+.1f}%{rng})")
+    elif call == "too close to call" and best.low is not None:
+        line = (f"VERDICT: too close to call — the best, {best.shape.label}, predicts {best.speedup:.2f}x{rng}: measure "
+                f"it (`fledge tune calibrate` on your plain server, then `fledge bench --url`); plain decoding "
+                f"{ar_tok_s:.1f} tok/s per request")
     else:
-        why = ("every shape loses" if best.speedup <= 1 else
+        why = ("every shape loses" + (f", the best {best.shape.label} {best.speedup:.2f}x{rng}" if rng else "")
+               if best.speedup <= 1 else
                f"the best gain, {gain:+.1f}% ({best.shape.label}), is inside the {100 * margin:.0f}% margin")
         line = f"VERDICT: serve without speculation — {why}; plain decoding {ar_tok_s:.1f} tok/s per request"
     ref = ref or best
     s = ref.shape
-    rest = s.num_steps * timings.draft(s.topk) + timings.overhead_ms
+    rest = (s.num_steps + timings.extra_drafts) * timings.draft(s.topk) + timings.overhead_ms + (
+        timings.tree_ms if s.topk > 1 else 0.0)
     round_ms_per_token = timings.plain_ms / need - timings.prefill_per_token_ms  # what beats plain by `margin`
     verify_max = ref.accept_length * round_ms_per_token - rest
     accept_min = ref.iter_ms / round_ms_per_token if round_ms_per_token > 0 else float("inf")
@@ -129,59 +152,85 @@ def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Predi
          f"no verify time is enough (drafting and the rest of a round take {rest:.2f} ms)")
     a = (f"accept length >= {accept_min:.2f} (now {ref.accept_length:.2f})"
          + (f", more than {s.label} can accept ({s.path_len})" if accept_min > s.path_len else ""))
-    return Verdict(best.speedup > need, line, f"{s.label} beats plain decoding by {100 * margin:.0f}% at: {v}, or {a}")
+    return Verdict(call == "pays", line, f"{s.label} beats plain decoding by {100 * margin:.0f}% at: {v}, or {a}")
 
 
 def report(preds: list[Prediction], timings: Timings, drafter: str, margin: float = 0.05, ref: Prediction | None = None,
-           notes: tuple[str, ...] = (), conc: list[dict] | None = None) -> tuple[str, dict]:
-    """One screen: where the figures come from, the table, the verdict, flags only if it pays,
-    the break-even accept length, what would have to change; and the same as a JSON-able dict."""
+           notes: tuple[str, ...] = (), conc: list[dict] | None = None, engine: str = "sglang") -> tuple[str, dict]:
+    """One screen: where the figures come from, the table, the verdict (for `engine`: vLLM serves
+    chains only, so its verdict reads the chains), flags only if it pays, the break-even accept
+    length, what would have to change; and the same as a JSON-able dict."""
     ar = 1e3 / timings.plain_ms  # the verdict's baseline: with --output-len, prefill shared over the answer
     prefill = timings.prefill_per_token_ms
-    best = preds[0]
-    v = verdict(preds, timings, margin, ref)
+    mine = [p for p in preds if p.shape.topk == 1] if engine == "vllm" else preds
+    best = (mine or preds)[0]
+    ranged = best.low is not None
+    v = verdict(mine or preds, timings, margin, ref)
     lines = [*notes, f"plain decoding: {ar:.1f} tok/s per request ({timings.ar_ms:.2f} ms a step"
              + (f" + {prefill:.2f} ms of prefill a token" if prefill else "") + f", batch {timings.batch}); "
              "accept length = SGLang's (accepted + bonus per verify step)",
              f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept':>7} {'iter ms':>8} {'tok/s':>8} {'speedup':>8} "
-             f"{'break-even':>10}"]
+             f"{'break-even':>10}" + (f" {'range':>11}" if ranged else "")]
     for p in preds[:12]:
         s = p.shape
         lines.append(f"{s.num_steps:>5} {s.topk:>4} {s.num_draft_tokens:>6} {p.accept_length:>7.2f} {p.iter_ms:>8.2f} "
-                     f"{p.tok_s:>8.1f} {p.speedup:>7.2f}x {p.break_even:>10.2f}")
+                     f"{p.tok_s:>8.1f} {p.speedup:>7.2f}x {p.break_even:>10.2f}"
+                     + (f" {p.low:>5.2f}-{p.high:.2f}x" if ranged else ""))
     lines.append(v.line)
     if v.pays:
-        vllm = best.shape.vllm_flags(drafter)
-        chains = [p for p in preds if p.shape.topk == 1]
-        lines.append(f"  SGLang: {best.shape.sglang_flags()}")
-        if vllm:
-            lines.append(f"  vLLM:   {vllm}")
-        elif chains and chains[0].speedup > 1 + margin:
-            lines.append(f"  vLLM:   drafts chains only; its best chain {chains[0].shape.label} ({chains[0].speedup:.2f}x): "
-                         + chains[0].shape.vllm_flags(drafter))
-        else:
-            lines.append("  vLLM:   drafts chains only, and no chain pays: serve it without speculation")
+        lines += _flags(best, preds, drafter, margin, engine)
     ref = ref or best
-    lines.append(f"break-even accept length at {ref.shape.label}: {ref.break_even:.2f} (predicted {ref.accept_length:.2f})")
+    lines.append(f"break-even accept length at {ref.shape.label}: {ref.break_even:.2f} (predicted {ref.accept_length:.2f})"
+                 + (f"; at {ref.shape.label}: {ref.call(margin)} ({ref.speedup:.2f}x, range {ref.low:.2f}-{ref.high:.2f}x)"
+                    if ranged else ""))
     lines.append(("to keep paying" if ref.speedup > 1 + margin else "to pay") + f": {v.change}")
-    data = {"ar_tok_s": ar, "timings": asdict(timings), "margin": margin, "pays": v.pays, "verdict": v.line,
-            "verdict_short": "WINS" if v.pays else "LOSES", "gain_percent": 100 * (best.speedup - 1), "change": v.change,
-            "best": _pred_dict(best, drafter), "reference": _pred_dict(ref, drafter), "notes": list(notes),
-            "predictions": [_pred_dict(p, drafter) for p in preds]}
+    call = best.call(margin)
+    data = {"ar_tok_s": ar, "timings": asdict(timings), "margin": margin, "engine": engine, "pays": v.pays,
+            "verdict": v.line, "verdict_short": {"pays": "WINS", "loses": "LOSES"}.get(call, "TOO CLOSE TO CALL"),
+            "call": call, "gain_percent": 100 * (best.speedup - 1), "change": v.change,
+            "best": _pred_dict(best, drafter, margin), "reference": _pred_dict(ref, drafter, margin), "notes": list(notes),
+            "predictions": [_pred_dict(p, drafter, margin) for p in preds]}
     if conc:
-        stop = stops_paying(conc)
-        lines.append(f"{'concurrency':>11} {'plain tok/s':>11} {'best shape':>12} {'speedup':>8}")
-        lines += [f"{r['concurrency']:>11} {r['ar_tok_s_total']:>11.1f} {r['label']:>12} {r['speedup']:>7.2f}x" for r in conc]
-        lines.append("speculation pays at concurrency " + (", ".join(str(r["concurrency"]) for r in conc if r["pays"]) or "none")
-                     + "; " + (f"it stops paying at {stop}" if stop else "at every level shown"))
-        data.update(concurrency=conc, stops_paying_at=stop)
+        stop, lost = stops_paying(conc), surely_loses(conc)
+        lines.append(f"{'concurrency':>11} {'plain tok/s':>11} {'best shape':>12} {'speedup':>8}"
+                     + (f" {'range':>11} {'verdict':>17}" if ranged else ""))
+        lines += [f"{r['concurrency']:>11} {r['ar_tok_s_total']:>11.1f} {r['label']:>12} {r['speedup']:>7.2f}x"
+                  + (f" {r['low']:>5.2f}-{r['high']:.2f}x {r['call']:>17}" if ranged else "") for r in conc]
+        paying = [str(r["concurrency"]) for r in conc if r["pays"]]
+        where = ("at every level shown" if not stop else f"it stops paying surely at {stop}" if paying
+                 else "it surely pays at no level shown")
+        if ranged and stop:
+            where += f"; it loses even at the top of its range from {lost}" if lost else "; it never surely loses"
+        lines.append("speculation pays at concurrency " + (", ".join(paying) or "none") + "; " + where)
+        data.update(concurrency=conc, stops_paying_at=stop, surely_loses_at=lost)
     return "\n".join(line for line in lines if line), data
 
 
-def _pred_dict(p: Prediction, drafter: str) -> dict:
+def _flags(best: Prediction, preds: list[Prediction], drafter: str, margin: float, engine: str) -> list[str]:
+    """The launch flags, the engine the user runs first."""
+    chains = [p for p in preds if p.shape.topk == 1]
+    if engine == "vllm":
+        out = [f"  vLLM:   {best.shape.vllm_flags(drafter)}"]
+        if preds[0].shape.topk > 1 and preds[0].speedup > best.speedup:
+            out.append(f"  (SGLang could serve the tree {preds[0].shape.label} at {preds[0].speedup:.2f}x: "
+                       f"{preds[0].shape.sglang_flags()})")
+        return out
+    out = [f"  SGLang: {best.shape.sglang_flags()}"]
+    vllm = best.shape.vllm_flags(drafter)
+    if vllm:
+        out.append(f"  vLLM:   {vllm}")
+    elif chains and chains[0].call(margin) == "pays":
+        out.append(f"  vLLM:   drafts chains only; its best chain {chains[0].shape.label} ({chains[0].speedup:.2f}x): "
+                   + chains[0].shape.vllm_flags(drafter))
+    else:
+        out.append("  vLLM:   drafts chains only, and no chain surely pays: serve it without speculation")
+    return out
+
+
+def _pred_dict(p: Prediction, drafter: str, margin: float = 0.05) -> dict:
     return {**asdict(p.shape), "accept_length": p.accept_length, "iter_ms": p.iter_ms, "tok_s": p.tok_s,
-            "speedup": p.speedup, "break_even_accept_length": p.break_even,
-            "sglang": p.shape.sglang_flags(), "vllm": p.shape.vllm_flags(drafter)}
+            "speedup": p.speedup, "low": p.low, "high": p.high, "call": p.call(margin),
+            "break_even_accept_length": p.break_even, "sglang": p.shape.sglang_flags(), "vllm": p.shape.vllm_flags(drafter)}
 
 
 def plot(preds: list[Prediction], ar_tok_s: float, path, validation: list[dict] | None = None,
@@ -213,38 +262,9 @@ def plot(preds: list[Prediction], ar_tok_s: float, path, validation: list[dict] 
     save_figure(fig, path)
 
 
-# --------------------------------------------------------------------------- inputs from the CLI
-def machine(args) -> tuple[hwmodel.Hardware, str]:
-    """Hardware from --profile (a `tune calibrate` output), then the CLI's table names and overrides."""
-    base = load_profile(args.profile, "--profile")["hardware"] if args.profile else {}
-    gpu = args.gpu or base.get("gpu")
-    if not gpu:
-        raise FledgeError(f"--model needs --gpu NAME (one of {', '.join(hwmodel.GPUS)}) or --profile FROM_CALIBRATE")
-    cli = {"hbm_gbs": args.hbm_gbs, "latency_us": args.allreduce_us, "bus_gbs": args.allreduce_gbs,
-           "host_ms": args.host_ms, "bw_efficiency": args.bw_efficiency, "flops_efficiency": args.flops_efficiency}
-    if args.tflops:
-        cli["tflops"] = {k: args.tflops for k in ("bf16", "fp16", "fp8", "fp32")}
-    over = {**base.get("overrides", {}), **{k: v for k, v in cli.items() if v is not None}}
-    tp, link = args.tp or base.get("tp", 1), args.interconnect or base.get("interconnect", "nvlink")
-    hw = hwmodel.hardware(gpu, tp, link, cuda_graphs=not args.no_cuda_graphs and base.get("cuda_graphs", True), **over)
-    label = f"{tp} x {gpu}" + (f" over {link}" if tp > 1 else "") + (f", calibrated by {args.profile}" if args.profile else "")
-    return hw, label
-
-
 # --------------------------------------------------------------------------- modes
-def run_tune(args) -> int:
-    if args.action == "calibrate":
-        return cmd_calibrate(args)
-    mode = (_what_if if args.what_if else _hardware_model if args.model else
-            measured_tune if args.target and args.drafter else None)
-    if mode is None:
-        raise FledgeError("tune needs --model CONFIG --gpu NAME (hardware model), --target T --drafter D (measure the engine), "
-                          "--what-if with your own timings, or `tune calibrate --url URL`")
-    if args.max_steps < 1:
-        raise FledgeError(f"--max-steps {args.max_steps}: must be >= 1")
-    if not 0 <= args.margin < 1:
-        raise FledgeError(f"--margin {args.margin}: a fraction in [0, 1), e.g. 0.05")
-    text, data, preds = mode(args)
+def finish(args, result) -> int:
+    text, data, preds = result
     print(text)
     if args.json:
         atomic_write_json(args.json, data)
@@ -253,134 +273,87 @@ def run_tune(args) -> int:
     return 0
 
 
-def _ranked(args, profile: Profile, timings: Timings, shapes, ref_shape: Shape | None, notes, conc=None):
-    preds = rank_all(profile, timings, shapes)
-    ref = predict(profile, timings, ref_shape) if ref_shape else None
-    text, data = report(preds, timings, args.drafter or "<drafter dir>", args.margin, ref, notes, conc)
+def check_args(args) -> None:
+    if args.max_depth < 1 or args.max_depth > 16:
+        raise FledgeError(f"--max-depth {args.max_depth}: draft steps from 1 to 16")
+    if not 0 <= args.margin < 1:
+        raise FledgeError(f"--margin {args.margin}: a fraction in [0, 1), e.g. 0.05")
+    for name in ("batch", "tp", "context", "output_len"):
+        v = getattr(args, name, None)
+        if v is not None and v < (0 if name in ("context", "output_len") else 1):
+            raise FledgeError(f"--{name.replace('_', '-')} {v}: must be {'>= 0' if name in ('context', 'output_len') else '>= 1'}")
+
+
+def ranked(args, profile: Profile, timings: Timings, shapes, ref_shape: Shape | None, notes, conc=None, spread=None,
+            engine: str = "sglang"):
+    preds = rank_all(profile, timings, shapes, spread)
+    ref = predict(profile, timings, ref_shape, spread) if ref_shape else None
+    text, data = report(preds, timings, args.drafter or "<drafter dir>", args.margin, ref, notes, conc, engine)
     data["profile"] = profile.tables()
     return text, data, preds
 
 
-def _what_if(args):
-    if args.ar_ms is None or args.verify_ms is None:
-        raise FledgeError(f"--what-if needs --{'ar-ms' if args.ar_ms is None else 'verify-ms'}")
-    notes = ["timings: as given (--what-if)"]
+def run_what_if(args) -> int:
+    """`fledge tune what-if`: your own timings and acceptance."""
+    check_args(args)
+    notes = ["timings: as given (what-if)"]
     if args.draft_ms is not None:
         draft = parse_ms_table(args.draft_ms, "--draft-ms")
     elif args.model:
+        cpu_defaults(args)
         target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
         draft = hwmodel.step_times(target, drafter, machine(args)[0], args.batch, args.context).draft_ms
         notes.append("draft step predicted from the drafter's config (--model/--drafter, --gpu): "
                      + ", ".join(f"topk {k}: {v:.3f} ms" for k, v in draft.items()))
     else:
-        raise FledgeError("--what-if needs --draft-ms (ms per draft step, by topk '1:0.4,4:0.5'), or --model CONFIG "
+        raise FledgeError("tune what-if needs --draft-ms (ms per draft step, by topk '1:0.4,4:0.5'), or --model CONFIG "
                           "--gpu NAME to predict it from the drafter's size (one decoder layer and its LM head)")
     timings = Timings(args.ar_ms, parse_ms_table(args.verify_ms, "--verify-ms"), draft, args.overhead_ms, args.batch)
     profile, ref_shape, note = profile_from_args(args)
-    return _ranked(args, profile, timings, grid(args.max_steps), ref_shape, (*notes, note))
+    return finish(args, ranked(args, profile, timings, grid(args.max_depth), ref_shape, (*notes, note),
+                                 engine=args.engine or "sglang"))
 
 
-def _hardware_model(args):
+def run_model(args) -> int:
+    """`fledge tune model`: the serving model fitted on published measurements (each prediction
+    with its cross-validated range); with --hardware-profile or a hardware override, the roofline
+    as given or calibrated on your server (no range)."""
+    check_args(args)
+    cpu_defaults(args)
     target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
-    hw, label = machine(args)
     profile, ref_shape, note = profile_from_args(args)
+    # The engine the user serves leads the verdict: named, or the one the calibrated server ran.
+    engine = (args.engine or (load_profile(args.hardware_profile, "--hardware-profile")["engine"] if args.hardware_profile
+                              else None) or "sglang")
+    overrides = [args.hbm_gbs, args.tflops, args.allreduce_us, args.allreduce_gbs, args.host_ms, args.bw_efficiency,
+                 args.flops_efficiency]
+    # The published measurements are of GPU servers: a CPU server gets the roofline (calibrate it).
+    if args.hardware_profile or any(v is not None for v in overrides) or args.gpu in (None, "cpu"):
+        hw, label = machine(args)
+        spread = None
 
-    def timings_at(batch: int) -> Timings:
-        return hwmodel.step_times(target, drafter, hw, batch, args.context, args.output_len or 0)
-
-    timings, shapes = timings_at(args.batch), grid(args.max_steps)
+        def timings_at(batch: int) -> Timings:
+            return hwmodel.step_times(target, drafter, hw, batch, args.context, args.output_len or 0)
+        how = f"roofline on {label} (as given or calibrated: no cross-validated range; on a CPU, run `tune calibrate`)"
+    else:
+        fit = servemodel.fitted(engine)
+        spread = servemodel.quantile_pair(fit.residuals)
+        timings_at = served_timings(target, drafter, args, fit)
+        tp = args.tp or 1
+        how = (f"serving model for {engine} on {tp} x {args.gpu}" + (f" over {args.interconnect or 'nvlink'}" if tp > 1
+                                                                      else "") + f" ({fit.note})")
+    timings = timings_at(args.batch)
+    shapes = grid(args.max_depth)  # with vLLM, trees stay in the table for comparison; the verdict reads chains
     moe = f", MoE {target.active}/{target.experts} experts" if target.experts else ""
-    src = (f"hardware model: {args.model} ({target.layers} layers{moe}, {target.quant} weights) on {label}, "
-           f"batch {args.batch}, context {args.context}, CUDA graphs {'on' if hw.cuda_graphs else 'off'}"
+    src = (f"{how}: {args.model} ({target.layers} layers{moe}, {target.quant} weights), batch {args.batch}, context "
+           f"{args.context}, CUDA graphs {'off' if args.no_cuda_graphs else 'on'}"
            + (f"; whole requests: a {args.context}-token prompt's prefill ({timings.prefill_ms:.1f} ms, the batch waits) "
               f"and {args.output_len} new tokens" if args.output_len else "; decode rounds only"))
-    conc = sweep(profile, timings_at, shapes, parse_levels(args.concurrency, "--concurrency"), args.margin)
-    text, data, preds = _ranked(args, profile, timings, shapes, ref_shape, (src, note), conc)
+    chains = [s for s in shapes if s.topk == 1] if engine == "vllm" else shapes
+    conc = sweep(profile, timings_at, chains, parse_levels(args.concurrency, "--concurrency"), args.margin, spread)
+    text, data, preds = ranked(args, profile, timings, shapes, ref_shape, (src, note), conc, spread, engine)
+    if spread is not None:  # where the roofline puts the time (the table's device, unfitted)
+        hw = hwmodel.hardware(args.gpu, args.tp or 1, args.interconnect or "nvlink", cuda_graphs=not args.no_cuda_graphs)
+        data.update(constants=fit.constants, range_quantiles=list(servemodel.QUANTILES), range_log=list(spread))
     data.update(hardware=asdict(hw), breakdown=hwmodel.breakdown(target, drafter, hw, args.batch, args.context))
-    return text, data, preds
-
-
-def measured_tune(args):
-    """`fledge tune --target T --drafter D`: time the engine as `fledge generate` runs it, measure
-    acceptance, predict every shape; with --validate, also run shapes for real and compare."""
-    rig = engine_rig.load_rig(args.target, args.drafter, args.device, args.dtype)
-    prompts = bench.load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
-    ar = engine_rig.run_ar(rig, prompts, args.max_new_tokens)
-    topks = sorted({1, *[k for k in (2, 4, 8) if k <= args.probe_topk]})
-    context = max(len(p) for p in prompts) + args.max_new_tokens // 2
-    shapes = grid(args.max_steps, tuple(topks))
-    # Every width a shape verifies, timed rather than interpolated: the engine's matmul path
-    # changes with the row count (reductions up to model.GEMV_ROWS, then the few-rows kernel),
-    # so verify time is not smooth in n.
-    sizes = sorted({s.num_draft_tokens for s in shapes})
-    iters = 20 if rig.device.type == "cuda" else 3  # CPU forwards are slow and steady
-    verify_ms = engine_rig.measure_verify_ms(rig, sizes, context, iters)
-    draft_ms, overhead = engine_rig.measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens), context, iters)
-    timings = Timings(ar["ar_ms"], verify_ms, draft_ms, overhead, batch=1)
-    if args.profile_json:
-        profile = profile_from_json(args.profile_json)
-    else:
-        probed = engine_rig.probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)
-        profile = Profile(probed["ranks"], probed["spine"])
-    note = f"timings: measured on fledge's engine ({engine_rig.engine_path(rig)}), batch 1"
-    text, data, preds = _ranked(args, profile, timings, shapes, None, (note,))
-    data["ar_measured_tok_s"] = ar["tok_s"]
-    if args.validate:
-        picks = parse_shapes(args.shapes) if args.shapes else validation_shapes(preds)
-        data["validation"] = validate(rig, prompts, [predict(profile, timings, s) for s in picks], args.max_new_tokens,
-                                      ar["tok_s"])
-        text += "\n" + validation_table(data["validation"])
-    return text, data, preds
-
-
-def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:
-    """The predicted best chain and tree, the fixed reference shapes the grid holds, then the
-    next best of each kind in turn: `want` shapes (chains and trees both present when the grid
-    has trees)."""
-    chains = [p.shape for p in preds if p.shape.topk == 1]
-    trees = [p.shape for p in preds if p.shape.topk > 1]
-    fixed = [s for s in (Shape(2, 1, 3), Shape(4, 1, 5), Shape(6, 1, 7), Shape(4, 2, 8), Shape(5, 4, 16), Shape(6, 4, 32))
-             if s in chains or s in trees]
-    turns = [s for pair in itertools.zip_longest(chains, trees) for s in pair if s is not None]
-    return list(dict.fromkeys(chains[:1] + trees[:1] + fixed + turns))[:want]
-
-
-def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_s: float) -> list[dict]:
-    """Run each predicted shape on the engine: measured against predicted tok/s, and its two
-    factors apart — accept length (the profile) and round time (the timings)."""
-    def err(predicted, measured):
-        return 100 * (predicted - measured) / measured
-
-    rows = []
-    for p in preds:
-        stats, tok_s = engine_rig.run_shape(rig, rig.drafter(p.shape), prompts, max_new_tokens, f"validate {p.shape.label}")
-        accept, round_ms = stats.accept_length(), stats.summary()["round_ms_per_step"]
-        rows.append({**asdict(p.shape), "label": p.shape.label,
-                     "accept_predicted": p.accept_length, "accept_measured": accept,
-                     "accept_error_percent": err(p.accept_length, accept),
-                     "round_ms_predicted": p.iter_ms, "round_ms_measured": round_ms,
-                     "round_error_percent": err(p.iter_ms, round_ms),
-                     "tok_s_predicted": p.tok_s, "tok_s_measured": tok_s, "speedup_measured": tok_s / ar_tok_s,
-                     "error_percent": err(p.tok_s, tok_s)})
-    return rows
-
-
-def validation_table(rows: list[dict]) -> str:
-    lines = [f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept pred':>11} {'meas':>6} {'error':>7} "
-             f"{'round ms pred':>13} {'meas':>6} {'error':>7} {'tok/s pred':>10} {'meas':>8} {'error':>7}"]
-    for r in rows:
-        lines.append(f"{r['num_steps']:>5} {r['topk']:>4} {r['num_draft_tokens']:>6} {r['accept_predicted']:>11.2f} "
-                     f"{r['accept_measured']:>6.2f} {r['accept_error_percent']:>+6.1f}% {r['round_ms_predicted']:>13.3f} "
-                     f"{r['round_ms_measured']:>6.3f} {r['round_error_percent']:>+6.1f}% {r['tok_s_predicted']:>10.1f} "
-                     f"{r['tok_s_measured']:>8.1f} {r['error_percent']:>+6.1f}%")
-
-    def spread(key):
-        errs = [abs(r[key]) for r in rows]
-        return f"{statistics.mean(errs):.1f}%  max {max(errs):.1f}%"
-
-    pred, meas = (max(rows, key=lambda r: r[key])["label"] for key in ("tok_s_predicted", "tok_s_measured"))
-    lines.append(f"tok/s mean |error| {spread('error_percent')} over {len(rows)} shapes; best shape "
-                 f"{'the same' if pred == meas else 'differs'} (predicted {pred}, measured {meas})")
-    lines.append(f"accept length mean |error| {spread('accept_error_percent')}; round time mean |error| "
-                 f"{spread('round_error_percent')}")
-    return "\n".join(lines)
+    return finish(args, (text, data, preds))

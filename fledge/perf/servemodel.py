@@ -1,0 +1,276 @@
+"""Speculative decoding as the serving engines run it: per-engine-family terms on top of the
+roofline of fledge.perf.hwmodel, their constants fitted to published measurements, and the
+cross-validated error every prediction carries.
+
+One plain decode step of a batch of B requests, each at `context` cached tokens:
+
+    plain = step + forward(target, 1 row)
+
+and one speculative round (accept length L tokens per request, bonus included):
+
+    round = step + round_extra + drafts(engine, shape) x (draft_fixed + forward(drafter, topk rows))
+            + forward(target, n rows) + [topk > 1] tree_host
+    speed-up = L x plain / round      (with whole requests: each request's prefill added to both)
+
+where a forward is, per GPU of a tensor-parallel group of tp:
+
+    forward = max(dense bytes / (bw_eff x bandwidth), dense FLOPs / (0.6 x peak))
+              + expert bytes x dequant / (bw_eff x bandwidth) x (1 + rows per expert / moe_rows)
+              + 2 x layers x (allreduce_scale x link latency + 2(tp-1)/tp x rows x H x 2 B / link bandwidth)
+              + [CUDA graphs off] kernels x eager launch time
+
+The terms, and why each is there:
+  * `step` (ms): the fixed cost of any serving step — scheduler, sampling, host sync, kernel
+    launches (graphs or eager) — that does not scale with the model's bytes. It is what makes
+    small and MoE targets slower than their bytes say.
+  * drafts(engine, shape): the draft forwards a round takes. vLLM drafts K tokens of a chain with
+    K - 1 draft forwards after the pass over the accepted tokens that proposes the first (K in
+    all); SGLang runs `num_steps` draft forwards and then the extend pass over the accepted tokens
+    (steps + 1); TensorRT-LLM's one-model EAGLE-3 counts as SGLang. `draft_fixed` (ms) is each
+    draft forward's fixed cost beyond its bytes (launches, top-k, bookkeeping): measured drafting
+    costs ~1 ms per extra token on some engines where bytes alone say ~0.3.
+  * `tree_host` (ms): SGLang builds a topk > 1 tree's mask and positions on the host each round.
+  * `round_extra` (ms): a round prepares three batches (draft, verify, extend) where a plain
+    step prepares one.
+  * MoE: rows spread over the experts a batch touches (uniform routing, hwmodel.distinct_experts);
+    a grouped GEMM reads each touched expert once but stops being free once its rows grow:
+    `moe_rows` is the rows per expert at which an expert's time has doubled over its bytes.
+  * `dequant`: quantised (INT4 / FP8) MLP and expert weights cost more than their bytes
+    (dequantisation in the GEMM's inner loop); the factor multiplies their time.
+  * All-reduce: two per layer; the link table's latency scaled by `allreduce_scale` (launch
+    latency and NCCL protocol on top of the wire) plus bytes over its bus bandwidth.
+  * `bw_eff`: the fraction of the memory bandwidth reached by the dense weights and the KV cache.
+Accept length is taken as measured (the row's own): this module predicts the round's cost.
+
+Fitting: each engine family's constants are fitted on its rows by bounded least squares on
+log(predicted / measured) of the speed-up and the plain tok/s, with a weak pull towards the
+physical defaults (so a constant the family's rows cannot inform stays near its default, and
+every constant stays inside its stated range: a point the fit cannot explain shows as error,
+not as an absurd constant). Leave-one-source-out cross-validation refits without each source
+and predicts it; its residuals, per family, give each prediction's range (the 10th to 90th
+percentile of log(measured / predicted)) and the verdict: "pays" when the whole range clears
+1 + margin, "loses" when the whole range is below 1, "too close to call" otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from fledge.core.errors import FledgeError
+from fledge.core.shape import Shape
+from fledge.perf import hwmodel
+from fledge.perf.hwmodel import BYTES, ModelSpec
+
+# name: (default, low, high): the range is the physically plausible one, the default its middle.
+CONSTANTS = {
+    "step": (0.6, 0.02, 6.0),
+    "draft_fixed": (0.3, 0.01, 3.0),
+    "round_extra": (0.5, 0.0, 6.0),
+    "tree_host": (0.5, 0.0, 4.0),
+    "bw_eff": (0.75, 0.35, 0.95),
+    "moe_rows": (32.0, 8.0, 512.0),
+    "dequant": (1.3, 1.0, 2.0),
+    "allreduce_scale": (1.0, 0.3, 4.0),
+}
+FAMILIES = ("vllm", "sglang", "trtllm")
+QUANTILES = (0.1, 0.9)  # the range every prediction carries: an 80% interval of the CV residuals
+
+
+def family(engine: str) -> str:
+    """The engine family of an engine's name as written ("SGLang 0.5.4", "TensorRT-LLM", "vllm")."""
+    e = engine.lower().replace("-", "").replace("_", "").replace(" ", "")
+    for name, keys in (("trtllm", ("tensorrt", "trtllm")), ("sglang", ("sglang",)), ("vllm", ("vllm",))):
+        if any(k in e for k in keys):
+            return name
+    raise FledgeError(f"engine {engine!r}: not one of vLLM, SGLang, TensorRT-LLM")
+
+
+DRAFTING = ("eagle", "block", "ngram")
+
+
+def draft_forwards(fam: str, shape: Shape, drafting: str = "eagle") -> int:
+    """Draft forwards of one round (module doc): vLLM K, SGLang and TensorRT-LLM steps + 1; a
+    block drafter (DFlash, parallel drafting) one; n-gram lookup none."""
+    if drafting == "ngram":
+        return 0
+    if drafting == "block":
+        return 1
+    return shape.num_steps if fam == "vllm" else shape.num_steps + 1
+
+
+def defaults() -> dict:
+    return {k: v[0] for k, v in CONSTANTS.items()}
+
+
+def check_constants(c: dict, where: str) -> dict:
+    """`c` with every constant present and inside its range (FledgeError naming `where` if not)."""
+    out = defaults() | c
+    for k, (_, lo, hi) in CONSTANTS.items():
+        if not lo - 1e-9 <= out[k] <= hi + 1e-9:
+            raise FledgeError(f"{where}: constant {k} = {out[k]} is outside its range [{lo}, {hi}]")
+    return out
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a prediction depends on besides the constants: the models, the machine, the engine."""
+
+    target: ModelSpec
+    drafter: ModelSpec
+    gpu: hwmodel.Gpu
+    tp: int
+    link: hwmodel.Link
+    engine: str  # a family name
+    drafting: str = "eagle"  # DRAFTING: how the draft tokens are made
+    cuda_graphs: bool = True  # off: every kernel of every forward pays an eager launch
+
+    def __post_init__(self):
+        if self.tp < 1 or self.engine not in FAMILIES or self.drafting not in DRAFTING:
+            raise FledgeError(f"deployment: tp {self.tp} must be >= 1, engine {self.engine!r} one of {FAMILIES}, "
+                              f"drafting {self.drafting!r} one of {DRAFTING}")
+
+
+def forward_ms(m: ModelSpec, d: Deployment, c: dict, tokens: int, batch: int, context: int) -> float:
+    """One forward of `tokens` rows for each of `batch` sequences (module doc's formula)."""
+    tp, rows, bw = d.tp, tokens * batch, d.gpu.hbm_gbs * 1e9 * c["bw_eff"]
+    wb, qb = BYTES[m.dtype], BYTES[m.quant]
+    dq = c["dequant"] if m.quant != m.dtype else 1.0
+    dense_layers = m.layers - m.moe_layers
+    attn = m.layers * m.attn_params() * wb + m.vocab * m.hidden * wb
+    mlp = dense_layers * 3 * m.hidden * m.intermediate * qb
+    active = m.layers * m.attn_params() + dense_layers * 3 * m.hidden * m.intermediate + m.vocab * m.hidden
+    expert_s = 0.0
+    if m.experts:
+        touched = hwmodel.distinct_experts(m.experts, m.active, rows)
+        attn += m.moe_layers * (m.shared_experts * m.expert_params() * wb + m.experts * m.hidden * wb)
+        active += m.moe_layers * (m.shared_experts * m.expert_params() + m.experts * m.hidden)
+        per_expert = rows * m.active / touched
+        expert_s = (m.moe_layers * touched * m.expert_params() * qb * dq / tp / bw) * (1 + per_expert / c["moe_rows"])
+    kv = batch * context * m.layers * m.kv_bytes_per_token(tp)
+    peak = d.gpu.tflops["bf16" if m.quant == "int4" else m.quant if m.quant in d.gpu.tflops else m.dtype]
+    flops = 2 * rows * active / tp + rows * m.layers * m.attn_flops_per_token(context) / tp
+    dense_s = max((attn / tp + mlp * dq / tp + kv) / bw, flops / (peak * 1e12 * 0.6))
+    comm_s = 0.0
+    if tp > 1:
+        msg = rows * m.hidden * 2.0
+        comm_s = 2 * m.layers * (d.link.latency_us * 1e-6 * c["allreduce_scale"]
+                                 + 2 * (tp - 1) / tp * msg / (d.link.bus_gbs * 1e9))
+    eager_s = 0.0 if d.cuda_graphs else hwmodel.kernels(m) * d.gpu.launch_us * 1e-6
+    return 1e3 * (dense_s + expert_s + comm_s + eager_s)
+
+
+def plain_ms(d: Deployment, c: dict, batch: int, context: int) -> float:
+    return c["step"] + forward_ms(d.target, d, c, 1, batch, context)
+
+
+def round_ms(d: Deployment, c: dict, shape: Shape, batch: int, context: int) -> float:
+    """One speculative round of `shape` (module doc)."""
+    draft = c["draft_fixed"] + forward_ms(d.drafter, d, c, shape.topk, batch, context)
+    tree = c["tree_host"] if shape.topk > 1 and d.engine == "sglang" else 0.0
+    return (c["step"] + c["round_extra"] + draft_forwards(d.engine, shape, d.drafting) * draft
+            + forward_ms(d.target, d, c, shape.num_draft_tokens, batch, context) + tree)
+
+
+def prefill_ms(d: Deployment, c: dict, prompt: int) -> float:
+    """One request's prefill: a step and a forward of its prompt, attending to half of it."""
+    return c["step"] + forward_ms(d.target, d, c, prompt, 1, prompt // 2)
+
+
+@dataclass(frozen=True)
+class Load:
+    """How the deployment is driven: batch (or concurrency), context per sequence, and for whole
+    requests (as serving benchmarks count output tok/s) the prompt and answer lengths."""
+
+    batch: int
+    context: int
+    prompt: int = 0
+    output_len: int = 0
+
+    def __post_init__(self):
+        if self.batch < 1 or self.context < 0 or self.prompt < 0 or self.output_len < 0:
+            raise FledgeError(f"load {self}: batch >= 1, lengths >= 0")
+
+
+def speeds(d: Deployment, c: dict, load: Load, shape: Shape, accept_length: float) -> tuple[float, float]:
+    """(plain, speculative) ms per token of one request."""
+    share = load.batch * prefill_ms(d, c, load.prompt) / load.output_len if load.output_len and load.prompt else 0.0
+    return (plain_ms(d, c, load.batch, load.context) + share,
+            round_ms(d, c, shape, load.batch, load.context) / accept_length + share)
+
+
+@dataclass(frozen=True)
+class Range:
+    """A predicted speed-up and its cross-validated range, with the verdict they give."""
+
+    speedup: float
+    low: float
+    high: float
+
+    def verdict(self, margin: float = 0.0) -> str:
+        if self.low > 1 + margin:
+            return "pays"
+        if self.high < 1:
+            return "loses"
+        return "too close to call"
+
+    @property
+    def text(self) -> str:
+        return f"{self.speedup:.2f}x (range {self.low:.2f}-{self.high:.2f}x)"
+
+
+def with_range(speedup: float, residuals: list[float]) -> Range:
+    """`speedup` and the range its family's CV residuals (log measured / predicted) give."""
+    lo, hi = quantile_pair(residuals)
+    return Range(speedup, speedup * math.exp(lo), speedup * math.exp(hi))
+
+
+def quantile_pair(residuals: list[float]) -> tuple[float, float]:
+    """The QUANTILES of `residuals` (linear interpolation), widened to contain 0."""
+    if not residuals:
+        raise FledgeError("no cross-validation residuals for this engine family: cannot state a range")
+    xs = sorted(residuals)
+
+    def q(p):
+        i = p * (len(xs) - 1)
+        a, b = int(math.floor(i)), int(math.ceil(i))
+        return xs[a] + (xs[b] - xs[a]) * (i - a)
+
+    return min(q(QUANTILES[0]), 0.0), max(q(QUANTILES[1]), 0.0)
+
+
+FIT_FILE = Path(__file__).with_name("servemodel_fit.json")  # written by bench/tune_crossval.py
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """One family's constants and the cross-validation residuals its ranges come from."""
+
+    engine: str
+    constants: dict
+    residuals: list
+    note: str
+
+
+def fitted(engine: str, path: Path = FIT_FILE) -> Fitted:
+    """The shipped fit of `engine`'s family; a family the corpus held too few sources of borrows
+    every family's residuals (its range is then wider than its own would be), and says so."""
+    try:
+        fit = json.loads(Path(path).read_text())
+        consts, residuals = fit["constants"], fit["residuals"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FledgeError(f"{path}: no fitted constants ({e}); run bench/tune_crossval.py") from None
+    where = f"{fit.get('rows', '?')} published rows from {fit.get('sources', '?')} sources"
+    if engine in consts and len(residuals.get(engine, [])) >= 3:
+        own = fit.get("summary", {}).get("per_family", {}).get(engine, {})
+        mine = f"{own.get('rows', len(residuals[engine]))} published speed-up rows from {own.get('sources', '?')} sources"
+        return Fitted(engine, check_constants(consts[engine], str(path)), residuals[engine],
+                      f"{engine} constants fitted on its {mine}; ranges from their leave-one-source-out errors")
+    pooled = [r for rs in residuals.values() for r in rs]
+    base = consts.get(engine) or next(iter(consts.values()), defaults())
+    return Fitted(engine, check_constants(base, str(path)), pooled,
+                  f"{engine}: too few published rows of its own; constants "
+                  f"{'its own' if engine in consts else 'of another family'}, ranges from every family's errors "
+                  f"({where})")
