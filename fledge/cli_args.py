@@ -359,8 +359,14 @@ def add_bench(sub) -> None:
     p.add_argument("--probe-topk", type=int, default=4)
     p.add_argument("--prompts", help="engine: conversations file or built-in set (default mtbench)")
     p.add_argument("--num-prompts", type=int, default=10)
-    p.add_argument("--prompt-file", help="server: one prompt per line")
+    p.add_argument("--prompt-file", help="server: conversations (a file `fledge prep` writes, any format it reads, or "
+                                         "a built-in set); the first user turn of --num-prompts of them")
     p.add_argument("--model", help="server: model name (default: the first the server lists)")
+    p.add_argument("--baseline-url", help="server: a plain (non-speculating) server of the same target, measured "
+                                          "interleaved with --url; the table gives the ratio")
+    p.add_argument("--rounds", type=int, default=4, help="server, with --baseline-url: turns each level's requests "
+                                                         "are cut into, the servers alternating")
+    p.add_argument("--baseline-log", help="log, with --log: a plain server's log; the ratio of generation throughput")
     p.add_argument("--concurrency", default="1,4,16", help="server: comma-separated levels")
     p.add_argument("--requests", type=int, default=16, help="server: requests per level")
     p.add_argument("--duration", type=float, default=120.0, help="server: seconds per level, at most")
@@ -369,7 +375,8 @@ def add_bench(sub) -> None:
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--png", help="engine: plot acceptance by depth and tok/s by shape here")
+    p.add_argument("--png", help="plot here: engine, acceptance by depth and tok/s by shape; server, tok/s by "
+                                 "concurrency per server")
     p.set_defaults(func=handler("fledge.perf.bench:run_bench"))
 
 

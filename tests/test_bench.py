@@ -86,7 +86,7 @@ def test_unparseable_log_is_one_error_line(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- server
 class FakeServer(BaseHTTPRequestHandler):
-    tokens, delay, seen = 12, 0.005, []
+    tokens, delay, seen, mode = 12, 0.005, [], "ok"  # mode "html": a page, status 200; "cut": no [DONE]
 
     def log_message(self, *a):
         pass
@@ -103,9 +103,18 @@ class FakeServer(BaseHTTPRequestHandler):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append(req)
         self.send_response(200)
+        mode = self.mode.split()[-1] if len(self.seen) % 2 == 0 or not self.mode.startswith("every-other") else "ok"
+        if mode == "html":
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html><body>Welcome to nginx!</body></html>")
+            return
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         n = min(self.tokens, req["max_tokens"])
+        if mode == "cut":
+            self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': 'half'}}]})}\n\n".encode())
+            return
         for i in range(n):
             time.sleep(self.delay)
             self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': f't{i} '}}]})}\n\n".encode())
@@ -116,7 +125,7 @@ class FakeServer(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    FakeServer.seen = []
+    FakeServer.seen, FakeServer.mode = [], "ok"
     srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -140,6 +149,29 @@ def test_concurrency_levels_are_bounded(server):
     t0 = time.perf_counter()  # the time bound: far more requests asked than fit in 0.3 s
     lv = bench_server(ServerBench(server, ["a"], max_tokens=12, requests=10_000, duration_s=0.3))[0]
     assert lv["requests"] < 100 and time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("mode", ["html", "cut"])
+def test_answers_without_done_are_failures(server, mode, capsys, tmp_path):
+    """An HTML page with status 200 and a stream cut before `data: [DONE]` are failed requests:
+    counted as such, and a run where every request fails exits 2 with one line."""
+    FakeServer.mode = mode
+    cfg = ServerBench(server, ["a"], model="tiny", max_tokens=6, requests=3)
+    with pytest.raises(FledgeError, match="all 3 requests failed.*DONE"):
+        bench_server(cfg)
+    capsys.readouterr()
+    out = tmp_path / "b.json"
+    assert main(["bench", "--url", server, "--model", "tiny", "--requests", "2", "--concurrency", "1",
+                 "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "all 2 requests failed" in err[0] and not out.exists()
+    if mode == "html":
+        assert "text/html" in err[0]
+    # Every other request cut: half count as requests, half as failures, by their problem.
+    FakeServer.mode = "every-other " + mode
+    lv = bench_server(ServerBench(server, ["a"], model="tiny", max_tokens=6, requests=4))[0]
+    assert (lv["requests"], lv["errors"], lv["tokens"]) == (2, 2, 12)
+    assert sum(lv["failures"].values()) == 2 and all("DONE" in k for k in lv["failures"])
 
 
 def test_server_not_answering(capsys):
