@@ -13,6 +13,7 @@ Three sources, one command:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -24,7 +25,14 @@ from fledge.core.shape import parse_shapes
 from fledge.engine.rig import engine_path, load_rig, probe_profile, run_ar, run_shape
 from fledge.perf import serving
 from fledge.perf.calibrate import scrape, speculation
-from fledge.perf.serving import PROMPTS, ServerBench, first_user_turns, parse_levels, run_requests, summarize
+from fledge.perf.serving import (
+    PROMPTS,
+    ServerBench,
+    first_user_turns,
+    parse_levels,
+    run_requests,
+    summarize,
+)
 
 
 def load_prompts(source: str | None, n: int, tokenizer) -> list[list[int]]:
@@ -121,7 +129,7 @@ def measure_interleaved(servers: list[Served], cfg: ServerBench, conc: int, roun
     cuts = [round(cfg.requests * i / rounds) for i in range(rounds + 1)]
     samples = {s.label: [] for s in servers}
     totals = {s.label: scrape("") for s in servers}
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         for s in servers:
             before = _counters(s, cfg.timeout_s)
             samples[s.label].append(run_requests(replace(cfg, url=s.url), s.model, conc, range(a, b)))
