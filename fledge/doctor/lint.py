@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fledge.core.shape import max_nodes  # also SGLang's verify-set bound (see its doc)
-from fledge.doctor.checks import Check, fail, ok, warn
+from fledge.doctor.checks import PASS, Check, fail, ok, warn
 from fledge.drafter.layout import DraftFacts
 
 # Deeper than the training-time-test unroll (7 in SpecForge/EAGLE), extra draft tokens are
@@ -221,8 +221,11 @@ def model_check(served: str | None, drafter: Path, f: DraftFacts | None, target:
     if diffs:
         return fail(name, f"serves {served}, not the drafter's target: " + ", ".join(diffs),
                     f"serve {recorded or 'the target the drafter was trained on'}")
-    return _target_path_check(served, target) or ok(name, f"serves {served}: " + ", ".join(
-        f"{what} {text.get(key)}" for what, key, n in want if n is not None) + ", as the drafter's target")
+    other = _target_path_check(served, target)
+    if other is not None and other.status != PASS:
+        return other
+    return ok(name, f"serves {served}: " + ", ".join(f"{what} {text.get(key)}" for what, key, n in want if n is not None)
+              + ", as the drafter's target")
 
 
 def _target_path_check(served: str, target: str | None) -> Check | None:
