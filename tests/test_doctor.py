@@ -567,3 +567,21 @@ def test_doctor_without_target_loads_neither_torch_nor_transformers(target, tmp_
     here = doctor.doctor(drafter)
     assert seen["rc"] == exit_code(here) == 2
     assert {c["name"]: c["status"] for c in json.loads(out.stdout)["checks"]} == _statuses(here)
+
+
+def test_sweep_dry_run_lines_pass_the_lint(target, tmp_path, capsys):
+    """`serve-sweep --dry-run` prints a line per server for engines fledge does not start; each
+    speculating line passes every launch check against the drafter and its target."""
+    model, tpath = target
+    d = _export(model, tmp_path / "d", verifier=str(tpath))
+    for engine, extra in (("sglang", ["--extra", "--tp 8"]), ("vllm", ["--python", "/opt/venv/bin/python"])):
+        capsys.readouterr()
+        assert cli.main(["serve-sweep", "--target", str(tpath), "--drafter", str(d), "--engine", engine, "--ks", "1,3",
+                         "--dry-run", *extra]) == 0
+        lines = [x for x in capsys.readouterr().out.splitlines() if x and not x.startswith("#")]
+        assert len(lines) == 3 and all(engine in x for x in lines)
+        for line in lines[1:]:
+            checks = _statuses(doctor.doctor(d, None, line))
+            assert set(checks.values()) == {PASS}, (line, checks)
+    assert cli.main(["serve-sweep", "--target", str(tpath), "--drafter", str(d), "--engine", "sglang"]) == 2
+    assert "--dry-run" in capsys.readouterr().err
