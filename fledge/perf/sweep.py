@@ -63,8 +63,10 @@ def predict(rows: list[dict], plain: dict[int, float], args, target: str) -> dic
     return {"gpu": args.gpu, "cuda_graphs": graphs, "context": args.context, "constants": x, "points": points}
 
 
-def sweep(args, serves: dict[int, Serve], prompts: list, levels: list[int], log_dir: Path) -> tuple[list[dict], dict]:
-    """Rows (k, concurrency) measured against the plain server, and each server's start time."""
+def sweep(args, serves: dict[int, Serve], prompts: list, levels: list[int], log_dir: Path,
+          done=lambda rows, starts: None) -> tuple[list[dict], dict]:
+    """Rows (k, concurrency) measured against the plain server, and each server's start time;
+    `done(rows, starts)` after each k, so a long sweep cut short keeps what it measured."""
     cfg = ServerBench("", prompts, None, args.max_new_tokens, tuple(levels), args.requests or len(prompts), 3600.0,
                       args.timeout)
     rows, starts, plain_server = [], {}, None
@@ -91,10 +93,16 @@ def sweep(args, serves: dict[int, Serve], prompts: list, levels: list[int], log_
                                + (f"{s['accept_length']:.2f}" if s["accept_length"] else "not reported"))
             finally:
                 server.stop()
+            done(rows, starts)
     finally:
         if plain_server is not None:
             plain_server.stop()
     return rows, starts
+
+
+def pooled_plain(rows: list[dict], levels: list[int]) -> dict[int, float]:
+    """The plain server's tok/s per request at each level, averaged over its turns beside every k."""
+    return {c: sum(mine) / len(mine) for c in levels if (mine := [r["plain_tok_s"] for r in rows if r["concurrency"] == c])}
 
 
 def plot(rows: list[dict], path) -> None:
@@ -146,20 +154,25 @@ def run_sweep(args) -> int:
     prompts = first_user_turns(args.prompt_file, args.num_prompts)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="fledge-serve-sweep."))
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows, starts = sweep(args, serves, prompts, levels, log_dir)
-    plain = {c: sum(r["plain_tok_s"] for r in rows if r["concurrency"] == c) /
-             sum(1 for r in rows if r["concurrency"] == c) for c in levels}
+
+    def report(rows: list[dict], starts: dict, fit: dict | None = None, complete: bool = False) -> dict:
+        out = {"engine": args.engine, "target": args.target, "drafter": args.drafter, "ks": ks, "concurrency": levels,
+               "prompt_source": args.prompt_file or "mtbench", "prompts": len(prompts), "max_tokens": args.max_new_tokens,
+               "requests": args.requests or len(prompts), "rounds": args.rounds, "complete": complete,
+               "lines": {k: shell_line(s) for k, s in serves.items()}, "server_start_s": starts,
+               "plain_tok_s": pooled_plain(rows, levels), "rows": rows, "calibration": fit}
+        if args.json:
+            atomic_write_json(args.json, out)
+        return out
+
+    rows, starts = sweep(args, serves, prompts, levels, log_dir, report)
+    plain = pooled_plain(rows, levels)
     fit = predict(rows, plain, args, target) if args.gpu and Path(target).is_dir() else None
+    report(rows, starts, fit, complete=True)
     table(rows)
     print("plain decoding, pooled over its interleaved turns: " + ", ".join(f"{v:.1f} tok/s at concurrency {c}"
                                                                               for c, v in plain.items())
           + f"; accept length from the server's /metrics; vLLM logs in {log_dir}")
-    out = {"engine": args.engine, "target": args.target, "drafter": args.drafter, "ks": ks, "concurrency": levels,
-           "prompt_source": args.prompt_file or "mtbench", "prompts": len(prompts), "max_tokens": args.max_new_tokens,
-           "requests": args.requests or len(prompts), "rounds": args.rounds, "lines": {k: shell_line(s) for k, s in serves.items()},
-           "server_start_s": starts, "plain_tok_s": plain, "rows": rows, "calibration": fit}
-    if args.json:
-        atomic_write_json(args.json, out)
     if args.png:
         plot(rows, args.png)
     return 0
