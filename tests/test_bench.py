@@ -290,3 +290,18 @@ def test_plots_are_written(tmp_path):
     preds = rank_all(Profile([[0.7, 0.1]] * 4), Timings(10, {1: 10, 16: 14}, {1: 1, 2: 1.2}), grid(4, (1, 2)))
     plot(preds, 100.0, tmp_path / "tune.png", validation=[{"label": preds[0].shape.label, "tok_s_measured": 90.0}])
     assert all((tmp_path / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in ("engine.png", "tune.png"))
+
+
+def test_serve_sweep_records_a_server_that_fails_and_goes_on(server, tmp_path):
+    """Each k's engine exits while starting: every k is recorded as failed with its log, the sweep
+    goes on to the next, writes its JSON and exits 1, with no row measured."""
+    prompts = tmp_path / "c.jsonl"
+    prompts.write_text(json.dumps({"id": "c0", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    out = tmp_path / "sweep.json"
+    rc = main(["serve-sweep", "--target", str(tmp_path), "--drafter", str(tmp_path), "--ks", "1,2", "--python", "false",
+               "--plain-url", server + "/v1", "--prompt-file", str(prompts), "--log-dir", str(tmp_path / "logs"),
+               "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 1 and r["complete"] and r["rows"] == [] and r["calibration"] is None
+    assert set(r["failed"]) == {"1", "2"} and all("exited with 1 while starting" in e and f"k{k}.log" in e
+                                                  for k, e in r["failed"].items())

@@ -88,6 +88,9 @@ def cpu_vllm(target: str, name: str, port: int, max_model_len: int = 1024, dtype
     build has no CUDA graphs), seed 0."""
     base = venv_env()
     env = {key: v for key, v in base.items() if os.environ.get(key) != v}
+    # vLLM kills its engine when one step outlasts this (default 300 s); a CPU shared with other
+    # work can starve a step that long, and a dead server costs a sweep its k.
+    env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     return Serve("vllm", str(target), name, drafter and str(drafter), k, HOST, port, str(venv_python()), env,
                  ("--max-model-len", str(max_model_len), "--dtype", dtype, "--enforce-eager", "--seed", "0", *extra),
                  cpu=True)
@@ -134,7 +137,7 @@ def start(s: Serve, log: Path | None = None, timeout: float = 300.0) -> Server:
     engine."""
     if s.engine != "vllm":
         raise FledgeError(f"fledge starts vLLM servers only; run the {s.engine} line yourself (--dry-run prints it)")
-    env = venv_env() if s.cpu else {**os.environ, **s.env}
+    env = {**venv_env(), **s.env} if s.cpu else {**os.environ, **s.env}
     t0 = time.monotonic()
     with open(log, "ab") if log else contextlib.nullcontext() as out:  # the child holds its own descriptor
         proc = subprocess.Popen(command(s), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,

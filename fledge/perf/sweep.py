@@ -64,12 +64,14 @@ def predict(rows: list[dict], plain: dict[int, float], args, target: str) -> dic
 
 
 def sweep(args, serves: dict[int, Serve], prompts: list, levels: list[int], log_dir: Path,
-          done=lambda rows, starts: None) -> tuple[list[dict], dict]:
-    """Rows (k, concurrency) measured against the plain server, and each server's start time;
-    `done(rows, starts)` after each k, so a long sweep cut short keeps what it measured."""
+          done=lambda rows, starts, failed: None) -> tuple[list[dict], dict, dict]:
+    """Rows (k, concurrency) measured against the plain server, each server's start time, and the
+    k whose server failed (its error, naming its log); `done(rows, starts, failed)` after each k,
+    so a long sweep cut short keeps what it measured. A speculating server that dies costs its k
+    only; the plain one failing ends the sweep."""
     cfg = ServerBench("", prompts, None, args.max_new_tokens, tuple(levels), args.requests or len(prompts), 3600.0,
                       args.timeout)
-    rows, starts, plain_server = [], {}, None
+    rows, starts, failed, plain_server = [], {}, {}, None
     try:
         if args.plain_url:
             plain = served("plain", args.plain_url, None, args.timeout)
@@ -78,26 +80,38 @@ def sweep(args, serves: dict[int, Serve], prompts: list, levels: list[int], log_
             starts[0] = plain_server.start_s
             plain = served("plain", plain_server.url + "/v1", None, args.timeout)
         for k in tqdm([k for k in serves if k], desc="serve-sweep: k"):
-            server = start(serves[k], log_dir / f"k{k}.log", args.start_timeout)
-            starts[k] = server.start_s
             try:
-                spec = served(f"k={k}", server.url + "/v1", None, args.timeout)
-                for c in levels:
-                    p, s = measure_interleaved([plain, spec], cfg, c, max(1, min(args.rounds, cfg.requests)))
-                    rows.append({"k": k, "concurrency": c, "tok_s": s["per_request_tok_s"],
-                                 "plain_tok_s": p["per_request_tok_s"], "speedup": s["per_request_tok_s"] /
-                                 p["per_request_tok_s"], "accept_length": s["accept_length"], "server_k": s["k"],
-                                 "errors": s["errors"] + p["errors"], "speculative": s, "plain": p})
-                    tqdm.write(f"k = {k}, concurrency {c}: {s['per_request_tok_s']:.1f} tok/s against plain "
-                               f"{p['per_request_tok_s']:.1f} ({rows[-1]['speedup']:.2f}x), accept length "
-                               + (f"{s['accept_length']:.2f}" if s["accept_length"] else "not reported"))
-            finally:
-                server.stop()
-            done(rows, starts)
+                measure_k(k, args, serves[k], plain, cfg, levels, log_dir, rows, starts)
+            except FledgeError as e:
+                if plain_server is not None and plain_server.proc.poll() is not None:
+                    raise
+                failed[k] = str(e)
+                tqdm.write(f"k = {k}: {e}")
+            done(rows, starts, failed)
     finally:
         if plain_server is not None:
             plain_server.stop()
-    return rows, starts
+    return rows, starts, failed
+
+
+def measure_k(k: int, args, serve: Serve, plain, cfg: ServerBench, levels: list[int], log_dir: Path,
+              rows: list[dict], starts: dict) -> None:
+    """Start the server of k, measure it against the plain one at each level (rows appended), stop it."""
+    server = start(serve, log_dir / f"k{k}.log", args.start_timeout)
+    starts[k] = server.start_s
+    try:
+        spec = served(f"k={k}", server.url + "/v1", None, args.timeout)
+        for c in levels:
+            p, s = measure_interleaved([plain, spec], cfg, c, max(1, min(args.rounds, cfg.requests)))
+            rows.append({"k": k, "concurrency": c, "tok_s": s["per_request_tok_s"],
+                         "plain_tok_s": p["per_request_tok_s"], "speedup": s["per_request_tok_s"] /
+                         p["per_request_tok_s"], "accept_length": s["accept_length"], "server_k": s["k"],
+                         "errors": s["errors"] + p["errors"], "speculative": s, "plain": p})
+            tqdm.write(f"k = {k}, concurrency {c}: {s['per_request_tok_s']:.1f} tok/s against plain "
+                       f"{p['per_request_tok_s']:.1f} ({rows[-1]['speedup']:.2f}x), accept length "
+                       + (f"{s['accept_length']:.2f}" if s["accept_length"] else "not reported"))
+    finally:
+        server.stop()
 
 
 def pooled_plain(rows: list[dict], levels: list[int]) -> dict[int, float]:
@@ -155,24 +169,24 @@ def run_sweep(args) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="fledge-serve-sweep."))
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    def report(rows: list[dict], starts: dict, fit: dict | None = None, complete: bool = False) -> dict:
+    def report(rows: list[dict], starts: dict, failed: dict, fit: dict | None = None, complete: bool = False) -> dict:
         out = {"engine": args.engine, "target": args.target, "drafter": args.drafter, "ks": ks, "concurrency": levels,
                "prompt_source": args.prompt_file or "mtbench", "prompts": len(prompts), "max_tokens": args.max_new_tokens,
                "requests": args.requests or len(prompts), "rounds": args.rounds, "complete": complete,
-               "lines": {k: shell_line(s) for k, s in serves.items()}, "server_start_s": starts,
+               "lines": {k: shell_line(s) for k, s in serves.items()}, "server_start_s": starts, "failed": failed,
                "plain_tok_s": pooled_plain(rows, levels), "rows": rows, "calibration": fit}
         if args.json:
             atomic_write_json(args.json, out)
         return out
 
-    rows, starts = sweep(args, serves, prompts, levels, log_dir, report)
+    rows, starts, failed = sweep(args, serves, prompts, levels, log_dir, report)
     plain = pooled_plain(rows, levels)
-    fit = predict(rows, plain, args, target) if args.gpu and Path(target).is_dir() else None
-    report(rows, starts, fit, complete=True)
+    fit = predict(rows, plain, args, target) if args.gpu and Path(target).is_dir() and rows else None
+    report(rows, starts, failed, fit, complete=True)
     table(rows)
     print("plain decoding, pooled over its interleaved turns: " + ", ".join(f"{v:.1f} tok/s at concurrency {c}"
                                                                               for c, v in plain.items())
           + f"; accept length from the server's /metrics; vLLM logs in {log_dir}")
-    if args.png:
+    if args.png and rows:
         plot(rows, args.png)
-    return 0
+    return 1 if failed else 0
