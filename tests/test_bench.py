@@ -86,7 +86,7 @@ def test_unparseable_log_is_one_error_line(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- server
 class FakeServer(BaseHTTPRequestHandler):
-    tokens, delay, seen = 12, 0.005, []
+    tokens, delay, seen, mode = 12, 0.005, [], "ok"  # mode "html": a page, status 200; "cut": no [DONE]
 
     def log_message(self, *a):
         pass
@@ -103,9 +103,18 @@ class FakeServer(BaseHTTPRequestHandler):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append(req)
         self.send_response(200)
+        mode = self.mode.split()[-1] if len(self.seen) % 2 == 0 or not self.mode.startswith("every-other") else "ok"
+        if mode == "html":
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html><body>Welcome to nginx!</body></html>")
+            return
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         n = min(self.tokens, req["max_tokens"])
+        if mode == "cut":
+            self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': 'half'}}]})}\n\n".encode())
+            return
         for i in range(n):
             time.sleep(self.delay)
             self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': f't{i} '}}]})}\n\n".encode())
@@ -116,7 +125,7 @@ class FakeServer(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    FakeServer.seen = []
+    FakeServer.seen, FakeServer.mode = [], "ok"
     srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -140,6 +149,29 @@ def test_concurrency_levels_are_bounded(server):
     t0 = time.perf_counter()  # the time bound: far more requests asked than fit in 0.3 s
     lv = bench_server(ServerBench(server, ["a"], max_tokens=12, requests=10_000, duration_s=0.3))[0]
     assert lv["requests"] < 100 and time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("mode", ["html", "cut"])
+def test_answers_without_done_are_failures(server, mode, capsys, tmp_path):
+    """An HTML page with status 200 and a stream cut before `data: [DONE]` are failed requests:
+    counted as such, and a run where every request fails exits 2 with one line."""
+    FakeServer.mode = mode
+    cfg = ServerBench(server, ["a"], model="tiny", max_tokens=6, requests=3)
+    with pytest.raises(FledgeError, match="all 3 requests failed.*DONE"):
+        bench_server(cfg)
+    capsys.readouterr()
+    out = tmp_path / "b.json"
+    assert main(["bench", "--url", server, "--model", "tiny", "--requests", "2", "--concurrency", "1",
+                 "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "all 2 requests failed" in err[0] and not out.exists()
+    if mode == "html":
+        assert "text/html" in err[0]
+    # Every other request cut: half count as requests, half as failures, by their problem.
+    FakeServer.mode = "every-other " + mode
+    lv = bench_server(ServerBench(server, ["a"], model="tiny", max_tokens=6, requests=4))[0]
+    assert (lv["requests"], lv["errors"], lv["tokens"]) == (2, 2, 12)
+    assert sum(lv["failures"].values()) == 2 and all("DONE" in k for k in lv["failures"])
 
 
 def test_server_not_answering(capsys):
@@ -258,3 +290,18 @@ def test_plots_are_written(tmp_path):
     preds = rank_all(Profile([[0.7, 0.1]] * 4), Timings(10, {1: 10, 16: 14}, {1: 1, 2: 1.2}), grid(4, (1, 2)))
     plot(preds, 100.0, tmp_path / "tune.png", validation=[{"label": preds[0].shape.label, "tok_s_measured": 90.0}])
     assert all((tmp_path / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in ("engine.png", "tune.png"))
+
+
+def test_serve_sweep_records_a_server_that_fails_and_goes_on(server, tmp_path):
+    """Each k's engine exits while starting: every k is recorded as failed with its log, the sweep
+    goes on to the next, writes its JSON and exits 1, with no row measured."""
+    prompts = tmp_path / "c.jsonl"
+    prompts.write_text(json.dumps({"id": "c0", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    out = tmp_path / "sweep.json"
+    rc = main(["serve-sweep", "--target", str(tmp_path), "--drafter", str(tmp_path), "--ks", "1,2", "--python", "false",
+               "--plain-url", server + "/v1", "--prompt-file", str(prompts), "--log-dir", str(tmp_path / "logs"),
+               "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 1 and r["complete"] and r["rows"] == [] and r["calibration"] is None
+    assert set(r["failed"]) == {"1", "2"} and all("exited with 1 while starting" in e and f"k{k}.log" in e
+                                                  for k, e in r["failed"].items())

@@ -3,6 +3,7 @@ check name without the doctor raising; launch lines for SGLang and vLLM are lint
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,12 +114,23 @@ def test_eagle31_export_passes_and_says_what_it_needs(target, tmp_path):
     assert keys.status == FAIL and "fc_norm.1.weight" in keys.why
 
 
-def test_untrained_norms_are_the_only_warning(target, tmp_path):
+def test_untrained_drafter_fails_without_a_probe(target, tmp_path):
+    """A drafter at its random init, or a few optimizer steps from it, FAILs `trained` from the
+    files alone (it drafts noise); the norms say "never trained" beside it. The shipped drafter
+    passes."""
     model, tpath = target
     results = doctor.doctor(_export(model, tmp_path / "d", trained=False), str(tpath))
-    assert {c.name for c in results if c.status != PASS} == {"norms"}
-    assert _statuses(results)["norms"] == WARN and exit_code(results) == 1
+    assert {c.name for c in results if c.status != PASS} == {"norms", "trained"}
+    assert _statuses(results)["norms"] == WARN and _statuses(results)["trained"] == FAIL and exit_code(results) == 2
     assert "never trained" in next(c for c in results if c.name == "norms").why
+    draft, g = _draft(model, trained=False), torch.Generator().manual_seed(1)
+    for p in draft.parameters():  # eight Adam steps of lr 3e-4 move each weight by at most ~2.4e-3
+        if p.requires_grad:
+            p.data += 2.4e-3 * torch.sign(torch.randn(p.shape, generator=g))
+    few = export_checkpoint(draft, tmp_path / "few", dtype=torch.float32)
+    assert _statuses(doctor.doctor(few, str(tpath)))["trained"] == FAIL
+    shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m"
+    assert _statuses(doctor.doctor(shipped))["trained"] == PASS
 
 
 def test_norms_rounded_back_to_one_by_bf16(target, tmp_path):
@@ -304,7 +316,7 @@ def test_sglang_other_flags(target, tmp_path):
     assert _lint(d, SGL.format(t=tpath, d=other) + "--speculative-algorithm EAGLE3")["launch.draft_path"] == FAIL
     assert _lint(d, SGL.format(t=tpath, d="org/remote") + "--speculative-algorithm EAGLE3")["launch.draft_path"] == WARN
     assert _lint(d, base + "--speculative-eagle-topk 4")["launch.tree"] == FAIL  # SGLang asserts
-    assert _lint(d, base.replace(str(tpath), str(other)), str(tpath))["launch.model"] == WARN
+    assert _lint(d, base.replace(str(tpath), str(other)), str(tpath))["launch.model"] == FAIL  # a drafter as target
 
 
 def test_vllm_lines(target, tmp_path):
@@ -330,6 +342,51 @@ def test_vllm_lines(target, tmp_path):
     dotted = _lint(d, f"vllm serve {tpath} --speculative-config.method eagle3 --speculative-config.model {d} "
                       "--speculative-config.num_speculative_tokens 2")
     assert set(dotted.values()) == {PASS}
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m"
+SPEC = '--speculative-config \'{{"method": "eagle3", "model": "{d}", "num_speculative_tokens": 3}}\''
+
+
+def test_launch_model_must_be_the_drafters_target(target, tmp_path):
+    """The served model is compared with the drafter's target by config (layers, hidden size,
+    vocab), or by the name the drafter records where no config is here; without --target a local
+    --model directory is the target the other checks use."""
+    model, tpath = target
+    d = _export(model, tmp_path / "d", verifier=str(tpath))
+    facts = draft_facts(json.loads((d / "config.json").read_text()))
+    other = tmp_path / "shallow"
+    make_tiny("llama", num_hidden_layers=4).save_pretrained(other)
+
+    def lint(served, drafter=d, f=facts):
+        return next(c for c in launch_checks(f"vllm serve {served} {SPEC.format(d=drafter)}", drafter, f)
+                    if c.name == "launch.model")
+
+    assert lint(tpath).status == PASS and "layers 8, hidden size 64, vocab 301" in lint(tpath).why
+    shallow = lint(other)
+    assert shallow.status == FAIL and "layers 4 (drafter's target: 8)" in shallow.why
+    assert lint(d).status == FAIL and "a drafter" in lint(d).why
+    shipped = draft_facts(json.loads((SHIPPED / "config.json").read_text()))
+    qwen = lint("Qwen/Qwen3-8B", SHIPPED, shipped)  # not here to read: the recorded name decides
+    assert qwen.status == FAIL and "smollm2-135m" in qwen.why
+    assert lint("HuggingFaceTB/SmolLM2-135M-Instruct", SHIPPED, shipped).status in (WARN, PASS)
+    # No --target: the line's directory is the target, so the shallow one fails the static checks too.
+    line = f"vllm serve {other} {SPEC.format(d=d)}"
+    results = _statuses(doctor.doctor(d, None, line))
+    assert results["target"] == PASS and results["launch.model"] == FAIL and exit_code(doctor.doctor(d, None, line)) == 2
+    assert set(_statuses(doctor.doctor(d, None, f"vllm serve {tpath} {SPEC.format(d=d)}")).values()) == {PASS}
+
+
+def test_launch_drafter_path_and_cpu_lines(target, tmp_path):
+    """A drafter path that does not exist FAILs; --enforce-eager is a WARN on a GPU line only:
+    the CPU build has no CUDA graphs to lose."""
+    model, tpath = target
+    d = _export(model, tmp_path / "d")
+    assert _lint(d, f"vllm serve {tpath} {SPEC.format(d=tmp_path / 'gone')}")["launch.draft_path"] == FAIL
+    gpu = f"python -m vllm.entrypoints.openai.api_server --model {tpath} --enforce-eager {SPEC.format(d=d)}"
+    assert _lint(d, gpu)["launch.cuda_graph"] == WARN
+    for cpu in ("VLLM_TARGET_DEVICE=cpu " + gpu, "env VLLM_TARGET_DEVICE=cpu " + gpu, gpu + " --device cpu"):
+        assert "launch.cuda_graph" not in _lint(d, cpu), cpu
 
 
 def test_vllm_serves_a_speculators_dir_alone(target, tmp_path):
@@ -510,3 +567,21 @@ def test_doctor_without_target_loads_neither_torch_nor_transformers(target, tmp_
     here = doctor.doctor(drafter)
     assert seen["rc"] == exit_code(here) == 2
     assert {c["name"]: c["status"] for c in json.loads(out.stdout)["checks"]} == _statuses(here)
+
+
+def test_sweep_dry_run_lines_pass_the_lint(target, tmp_path, capsys):
+    """`serve-sweep --dry-run` prints a line per server for engines fledge does not start; each
+    speculating line passes every launch check against the drafter and its target."""
+    model, tpath = target
+    d = _export(model, tmp_path / "d", verifier=str(tpath))
+    for engine, extra in (("sglang", ["--extra", "--tp 8"]), ("vllm", ["--python", "/opt/venv/bin/python"])):
+        capsys.readouterr()
+        assert cli.main(["serve-sweep", "--target", str(tpath), "--drafter", str(d), "--engine", engine, "--ks", "1,3",
+                         "--dry-run", *extra]) == 0
+        lines = [x for x in capsys.readouterr().out.splitlines() if x and not x.startswith("#")]
+        assert len(lines) == 3 and all(engine in x for x in lines)
+        for line in lines[1:]:
+            checks = _statuses(doctor.doctor(d, None, line))
+            assert set(checks.values()) == {PASS}, (line, checks)
+    assert cli.main(["serve-sweep", "--target", str(tpath), "--drafter", str(d), "--engine", "sglang"]) == 2
+    assert "--dry-run" in capsys.readouterr().err

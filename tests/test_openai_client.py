@@ -153,8 +153,12 @@ def test_other_statuses_are_not_retried(server, status):
     h.script = [status]
     with pytest.raises(ServerError) as e:
         with_retries(lambda k: Client(url).chat(chat("hi")), 3, 0.01)
-    assert len(h.calls) == 1 and not e.value.retry and e.value.status == status
+    assert len([c for c in h.calls if c[0] == "POST"]) == 1 and not e.value.retry and e.value.status == status
     assert json.loads(e.value.detail)["message"] == f"status {status}"  # the body, for the caller to read
+    # A 404 naming a model: the line lists what the server serves (it asked /v1/models once).
+    served = "it serves tiny, other"
+    assert (served in str(e.value)) == (status == 404) and "\n" not in str(e.value)
+    assert h.calls[1:] == ([("GET", "/v1/models")] if status == 404 else [])
 
 
 def test_failures_are_one_line_naming_the_url(server):

@@ -8,6 +8,7 @@ short, HTTP 5xx, 408 or 429). `with_retries` is the one retry loop, with exponen
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import time
@@ -86,7 +87,8 @@ class Client:
     def chat(self, body: dict) -> dict:
         """One chat completion: the reply's JSON body, whatever it holds."""
         where = api_url(self.url, "chat/completions")
-        return self._json(where, self._read(where, body))
+        with self._naming_models(body):
+            return self._json(where, self._read(where, body))
 
     def completion(self, body: dict) -> dict:
         """One text completion (a prompt of text or token ids): the reply's JSON body."""
@@ -100,9 +102,13 @@ class Client:
         return self._json(where, self._read(where, body))
 
     def chat_stream(self, body: dict) -> Iterator[dict]:
-        """The JSON events of one streamed chat completion, up to `data: [DONE]`."""
+        """The JSON events of one streamed chat completion, up to `data: [DONE]`. A reply
+        without it (a proxy's HTML page, a stream cut short) is a ServerError: its tokens are
+        not a whole answer."""
         where = api_url(self.url, "chat/completions")
-        with self._open(where, {**body, "stream": True}) as r:
+        with self._naming_models(body):
+            r = self._open(where, {**body, "stream": True})
+        with r:
             try:
                 for raw in r:
                     line = raw.decode(errors="replace").strip()
@@ -115,6 +121,24 @@ class Client:
                             raise ServerError(where, f"stream event is not JSON: {line[:80]!r}") from None
             except (OSError, http.client.HTTPException) as e:  # a read timeout or a dropped connection
                 raise ServerError(where, f"stream broke off ({str(e) or type(e).__name__})") from None
+        kind = r.headers.get_content_type()
+        raise ServerError(where, "stream ended before `data: [DONE]`" + ("" if kind == "text/event-stream" else
+                                                                        f" (the reply is {kind}, not an event stream)"))
+
+    @contextlib.contextmanager
+    def _naming_models(self, body: dict):
+        """A 404 for a request naming a model: add the names the server does serve."""
+        try:
+            yield
+        except ServerError as e:
+            if e.status != 404 or "model" not in body:
+                raise
+            try:
+                served = ", ".join(self.models())
+            except ServerError:
+                raise e from None
+            raise ServerError(e.url, f"{e.problem}: model {body['model']!r} is not served here; it serves {served}",
+                              e.retry, e.status, e.detail) from None
 
     def metrics(self, url: str | None = None) -> str:
         """The Prometheus text at `url` (default: `metrics_url` of the server's)."""

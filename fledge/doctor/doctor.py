@@ -27,7 +27,8 @@ from fledge.core.conventions import (
 )
 from fledge.core.errors import FledgeError
 from fledge.doctor.checks import Check, fail, ok, report, warn
-from fledge.doctor.lint import launch_checks
+from fledge.doctor.lint import launch_checks, parse_launch
+from fledge.doctor.sanity import check_norms, check_trained, check_weights
 from fledge.drafter.layout import (
     EAGLE3_ARCH,
     DraftFacts,
@@ -39,7 +40,6 @@ from fledge.drafter.layout import (
 )
 from fledge.drafter.weights import (
     Checkpoint,
-    Stats,
     Weights,
     is_float,
     model_config,
@@ -328,43 +328,6 @@ def check_dtype(f: DraftFacts, w: Weights) -> Check:
     return ok("dtype", f"weights {floats[0] if floats else '-'}")
 
 
-# ------------------------------------------------------------------ weight sanity, in fp32
-def check_weights(stats: dict[str, Stats]) -> Check:
-    nonfin = [k for k, s in stats.items() if s.nonfinite]
-    zero = [k for k, s in stats.items() if s.lo == 0.0 and s.hi == 0.0]
-    const = [k for k, s in stats.items() if s.lo == s.hi and s.ndim >= 2 and k not in zero]
-    problems = [f"{what}{keys}" for what, keys in (("NaN/inf in ", nonfin), ("all zeros: ", zero),
-                                                    ("constant (dead): ", const)) if keys]
-    if problems:
-        return fail("weights", "; ".join(problems), "re-export from a healthy training checkpoint (check the loss curve)")
-    return ok("weights", f"{len(stats)} float tensors finite and non-degenerate (fp32 scan)")
-
-
-# Spacing of floats just above 1.0 (machine epsilon), by stored dtype.
-_EPS_AT_ONE = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
-
-
-def check_norms(stats: dict[str, Stats], w: Weights) -> Check:
-    """Norm gains start at 1.0 and move slowly (~0.002 after a short run). A dtype whose step
-    near 1.0 is coarser than that (bf16: 2^-8 below, 2^-7 above) rounds them back to exactly
-    1.0, so all-ones is only proof of "never trained" in a dtype fine enough to hold the move."""
-    ones = [k for k, s in stats.items() if (k.endswith("norm.weight") or k.startswith("fc_norm."))
-            and s.lo == s.hi == 1.0]
-    if not ones:
-        return ok("norms", "norm weights moved from their init")
-    coarse = sorted({w.dtypes[k] for k in ones if _EPS_AT_ONE.get(w.dtypes[k], 0.0) > 1e-4})
-    if coarse:
-        eps = max(_EPS_AT_ONE[dt] for dt in coarse)
-        return warn("norms", f"{ones} are exactly 1.0 in {'/'.join(coarse)}: never trained, or trained briefly - "
-                    f"{coarse[0]} holds no value in ({1 - eps / 4:.4f}, {1 + eps / 2:.4f}) but 1.0, and a short run "
-                    "moves norms by ~0.002, so the export rounds them back to their init",
-                    "re-export with `fledge export --dtype float32` and rerun doctor: still all ones means never "
-                    "trained (check that export read the trained checkpoint); if they moved, the bf16 copy lost only "
-                    "a gain change a bf16 server rounds away too: harmless")
-    return warn("norms", f"{ones} are exactly 1.0 in {w.dtypes[ones[0]]}: never trained (or exported from init)",
-                "check that the export read the trained checkpoint")
-
-
 def check_embed(f: DraftFacts, w: Weights, t: TargetFacts | None) -> Check:
     if "embed_tokens.weight" not in w.files:
         return ok("embed", "absent: both engines use the target's embeddings")
@@ -418,6 +381,7 @@ def static_checks(drafter, target: str | None = None) -> tuple[list[Check], Draf
         runs += [("keys", check_keys, f, w), ("fc", check_fc, f, w, t), ("shapes", check_shapes, ck.config, w, t),
                  ("vocab", check_vocab, f, w, t), ("d2t", check_d2t, f, w), ("t2d", check_t2d, f, w),
                  ("dtype", check_dtype, f, w), ("weights", check_weights, stats), ("norms", check_norms, stats, w),
+                 ("trained", check_trained, w),
                  ("embed", check_embed, f, w, t)]
     results += [_guarded(name, fn, *args) for name, fn, *args in runs]
     return [r for r in results if r is not None], f
@@ -445,8 +409,23 @@ def against_check(drafter, other) -> Check:
     return ok("against", why)
 
 
+def served_target(launch: str, drafter) -> str | None:
+    """The launch line's model, where it is a local model directory other than the drafter: the
+    target to check the drafter against when --target is not given."""
+    lc = parse_launch(launch)
+    if isinstance(lc, str) or not lc.model:
+        return None
+    p = Path(lc.model).expanduser()
+    if not (p / "config.json").is_file() or p.resolve() == Path(drafter).resolve():
+        return None
+    return str(p)
+
+
 def doctor(drafter, target: str | None = None, launch: str | None = None, against: str | None = None) -> list[Check]:
-    """All checks for one drafter; never raises on a broken checkpoint or an odd launch line."""
+    """All checks for one drafter; never raises on a broken checkpoint or an odd launch line.
+    Without `target`, a launch line serving a local directory names it."""
+    if target is None and launch is not None:
+        target = served_target(launch, drafter)
     results, facts = static_checks(drafter, target)
     if launch is not None:
         results += launch_checks(launch, drafter, facts, target)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fledge.core.shape import max_nodes  # also SGLang's verify-set bound (see its doc)
-from fledge.doctor.checks import Check, fail, ok, warn
+from fledge.doctor.checks import PASS, Check, fail, ok, warn
 from fledge.drafter.layout import DraftFacts
 
 # Deeper than the training-time-test unroll (7 in SpecForge/EAGLE), extra draft tokens are
@@ -33,6 +33,12 @@ class Launch:
     engine: str  # "sglang" | "vllm"
     model: str | None
     options: dict[str, str | None]  # "--a-b value" as {"a-b": "value"}; bare flags map to None
+    env: dict[str, str]  # NAME=value words before the engine (`env A=1 python -m ...`)
+
+    def on_cpu(self) -> bool:
+        """vLLM's CPU build (VLLM_TARGET_DEVICE=cpu, as fledge's CPU venv sets it) or `--device cpu`:
+        no CUDA graphs to lose, so --enforce-eager costs nothing there."""
+        return self.env.get("VLLM_TARGET_DEVICE") == "cpu" or self.options.get("device") == "cpu"
 
 
 def _engine_at(tokens: list[str]) -> tuple[int, str] | None:
@@ -78,7 +84,8 @@ def parse_launch(cmd: str) -> Launch | str:
         head, dot, sub = key.partition(".")  # vLLM's --speculative-config.num_speculative_tokens 3
         options[_canonical(head.replace("_", "-"), engine) + dot + sub] = val
     model = options.get("model-path" if engine == "sglang" else "model", model)
-    return Launch(engine, model, options)
+    env = dict(t.split("=", 1) for t in tokens[:at] if "=" in t and not t.startswith("-") and t.split("=", 1)[0].isidentifier())
+    return Launch(engine, model, options, env)
 
 
 def _canonical(key: str, engine: str) -> str:
@@ -101,8 +108,11 @@ def _path_check(given: str | None, drafter: Path, flag: str) -> Check:
         return fail(name, f"no {flag}: the engine has no drafter to load", f"add {flag} {drafter}")
     p = Path(given).expanduser()
     if not p.exists():
-        return warn(name, f"{flag} {given} is not on this machine: cannot tell if it is the checked drafter",
-                     f"run doctor on {given} itself, where it lives")
+        if given.startswith(("/", ".", "~")):
+            return fail(name, f"{flag} {given}: no such directory here; the server fails to load it",
+                        f"use {flag} {drafter}, or run doctor where {given} exists")
+        return warn(name, f"{flag} {given} is not on this machine (an HF hub id?): cannot tell if it is the "
+                     "checked drafter", f"run doctor on {given} itself, where it lives")
     if p.resolve() != drafter.resolve():
         return fail(name, f"{flag} {given} is not the drafter checked here ({drafter})", f"use {flag} {drafter}")
     return ok(name, f"{flag} is the checked drafter")
@@ -146,8 +156,80 @@ def _context_check(flag: str, value, f: DraftFacts | None) -> Check | None:
     return ok("launch.context", f"{flag} {n} within the drafter's {f.max_position}")
 
 
-def _model_check(served: str | None, target: str | None) -> Check | None:
-    if not target or not served or not Path(target).exists() or not Path(served).exists():
+def _served_config(model: str) -> dict | None:
+    """The config.json of the model a line serves: a local directory's, or an HF hub id's if the
+    HF cache holds it (never fetched); None where neither is here."""
+    p = Path(model).expanduser()
+    path = p / "config.json" if p.is_dir() else None
+    if path is None and model.count("/") == 1 and not model.startswith(("/", ".", "~")):
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(model, "config.json")
+        path = Path(hit) if isinstance(hit, str) else None
+    try:
+        cfg = json.loads(path.read_text()) if path else None
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def recorded_target(drafter: Path, f: DraftFacts | None) -> str | None:
+    """The target a drafter names: the speculators verifier, or what `fledge export` records."""
+    if f is not None and f.verifier:
+        return f.verifier
+    try:
+        name = json.loads((drafter / "config.json").read_text())["fledge"]["verifier"]["name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+def _names_agree(served: str, recorded: str) -> bool:
+    """An HF id or path and a recorded name for the same model (`HuggingFaceTB/SmolLM2-135M-Instruct`
+    and `smollm2-135m`): one's last part holds the other's."""
+    a, b = (x.rstrip("/").rsplit("/", 1)[-1].lower() for x in (served, recorded))
+    return a in b or b in a
+
+
+def model_check(served: str | None, drafter: Path, f: DraftFacts | None, target: str | None) -> Check | None:
+    """The model a line serves must be the drafter's target: layers, hidden size and vocab as the
+    drafter records them (or, where no config is here to read, its recorded name)."""
+    name, recorded = "launch.model", recorded_target(drafter, f)
+    if not served:
+        return fail(name, "no model in the line: vLLM serves its default (facebook/opt-125m), SGLang refuses",
+                    f"name the target: --model {recorded or '<target>'}")
+    cfg = _served_config(served)
+    p = Path(served).expanduser()
+    if cfg is not None and (p.exists() and p.resolve() == drafter.resolve() or "speculators_config" in cfg
+                            or any("eagle" in str(a).lower() for a in cfg.get("architectures") or [])):
+        return fail(name, f"serves {served}, a drafter, as the target", f"serve the target: --model {recorded or '<target>'}")
+    if cfg is None:
+        if f is None or recorded is None:
+            return _target_path_check(served, target)
+        if _names_agree(served, recorded):
+            return warn(name, f"serves {served} (the drafter names {recorded}); its config.json is not here to compare "
+                        "layers, hidden size and vocab", "run doctor where the model's directory or HF cache is")
+        return fail(name, f"serves {served}, but the drafter's target is {recorded} (and {served}'s config.json is "
+                    "not here to compare)", f"serve {recorded}, or run doctor where {served}'s config.json is")
+    if f is None:
+        return _target_path_check(served, target)
+    text = cfg.get("text_config") or cfg
+    want = (("layers", "num_hidden_layers", f.target_layers), ("hidden size", "hidden_size", f.target_hidden),
+            ("vocab", "vocab_size", f.vocab))
+    diffs = [f"{what} {text.get(key)} (drafter's target: {n})" for what, key, n in want
+             if n is not None and text.get(key) != n]
+    if diffs:
+        return fail(name, f"serves {served}, not the drafter's target: " + ", ".join(diffs),
+                    f"serve {recorded or 'the target the drafter was trained on'}")
+    other = _target_path_check(served, target)
+    if other is not None and other.status != PASS:
+        return other
+    return ok(name, f"serves {served}: " + ", ".join(f"{what} {text.get(key)}" for what, key, n in want if n is not None)
+              + ", as the drafter's target")
+
+
+def _target_path_check(served: str, target: str | None) -> Check | None:
+    if not target or not Path(target).exists() or not Path(served).exists():
         return None
     if Path(served).resolve() != Path(target).resolve():
         return warn("launch.model", f"serves {served}, but the drafter was checked against {target}",
@@ -210,7 +292,7 @@ def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None, alone: bool) -
                             f'--speculative-config \'{{"method": "eagle3", "model": "{drafter}", "num_speculative_tokens": 3}}\'')]
     out += [_vllm_method(sc), _path_check(sc.get("model"), drafter, 'speculative_config "model"'),
             _vllm_depth(sc.get("num_speculative_tokens"))]
-    if "enforce-eager" in o:
+    if "enforce-eager" in o and not lc.on_cpu():
         out.append(warn("launch.cuda_graph", "--enforce-eager: no CUDA graphs, kernel-launch overhead on every "
                          "draft and verify step", "drop --enforce-eager"))
     out.append(_context_check("--max-model-len", o.get("max-model-len"), f))
@@ -249,4 +331,4 @@ def launch_checks(cmd: str, drafter, f: DraftFacts | None, target: str | None = 
     drafter = Path(drafter)
     alone = _serves_speculators_dir(lc, drafter, f)
     out = _sglang_checks(lc, drafter, f) if lc.engine == "sglang" else _vllm_checks(lc, drafter, f, alone)
-    return [c for c in out + [_model_check(f.verifier if alone else lc.model, target)] if c is not None]
+    return [c for c in out + [model_check(f.verifier if alone else lc.model, drafter, f, target)] if c is not None]

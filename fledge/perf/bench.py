@@ -1,8 +1,11 @@
 """`fledge bench`: measure speculative decoding where it runs.
 
 Three sources, one command:
-  --url      an OpenAI-compatible server (SGLang, vLLM, ...), and
-  --log      a serving log: fledge.perf.serving reads both.
+  --url      an OpenAI-compatible server (SGLang, vLLM, ...): tok/s and time to first token per
+             concurrency level, the accept length from a speculating vLLM's /metrics counters,
+             and with --baseline-url a plain server measured interleaved with it (the ratio);
+  --log      a serving log (--baseline-log: a plain server's, for the ratio): fledge.perf.serving
+             reads both.
   --target   fledge's engine (with --drafter): plain decoding, then each --shapes shape through
              the engine's speculative decoding, an acceptance profile by depth and sibling rank
              (the input `fledge tune` needs), a table, JSON and PNG plots.
@@ -10,24 +13,26 @@ Three sources, one command:
 
 from __future__ import annotations
 
+import itertools
+import math
+from dataclasses import dataclass, replace
+
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
+from fledge.core.openai_client import Client, ServerError, metrics_url
 from fledge.core.report import save_figure, subplots
 from fledge.core.shape import parse_shapes
 from fledge.engine.rig import engine_path, load_rig, probe_profile, run_ar, run_shape
 from fledge.perf import serving
-
-
-def first_user_turns(source: str | None, n: int) -> list[list[dict]]:
-    """The first user turn of the first n conversations of a source (file or built-in name,
-    default mtbench), each as a one-message chat."""
-    from fledge.data.prep import load_conversations
-
-    records, _ = load_conversations(source or "mtbench")
-    firsts = [[m] for r in records for m in r["messages"][:1] if m["role"] == "user"][:n]
-    if not firsts:
-        raise FledgeError(f"{source}: no conversation starts with a user turn")
-    return firsts
+from fledge.perf.calibrate import scrape, speculation
+from fledge.perf.serving import (
+    PROMPTS,
+    ServerBench,
+    first_user_turns,
+    parse_levels,
+    run_requests,
+    summarize,
+)
 
 
 def load_prompts(source: str | None, n: int, tokenizer) -> list[list[int]]:
@@ -82,13 +87,145 @@ def _engine_bench(args) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- servers
+@dataclass
+class Served:
+    """One server under test: a label for the table, its API URL, the model name it serves and
+    its Prometheus URL (None: not read)."""
+    label: str
+    url: str
+    model: str
+    metrics: str | None
+
+
+def served(label: str, url: str, model: str | None, timeout: float) -> Served:
+    """`url`'s server: `model`, else the first it lists; its /metrics if it answers."""
+    client = Client(url, timeout)
+    model = model or client.models()[0]
+    try:
+        scrape(client.metrics())
+        at = metrics_url(url)
+    except ServerError:  # SGLang without --enable-metrics, a proxy: no accept length, the rest stands
+        at = None
+    return Served(label, url, model, at)
+
+
+def _counters(s: Served, timeout: float) -> dict | None:
+    return scrape(Client(s.url, timeout).metrics(s.metrics)) if s.metrics else None
+
+
+def _add(total: dict, before: dict, after: dict) -> None:
+    for key in ("drafts", "draft_tokens", "accepted"):
+        total[key] += after[key] - before[key]
+    for pos, v in after["per_pos"].items():
+        total["per_pos"][pos] = total["per_pos"].get(pos, 0.0) + v - before["per_pos"].get(pos, 0.0)
+
+
+def measure_interleaved(servers: list[Served], cfg: ServerBench, conc: int, rounds: int) -> list[dict]:
+    """One concurrency level on each server, its requests cut into `rounds` turns that the
+    servers take in turn (plain, speculative, plain, ...), so a machine's drift lands on both
+    alike; each server gets the same prompts in the same order. A speculating vLLM's row adds
+    k and the accept length from its counters over its turns alone (nothing else may use it)."""
+    cuts = [round(cfg.requests * i / rounds) for i in range(rounds + 1)]
+    samples = {s.label: [] for s in servers}
+    totals = {s.label: scrape("") for s in servers}
+    for a, b in itertools.pairwise(cuts):
+        for s in servers:
+            before = _counters(s, cfg.timeout_s)
+            samples[s.label].append(run_requests(replace(cfg, url=s.url), s.model, conc, range(a, b)))
+            if before is not None:
+                _add(totals[s.label], before, _counters(s, cfg.timeout_s))
+    rows = []
+    for s in servers:
+        row = summarize(replace(cfg, url=s.url), conc, samples[s.label])
+        spec = speculation(scrape(""), totals[s.label])
+        rows.append({"server": s.label, **row, "k": spec.get("k", 0), "accept_length": spec.get("accept_length"),
+                     **({"accepted_per_pos": spec["accepted_per_pos"], "drafts": spec["drafts"]} if spec else {})})
+    return rows
+
+
+def plot_servers(rows: list[dict], path) -> None:
+    """Per-request and total tok/s by concurrency, a line per server, accept lengths in the legend."""
+    fig, (a, b) = subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == name]
+        accept = [r["accept_length"] for r in mine if r["accept_length"]]
+        label = name + (f" (accept {sum(accept) / len(accept):.2f})" if accept else "")
+        conc = [r["concurrency"] for r in mine]
+        a.plot(conc, [r["per_request_tok_s"] for r in mine], marker="o", label=label)
+        b.plot(conc, [r["total_tok_s"] for r in mine], marker="o", label=label)
+    for ax, what in ((a, "decode tok/s per request"), (b, "total tok/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(what)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def print_server_rows(rows: list[dict]) -> None:
+    print(f"{'conc':>5} {'server':<12}{'reqs':>5}{'fail':>5}{'total tok/s':>12}{'per-req tok/s':>14}{'TTFT p50 ms':>12}"
+          f"{'p90 ms':>9}{'k':>3}{'accept':>8}{'vs plain':>9}")
+    for r in rows:
+        accept = f"{r['accept_length']:>8.2f}" if r.get("accept_length") else f"{'-':>8}"
+        ratio = f"{r['speedup']:>8.2f}x" if "speedup" in r else f"{'':>9}"
+        print(f"{r['concurrency']:>5} {r['server']:<12}{r['requests']:>5}{r['errors']:>5}{r['total_tok_s']:>12.1f}"
+              f"{r['per_request_tok_s']:>14.1f}{r['ttft_ms_median']:>12.1f}{r['ttft_ms_p90']:>9.1f}{r.get('k', 0):>3}"
+              f"{accept}{ratio}")
+
+
+def with_speedups(rows: list[dict], baseline: str) -> list[dict]:
+    """Each row's per-request tok/s over the baseline server's at the same concurrency."""
+    base = {r["concurrency"]: r["per_request_tok_s"] for r in rows if r["server"] == baseline}
+    return [{**r, "speedup": r["per_request_tok_s"] / base[r["concurrency"]]}
+            if r["server"] != baseline and base.get(r["concurrency"]) and not math.isnan(r["per_request_tok_s"]) else r
+            for r in rows]
+
+
+def bench_url(args) -> dict:
+    """`fledge bench --url` (and `--baseline-url`): every level, a table, a JSON-able dict."""
+    prompts = first_user_turns(args.prompt_file, args.num_prompts) if args.prompt_file else PROMPTS[:2]
+    servers = [served("speculative" if args.baseline_url else "server", args.url, args.model, args.timeout)]
+    if args.baseline_url:
+        servers.insert(0, served("plain", args.baseline_url, args.model, args.timeout))
+    levels = parse_levels(args.concurrency, "--concurrency")
+    cfg = ServerBench(args.url, prompts, None, args.max_new_tokens, tuple(levels), args.requests, args.duration,
+                      args.timeout)
+    rounds = max(1, min(args.rounds, args.requests)) if args.baseline_url else 1
+    rows = [r for c in levels for r in measure_interleaved(servers, cfg, c, rounds)]
+    rows = with_speedups(rows, "plain") if args.baseline_url else rows
+    print_server_rows(rows)
+    if args.png:
+        plot_servers(rows, args.png)
+    return {"url": args.url, "baseline_url": args.baseline_url, "model": servers[-1].model,
+            "baseline_model": servers[0].model if args.baseline_url else None, "max_tokens": args.max_new_tokens,
+            "prompt_source": args.prompt_file or "built-in", "prompts": prompts, "requests": args.requests,
+            "rounds": rounds, "levels": [r for r in rows if r["server"] != "plain"],
+            "baseline_levels": [r for r in rows if r["server"] == "plain"]}
+
+
+def bench_log(args) -> dict:
+    out = serving.parse_log(args.log)
+    if args.baseline_log:
+        base = serving.parse_log(args.baseline_log)
+        out = {**out, "baseline_gen_throughput_mean": base["gen_throughput_mean"],
+               "speedup": out.get("gen_throughput_mean", float("nan")) / base["gen_throughput_mean"]}
+    for k, v in out.items():
+        print(f"{k:<30} {v}")
+    return out
+
+
 def run_bench(args) -> int:
+    if args.png and args.log:
+        raise FledgeError("--png: a log has no figure; use it with --url or --target")
+    if args.baseline_url and not args.url:
+        raise FledgeError("--baseline-url compares with the server at --url: give both")
+    if args.baseline_log and not args.log:
+        raise FledgeError("--baseline-log compares with the log at --log: give both")
     if args.log:
-        out = serving.parse_log(args.log)
-        for k, v in out.items():
-            print(f"{k:<24} {v}")
+        out = bench_log(args)
     elif args.url:
-        out = serving.bench_url(args)
+        out = bench_url(args)
     elif args.target and args.drafter:
         out = _engine_bench(args)
     else:

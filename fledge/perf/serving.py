@@ -4,12 +4,16 @@ acceptance (`fledge bench --url`, `--log`; `fledge tune calibrate` times servers
   server  tok/s per request, time to first token (streaming), at several concurrency levels,
           in loops bounded by a request count and a time limit. Requests go only to the URL given.
   log     SGLang's "Decode batch" lines and vLLM's "SpecDecoding metrics" lines → accept length
-          (SGLang's definition, bonus included), per-position acceptance, throughput.
+          (SGLang's definition, bonus included), per-position acceptance, throughput; a log
+          without speculation (vLLM's "Avg generation throughput" lines) is a baseline.
+
+A request counts only when its stream ends with `data: [DONE]`: an HTML page answered with
+status 200 or a stream cut short is a failure, counted as one.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
 import re
 import statistics
 import threading
@@ -22,8 +26,10 @@ from tqdm import tqdm
 
 from fledge.core.conventions import accept_length
 from fledge.core.errors import FledgeError
-from fledge.core.openai_client import Client
+from fledge.core.openai_client import Client, ServerError
 from fledge.perf.acceptance import chain_profile
+
+Prompt = str | list  # a user message, or a whole chat (a list of {"role", "content"} messages)
 
 # `fledge bench --url` sends the first two unless given --prompt-file; `tune calibrate` all of them.
 PROMPTS = ["Explain speculative decoding in three paragraphs.", "Write a Python function that merges two sorted lists.",
@@ -51,20 +57,34 @@ _VLLM = re.compile(r"SpecDecoding metrics: Mean acceptance length: (?P<mal>[\d.]
                    r"Per-position acceptance rate: (?P<rates>[\d., ]+?), Avg Draft acceptance rate: (?P<avg>[\d.]+)%")
 
 
+# vLLM, vllm/v1/metrics/loggers.py (LoggingStatLogger.log), with or without speculation:
+#   "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, ..."
+# Lines of an idle engine (nothing running, nothing generated) are left out of the mean.
+_VLLM_GEN = re.compile(r"Avg generation throughput: (?P<gen>[\d.]+) tokens/s, Running: (?P<running>\d+) reqs")
+
+
+def _vllm_generation(text: str) -> list[float]:
+    return [float(m["gen"]) for m in _VLLM_GEN.finditer(text) if int(m["running"]) > 0 or float(m["gen"]) > 0]
+
+
 def parse_log(path) -> dict:
-    """Summary of every SGLang or vLLM speculative-decoding line in a log file."""
+    """Summary of a SGLang or vLLM server log: its speculative-decoding lines, else (a plain
+    server, the baseline) its generation throughput."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError as e:
         raise FledgeError(f"{path}: cannot read ({e.strerror})") from None
-    vllm = [m.groupdict() for m in _VLLM.finditer(text)]
+    vllm, gen = [m.groupdict() for m in _VLLM.finditer(text)], _vllm_generation(text)
     if vllm:
-        return _vllm_summary(vllm)
+        return {**_vllm_summary(vllm), **({"gen_throughput_mean": statistics.mean(gen)} if gen else {})}
     lines = [line for line in text.splitlines() if "Decode batch" in line and "gen throughput (token/s):" in line]
     sglang = [{k: (m := re.search(p, line)) and m.group(1) for k, p in _SGLANG_FIELDS.items()} for line in lines]
     if sglang:
         return _sglang_summary(sglang)
-    raise FledgeError(f"{path}: no SGLang 'Decode batch ... gen throughput' or vLLM 'SpecDecoding metrics' lines")
+    if gen:
+        return {"engine": "vllm", "lines": len(gen), "speculative": False, "gen_throughput_mean": statistics.mean(gen)}
+    raise FledgeError(f"{path}: no SGLang 'Decode batch ... gen throughput', vLLM 'SpecDecoding metrics' or vLLM "
+                      "'Avg generation throughput' lines")
 
 
 def _sglang_summary(rows: list[dict]) -> dict:
@@ -96,11 +116,25 @@ def _vllm_summary(rows: list[dict]) -> dict:
             "profile": chain_profile(reach)}
 
 
-def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: float, ignore_eos: bool = False) -> dict:
+def first_user_turns(source: str | None, n: int) -> list[list[dict]]:
+    """The first user turn of the first n conversations of a source (a conversations file as
+    `fledge prep` writes, any format it reads, or a built-in name; default mtbench), each as a
+    one-message chat."""
+    from fledge.data.prep import load_conversations
+
+    records, _ = load_conversations(source or "mtbench")
+    firsts = [[m] for r in records for m in r["messages"][:1] if m["role"] == "user"][:n]
+    if not firsts:
+        raise FledgeError(f"{source}: no conversation starts with a user turn")
+    return firsts
+
+
+def one_request(url: str, model: str, prompt: Prompt, max_tokens: int, timeout: float, ignore_eos: bool = False) -> dict:
     """One streamed chat completion: time to first token, tokens, decode tok/s after it.
     `ignore_eos` (vLLM and SGLang read it): every answer runs to max_tokens, so concurrency
     stays what was asked for the whole level. Not retried: a retry's time is not a request's."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
@@ -122,7 +156,7 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
 @dataclass
 class ServerBench:
     url: str
-    prompts: list[str]
+    prompts: list[Prompt]
     model: str | None = None  # default: the first the server lists (vLLM refuses requests naming another)
     max_tokens: int = 256
     concurrency: tuple[int, ...] = (1,)
@@ -136,37 +170,61 @@ class ServerBench:
             raise FledgeError("bench: need prompts, --requests >= 1, --concurrency >= 1 and --duration > 0")
 
 
-def run_level(cfg: ServerBench, model: str, conc: int) -> dict:
-    """`conc` workers take request numbers until `requests` are taken or the time is up."""
-    counter, lock, deadline = itertools.count(), threading.Lock(), time.perf_counter() + cfg.duration_s
+@dataclass
+class Sample:
+    """What one level's requests gave: each finished request, each failure's problem, the wall time."""
+    results: list[dict]
+    errors: list[str]
+    wall_s: float
+
+
+def run_requests(cfg: ServerBench, model: str, conc: int, numbers: range) -> Sample:
+    """`conc` workers take the request numbers (request i sends prompt i mod len) until all are
+    taken or `duration_s` is up."""
+    todo, lock, deadline = iter(numbers), threading.Lock(), time.perf_counter() + cfg.duration_s
     results, errors = [], []
 
     def worker():
         while time.perf_counter() < deadline:
             with lock:
-                i = next(counter)
-            if i >= cfg.requests:
+                i = next(todo, None)
+            if i is None:
                 return
             try:
                 results.append(one_request(cfg.url, model, cfg.prompts[i % len(cfg.prompts)], cfg.max_tokens, cfg.timeout_s,
                                            cfg.ignore_eos))
             except FledgeError as e:
-                errors.append(str(e))
+                errors.append(e.problem if isinstance(e, ServerError) else str(e))
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(conc) as pool:
         for f in [pool.submit(worker) for _ in range(conc)]:
             f.result()
-    wall = time.perf_counter() - t0
+    return Sample(results, errors, time.perf_counter() - t0)
+
+
+def summarize(cfg: ServerBench, conc: int, samples: list[Sample]) -> dict:
+    """One level's figures from its samples; a FledgeError when no request finished."""
+    results = [r for s in samples for r in s.results]
+    errors = [e for s in samples for e in s.errors]
     if not results:
-        raise FledgeError(errors[0] if errors else f"{cfg.url}: no request finished within {cfg.duration_s} s")
+        if errors:
+            raise FledgeError(f"{cfg.url}: all {len(errors)} requests failed; the first: {errors[0]}")
+        raise FledgeError(f"{cfg.url}: no request finished within {cfg.duration_s} s")
+    wall = sum(s.wall_s for s in samples)
     ttft = sorted(r["ttft_ms"] for r in results)
     rates = [r["decode_tok_s"] for r in results if r["decode_tok_s"] == r["decode_tok_s"]]  # NaN: one token only
     tokens = sum(r["tokens"] for r in results)
     return {"concurrency": conc, "requests": len(results), "errors": len(errors), "wall_s": wall,
             "tokens": tokens, "total_tok_s": tokens / wall,
             "per_request_tok_s": statistics.mean(rates) if rates else float("nan"),
-            "ttft_ms_median": statistics.median(ttft), "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))]}
+            "ttft_ms_median": statistics.median(ttft), "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+            **({"failures": dict(collections.Counter(errors))} if errors else {})}
+
+
+def run_level(cfg: ServerBench, model: str, conc: int) -> dict:
+    """`conc` workers take request numbers until `requests` are taken or the time is up."""
+    return summarize(cfg, conc, [run_requests(cfg, model, conc, range(cfg.requests))])
 
 
 def bench_server(cfg: ServerBench) -> list[dict]:
@@ -183,17 +241,3 @@ def parse_levels(text: str, flag: str) -> list[int]:
     if not levels or levels[0] < 1:
         raise FledgeError(f"{flag} {text!r}: levels must be >= 1")
     return levels
-
-
-def bench_url(args) -> dict:
-    """`fledge bench --url`: every level, as a table and a JSON-able dict."""
-    prompts = ([p.strip() for p in Path(args.prompt_file).read_text().splitlines() if p.strip()] if args.prompt_file
-               else PROMPTS[:2])
-    cfg = ServerBench(args.url, prompts, args.model, args.max_new_tokens,
-                      tuple(parse_levels(args.concurrency, "--concurrency")), args.requests, args.duration, args.timeout)
-    out = {"url": args.url, "levels": bench_server(cfg)}
-    print(f"{'conc':>5}{'reqs':>6}{'errors':>7}{'total tok/s':>12}{'per-req tok/s':>14}{'TTFT p50 ms':>12}{'p90 ms':>9}")
-    for r in out["levels"]:
-        print(f"{r['concurrency']:>5}{r['requests']:>6}{r['errors']:>7}{r['total_tok_s']:>12.1f}"
-              f"{r['per_request_tok_s']:>14.1f}{r['ttft_ms_median']:>12.1f}{r['ttft_ms_p90']:>9.1f}")
-    return out
