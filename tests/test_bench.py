@@ -266,7 +266,7 @@ def test_engine_measurements_run_on_cpu():
 
 
 def test_vllm_log_feeds_tune(tmp_path):
-    """`fledge bench --log` → JSON → `fledge tune --what-if --profile-json`: the chain profile
+    """`fledge bench --log` → JSON → `fledge tune what-if --accept-json`: the chain profile
     read from vLLM's per-position rates reproduces the logged accept length."""
     log, prof = tmp_path / "vllm.log", tmp_path / "p.json"
     log.write_text(VLLM_LINE.format(i=0, mal=2.5, acc=300, dr=600, rates="0.800, 0.500, 0.200", avg=50.0))

@@ -26,7 +26,7 @@ REACHED = [0.7, 0.45, 0.25]  # P(accepted path reaches depth 1, 2, 3) of the fak
 
 
 def truth_hw():
-    return calibrate._hardware("l40s", 1, "nvlink", False, TRUTH)
+    return calibrate.hardware("l40s", 1, "nvlink", False, TRUTH)
 
 
 def specs():

@@ -129,7 +129,7 @@ def _overrides(x: dict) -> dict:
             "bw_efficiency": 1.0, "flops_efficiency": 1.0}
 
 
-def _hardware(base: str, tp: int, link: str, graphs: bool, x: dict) -> hwmodel.Hardware:
+def hardware(base: str, tp: int, link: str, graphs: bool, x: dict) -> hwmodel.Hardware:
     return hwmodel.hardware(base, tp, link, cuda_graphs=graphs, **_overrides(x))
 
 
@@ -165,7 +165,7 @@ def fit(points: list[dict], target, drafter, base: str, tp: int, link: str, grap
         return {**start, **{k: math.exp(v) for k, v in zip(free, z)}}
 
     def residuals(z):
-        hw = _hardware(base, tp, link, graphs, unpack(z))
+        hw = hardware(base, tp, link, graphs, unpack(z))
         return [math.log(predict_point(p, target, drafter, hw, context) / p["ms_per_token"]) for p in points]
 
     best = None
@@ -290,7 +290,7 @@ def cmd_calibrate(args) -> int:
         points += measure(url, metrics_at, levels, args.requests, args.max_new_tokens, 120.0)
     tp, link, graphs = args.tp or 1, args.interconnect or "nvlink", not args.no_cuda_graphs
     x = fit(points, target, drafter, args.gpu, tp, link, graphs, args.context)
-    hw = _hardware(args.gpu, tp, link, graphs, x)
+    hw = hardware(args.gpu, tp, link, graphs, x)
     for p in points:
         p["predicted_ms_per_token"] = predict_point(p, target, drafter, hw, args.context)
         p["error_percent"] = 100 * (p["predicted_ms_per_token"] / p["ms_per_token"] - 1)

@@ -54,7 +54,7 @@ def predict(rows: list[dict], plain: dict[int, float], args, target: str) -> dic
     graphs = args.cuda_graphs
     points = [{"k": 0, "accept_length": 1.0, "concurrency": c, "ms_per_token": 1e3 / tok_s} for c, tok_s in plain.items()]
     x = calibrate.fit(points, tgt, drf, args.gpu, 1, "nvlink", graphs, args.context)
-    hw = calibrate._hardware(args.gpu, 1, "nvlink", graphs, x)
+    hw = calibrate.hardware(args.gpu, 1, "nvlink", graphs, x)
     for r in rows:
         point = {"k": r["k"], "accept_length": r["accept_length"] or 1.0, "concurrency": r["concurrency"]}
         r["predicted_tok_s"] = 1e3 / calibrate.predict_point(point, tgt, drf, hw, args.context)
