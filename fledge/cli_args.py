@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import math
 import os
 
 from fledge.core.catalog import (
@@ -41,6 +42,31 @@ def run_step(name: str, args) -> int | None:
 def handler(name: str) -> functools.partial:
     """An argparse `func` for `name` ("module:function"): its module is imported when it runs."""
     return functools.partial(run_step, name)
+
+
+def number(kind: type, low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse `type` for a finite number of `kind` in [low, high] ((low, high] if
+    `low_open`): zero, negative, inf and NaN are refused where the flag is read, in one line
+    naming the flag, before any model loads or any file is touched."""
+    def parse(s: str):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not {'an integer' if kind is int else 'a number'}") from None
+        above = v > low if low_open else v >= low
+        if not (math.isfinite(v) and above and v <= high):
+            span = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"{s}: must be {'an integer' if kind is int else 'a finite number'} {span}")
+        return v
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+positive_int = number(int, 1)
+nonneg_int = number(int, 0)
+positive_float = number(float, 0, low_open=True)
+nonneg_float = number(float, 0)
+fraction = number(float, 0, 1, low_open=True)  # a share in (0, 1]
 
 
 def int_list(s: str) -> list[int]:
@@ -84,11 +110,11 @@ def add_regen(sub) -> None:
                    help="OpenAI-compatible base URL, e.g. http://host:30000 (repeatable: requests share the "
                         "servers; default: none, the local engine answers)")
     p.add_argument("--model", help="model name to request from the servers (default: the --target value)")
-    p.add_argument("--concurrency", type=int, default=16,
+    p.add_argument("--concurrency", type=positive_int, default=16,
                    help="servers: requests in flight at once (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="servers: seconds a request may take, reply included (default: %(default)s)")
-    p.add_argument("--retries", type=int, default=3,
+    p.add_argument("--retries", type=nonneg_int, default=3,
                    help="servers: extra attempts after a 5xx, 429, timeout or dropped connection, "
                         "each on the next server (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="local engine: torch device (default: %(default)s)")
@@ -150,8 +176,8 @@ def add_tokenize(sub) -> None:
     p.add_argument("--tokenizer", default="smollm2-135m", help="HF dir, .gguf file or target name (default smollm2-135m)")
     p.add_argument("--heldout", action="append", default=[], metavar="FILE",
                    help="conversations that all go to the held-out set (repeatable)")
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: one per CPU)")
+    p.add_argument("--max-len", type=positive_int, default=2048)
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help="processes (default: one per CPU)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=handler("fledge.data.tokenize:run_tokenize"))
 
@@ -161,8 +187,8 @@ def add_vocab(sub) -> None:
     vs = p.add_subparsers(dest="vocab_command", required=True)
     b = vs.add_parser("build", help="top-N loss-masked target tokens of a tokenized training set")
     b.add_argument("dataset", help="tokenized training set JSONL (input_ids, loss_mask)")
-    b.add_argument("--size", type=int, required=True, help="draft vocab size N")
-    b.add_argument("--target-vocab", type=int, help="target vocab size (default: read from --target's config)")
+    b.add_argument("--size", type=positive_int, required=True, help="draft vocab size N")
+    b.add_argument("--target-vocab", type=positive_int, help="target vocab size (default: read from --target's config)")
     b.add_argument("--target", help="target spec (HF dir, GGUF, built-in name): vocab_size from its config")
     b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on (default: none)")
     b.add_argument("-o", "--out", required=True, help="output .safetensors ({d2t, t2d}); stats go to .json")
@@ -228,7 +254,7 @@ def add_train(sub) -> None:
 
 
 def add_target_layers(p) -> None:
-    p.add_argument("--target-layers", type=int, help="target decoder layer count (if config.json lacks it)")
+    p.add_argument("--target-layers", type=positive_int, help="target decoder layer count (if config.json lacks it)")
     p.add_argument("--target-config", help="target config.json (or its dir) to read the layer count from")
     p.add_argument("--target", help="target (HF dir, GGUF, built-in name): its layer count, and its embeddings "
                                     "for a drafter saved without them (--with-embed)")
@@ -240,7 +266,7 @@ def add_checkpoint(sub) -> None:
     p.add_argument("src", help="drafter checkpoint dir (any layout fledge reads)")
     p.add_argument("out", help="output dir (written atomically)")
     p.add_argument("--layout", choices=LAYOUTS, default="eagle3")
-    p.add_argument("--shard-size-mb", type=float, help="split weights into shards of at most this size")
+    p.add_argument("--shard-size-mb", type=positive_float, help="split weights into shards of at most this size")
     p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes} (default bfloat16)")
     p.add_argument("--with-embed", action="store_true", help="keep embed_tokens (default: engines share the target's)")
     p.add_argument("--verifier", help="target model name/path recorded for `vllm serve <dir>` (speculators)")
@@ -260,7 +286,7 @@ def add_checkpoint(sub) -> None:
     p = sub.add_parser("init-draft", help="a fresh drafter for a target (target embeddings, eagle3 layout)")
     p.add_argument("out")
     p.add_argument("--target", required=True, help="target HF dir, GGUF or built-in name")
-    p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: the target's full vocab)")
+    p.add_argument("--draft-vocab", type=positive_int, help="draft vocab size (default: the target's full vocab)")
     p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes}")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=handler("fledge.drafter.checkpoint:run_init_draft"))
@@ -272,14 +298,14 @@ def add_generate(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--drafter", help="EAGLE-3 checkpoint directory")
     src.add_argument("--oracle", action="store_true", help="draft the target's own greedy continuation (the ceiling)")
-    src.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
-    p.add_argument("--num-steps", type=int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
-    p.add_argument("--topk", type=int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
+    src.add_argument("--ngram", type=positive_int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
+    p.add_argument("--num-steps", type=positive_int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
+    p.add_argument("--topk", type=positive_int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=None,
                    help="tree nodes verified per round, root included (default num-steps+1 for a chain)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=nonneg_float, default=0.0)
+    p.add_argument("--top-p", type=fraction, default=1.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--seed", type=int, default=0)
     msg = p.add_mutually_exclusive_group(required=True)
     msg.add_argument("--prompt", help="one user message")
@@ -302,10 +328,10 @@ def add_doctor(sub) -> None:
     p.add_argument("--launch", help='the SGLang or vLLM server command, quoted: "python -m sglang.launch_server ..."')
     p.add_argument("--against", metavar="OTHER_DRAFTER", help="compare the draft vocabulary with another drafter")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
-    p.add_argument("--probe", type=int, metavar="N", help="live probe: acceptance on N held-out prompts (needs --target)")
+    p.add_argument("--probe", type=positive_int, metavar="N", help="live probe: acceptance on N held-out prompts (needs --target)")
     p.add_argument("--probe-prompts", default="mtbench", help="prompt source for the probe (file or built-in name)")
-    p.add_argument("--probe-tokens", type=int, default=64, help="new tokens per probe prompt")
-    p.add_argument("--probe-steps", type=int, default=5, help="chain length the probe drafts")
+    p.add_argument("--probe-tokens", type=positive_int, default=64, help="new tokens per probe prompt")
+    p.add_argument("--probe-steps", type=positive_int, default=5, help="chain length the probe drafts")
     p.add_argument("--device", help="probe device (default: cuda if available)")
     p.set_defaults(func=handler("fledge.doctor.doctor:run_doctor"))
 
@@ -315,12 +341,12 @@ def add_demo(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="target model: built-in name, GGUF file or HF directory")
     p.add_argument("--workdir", default="runs/demo", help="where every step writes its files and demo.json")
-    p.add_argument("--prompts", type=int, default=8, help="MT-Bench questions the target answers for training")
-    p.add_argument("--eval-prompts", type=int, default=2, help="held-out questions for the eval and the speed check")
-    p.add_argument("--new-tokens", type=int, default=48,
+    p.add_argument("--prompts", type=positive_int, default=8, help="MT-Bench questions the target answers for training")
+    p.add_argument("--eval-prompts", type=positive_int, default=2, help="held-out questions for the eval and the speed check")
+    p.add_argument("--new-tokens", type=positive_int, default=48,
                    help="tokens the target writes per answer, and per prompt in the speed check")
-    p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size of the miniature drafter")
-    p.add_argument("--train-steps", type=int, default=20,
+    p.add_argument("--draft-vocab", type=positive_int, default=2048, help="draft vocabulary size of the miniature drafter")
+    p.add_argument("--train-steps", type=positive_int, default=20,
                    help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")
     p.set_defaults(func=handler("fledge.demo:run_demo"))
 
@@ -334,7 +360,7 @@ def add_adapt(sub) -> None:
     p.add_argument("--rebuild-vocab", action="store_true",
                    help="build the draft vocab from --data's most frequent tokens (default: keep OLD's; rebuild "
                         "only when --data is large or NEW's tokenizer differs)")
-    p.add_argument("--draft-vocab", type=int, help="size of the rebuilt vocab (with --rebuild-vocab; default: OLD's)")
+    p.add_argument("--draft-vocab", type=positive_int, help="size of the rebuilt vocab (with --rebuild-vocab; default: OLD's)")
     p.add_argument("--no-train", dest="train", action="store_false", help="write <out>/init only, no fine-tune")
     for name, typ, what in ADAPT_TRAIN_OPTIONS:  # the fine-tune's defaults are fledge train's
         p.add_argument(f"--{name}", type=typ, help=train_help(name, what))
@@ -355,17 +381,17 @@ def add_bench(sub) -> None:
     p.add_argument("--drafter", help="engine: EAGLE-3 checkpoint directory")
     p.add_argument("--shapes", default="3,1,4;7,1,8;5,4,16", help="engine: STEPS,TOPK,TOKENS;... to run")
     p.add_argument("--probe", action="store_true", help="engine: also measure acceptance by depth and rank (for tune)")
-    p.add_argument("--probe-steps", type=int, default=6)
-    p.add_argument("--probe-topk", type=int, default=4)
+    p.add_argument("--probe-steps", type=positive_int, default=6)
+    p.add_argument("--probe-topk", type=positive_int, default=4)
     p.add_argument("--prompts", help="engine: conversations file or built-in set (default mtbench)")
-    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--num-prompts", type=positive_int, default=10)
     p.add_argument("--prompt-file", help="server: one prompt per line")
     p.add_argument("--model", help="server: model name (default: the first the server lists)")
     p.add_argument("--concurrency", default="1,4,16", help="server: comma-separated levels")
-    p.add_argument("--requests", type=int, default=16, help="server: requests per level")
-    p.add_argument("--duration", type=float, default=120.0, help="server: seconds per level, at most")
-    p.add_argument("--timeout", type=float, default=120.0, help="server: seconds per request")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--requests", type=positive_int, default=16, help="server: requests per level")
+    p.add_argument("--duration", type=positive_float, default=120.0, help="server: seconds per level, at most")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="server: seconds per request")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--json", help="write the results here")
@@ -380,54 +406,57 @@ def add_tune(sub) -> None:
                        "hardware model to a live server; later calls read it with --profile).")
     p.add_argument("action", nargs="?", choices=["calibrate"], help="calibrate: measure a live server, write a --profile")
     p.add_argument("--what-if", action="store_true", help="use the timings and acceptance given here (no GPU)")
-    p.add_argument("--ar-ms", type=float, help="plain decoding: ms per step")
+    p.add_argument("--ar-ms", type=positive_float, help="plain decoding: ms per step")
     p.add_argument("--verify-ms", help="target forward ms by tokens verified per request, e.g. '1:11.6,8:30,16:34'")
     p.add_argument("--draft-ms", help="ms per draft step, one number or by topk '1:1.2,4:1.6' (absent: predicted from --model)")
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="per-round extra (sampling, KV moves, host)")
+    p.add_argument("--overhead-ms", type=nonneg_float, default=0.0, help="per-round extra (sampling, KV moves, host)")
     p.add_argument("--accept-profile", help="per-depth acceptance, ranks by '/': '0.7/0.1,0.6/0.12,0.5'")
-    p.add_argument("--accept-length", type=float, help="measured accept length (SGLang's, bonus incl.); see --accept-shape")
+    p.add_argument("--accept-length", type=number(float, 1), help="measured accept length (SGLang's, bonus incl.); see --accept-shape")
     p.add_argument("--accept-shape", help="STEPS,TOPK,TOKENS the --accept-length was measured at (default: a chain of --accept-steps)")
-    p.add_argument("--accept-steps", type=int, default=3, help="chain length --accept-length was measured at, without --accept-shape")
+    p.add_argument("--accept-steps", type=positive_int, default=3, help="chain length --accept-length was measured at, without --accept-shape")
     p.add_argument("--profile-json", help="acceptance profile from `fledge bench --json` (engine --probe, or a vLLM --log)")
-    p.add_argument("--max-steps", type=int, default=8, help="deepest shape to consider (measured mode: probe depth)")
-    p.add_argument("--batch", type=int, default=1, help="batch size the timings are for (hardware model: predicted at it)")
-    p.add_argument("--margin", type=float, default=0.05, help="a shape pays only above this fractional gain (default 0.05)")
+    p.add_argument("--max-steps", type=number(int, 1, 64), default=8, help="deepest shape to consider (measured mode: probe depth)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size the timings are for (hardware model: predicted at it)")
+    p.add_argument("--margin", type=nonneg_float, default=0.05, help="a shape pays only above this fractional gain (default 0.05)")
     m = p.add_argument_group("hardware model (--model)")
     m.add_argument("--model", help="target config: a config.json, a model directory, or a built-in name")
     m.add_argument("--gpu", help="GPU from fledge.perf.hwmodel.GPUS: h100, h200, a100, l40s, rtx-pro-6000, cpu")
-    m.add_argument("--tp", type=int, help="tensor-parallel GPUs (default 1)")
+    m.add_argument("--tp", type=positive_int, help="tensor-parallel GPUs (default 1)")
     m.add_argument("--interconnect", choices=["pcie", "nvlink"], help="link between the TP GPUs (default nvlink)")
-    m.add_argument("--context", type=int, default=2048, help="tokens in each sequence's KV cache (and the prompt "
+    m.add_argument("--context", type=positive_int, default=2048, help="tokens in each sequence's KV cache (and the prompt "
                                                                 "prefilled, with --output-len)")
-    m.add_argument("--output-len", type=int, help="new tokens a request generates: rates of whole requests, their "
+    m.add_argument("--output-len", type=positive_int, help="new tokens a request generates: rates of whole requests, their "
                                                   "prefill included, as serving benchmarks count them (default: "
                                                   "decode rounds only)")
     m.add_argument("--quant", choices=["bf16", "fp16", "fp8", "int4", "fp32"], help="MLP/expert weights (default: from the config)")
-    m.add_argument("--draft-vocab", type=int, help="drafter LM head rows (default: its config, else 32000)")
+    m.add_argument("--draft-vocab", type=positive_int, help="drafter LM head rows (default: its config, else 32000)")
     m.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="levels of the speed-up-by-concurrency sweep")
     m.add_argument("--no-cuda-graphs", action="store_true", help="the server runs without CUDA graphs (eager launches)")
     m.add_argument("--profile", help="hardware profile from `fledge tune calibrate` (CLI figures override it)")
-    for flag, h in [("--hbm-gbs", "memory bandwidth, GB/s"), ("--tflops", "peak dense TFLOP/s of the math dtype"),
-                    ("--allreduce-us", "all-reduce latency, us"), ("--allreduce-gbs", "all-reduce bus bandwidth, GB/s"),
-                    ("--host-ms", "host time per serving step, ms"), ("--bw-efficiency", "fraction of peak bandwidth reached"),
-                    ("--flops-efficiency", "fraction of peak FLOP/s reached")]:
-        m.add_argument(flag, type=float, help=f"override: {h}")
+    for flag, typ, h in [("--hbm-gbs", positive_float, "memory bandwidth, GB/s"),
+                         ("--tflops", positive_float, "peak dense TFLOP/s of the math dtype"),
+                         ("--allreduce-us", nonneg_float, "all-reduce latency, us"),
+                         ("--allreduce-gbs", positive_float, "all-reduce bus bandwidth, GB/s"),
+                         ("--host-ms", nonneg_float, "host time per serving step, ms"),
+                         ("--bw-efficiency", fraction, "fraction of peak bandwidth reached"),
+                         ("--flops-efficiency", fraction, "fraction of peak FLOP/s reached")]:
+        m.add_argument(flag, type=typ, help=f"override: {h}")
     e = p.add_argument_group("engine (--target)")
     e.add_argument("--target", help="target (built-in name, GGUF, HF dir)")
     e.add_argument("--drafter", help="drafter checkpoint (engine; hardware model: its config.json; printed in vLLM flags)")
     e.add_argument("--device", help="default cuda if available, else cpu")
     e.add_argument("--dtype", help="engine: default bfloat16 on cuda, float32 on cpu; hardware model: bf16 (or fp32)")
     e.add_argument("--prompts", help="conversations JSONL for the acceptance probe (default: built-in prompts)")
-    e.add_argument("--num-prompts", type=int, default=8)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--probe-topk", type=int, default=4, help="topk of the full tree the rank probe drafts")
+    e.add_argument("--num-prompts", type=positive_int, default=8)
+    e.add_argument("--max-new-tokens", type=positive_int, default=128)
+    e.add_argument("--probe-topk", type=positive_int, default=4, help="topk of the full tree the rank probe drafts")
     e.add_argument("--validate", action="store_true", help="also run >= 8 shapes for real: predicted vs measured")
     e.add_argument("--shapes", help="with --validate: STEPS,TOPK,TOKENS;... to run (default: 8 picked from the ranking)")
     c = p.add_argument_group("calibrate")
     c.add_argument("--url", action="append", help="OpenAI-compatible server (repeat for several: plain and speculating)")
     c.add_argument("--metrics-url", action="append", help="its Prometheus /metrics (default: URL's host + /metrics), same order")
     c.add_argument("--levels", default="1,2,4", help="concurrency levels to measure")
-    c.add_argument("--requests", type=int, default=4, help="requests per level")
+    c.add_argument("--requests", type=positive_int, default=4, help="requests per level")
     c.add_argument("--out", help="profile JSON to write (default fledge-profile.json)")
     c.add_argument("--merge", help="an earlier profile whose points join this fit (servers measured one at a time)")
     p.add_argument("--json", help="write the predictions here")

@@ -4,6 +4,7 @@ and a training run's. Torch-free, so the CLI's help can show TrainConfig's defau
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,13 +175,19 @@ class TrainConfig:
     def __post_init__(self):
         if self.aux_layers is not None:
             self.aux_layers = tuple(self.aux_layers)
+        floats = {"lr": self.lr, "warmup": self.warmup, "weight_decay": self.weight_decay, "clip": self.clip,
+                  "step_decay": self.step_decay, "time_budget": self.time_budget or 0.0}
+        for name, v in floats.items():  # inf and NaN pass the range checks below (a budget of inf never plans)
+            if not math.isfinite(v):
+                raise FledgeError(f"train config: --{name.replace('_', '-')} {v}: must be a finite number")
         checks = [(self.ttt_steps >= 1, "ttt_steps must be >= 1"), (0 < self.step_decay <= 1, "step_decay must be in (0, 1]"),
                   (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
                   (self.max_len >= 3, "max_len must be >= 3"),
                   (self.loop_cut >= 0, "loop_cut must be >= 0 (0 keeps whole samples)"),
                   (not (self.loop_cut and self.features), "--loop-cut cuts samples the stored --features cover whole; "
                                                           "drop one"),
-                  (self.lr > 0, "lr must be > 0"),
+                  (self.lr > 0, "lr must be > 0"), (self.weight_decay >= 0, "weight_decay must be >= 0"),
+                  (self.eval_samples >= 0 and self.pad_multiple >= 1, "eval_samples must be >= 0, pad_multiple >= 1"),
                   (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.head in HEADS, f"head {self.head!r}: one of {', '.join(HEADS)}"),
