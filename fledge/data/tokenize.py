@@ -63,6 +63,7 @@ from fledge.core.files import (
     keeping,
     read_jsonl,
 )
+from fledge.core.procs import die_with_parent
 from fledge.core.report import print_table
 
 # The two sets of every split: prep writes <set>.jsonl, tokenize and prep --tokenizer <set>.tok.jsonl.
@@ -240,7 +241,8 @@ def split_sets(inputs: list[Path], heldout: list[Path]) -> dict[str, list[str]]:
     return sets
 
 
-def _quiet_worker() -> None:
+def _start_worker(parent_pid: int) -> None:
+    die_with_parent(parent_pid)  # a worker outliving a killed run would write beside its rerun
     # Each shard's own progress bar would interleave with the others'; the parent draws one.
     os.environ["TQDM_DISABLE"] = "1"
 
@@ -286,7 +288,8 @@ def _run_shards(shards: list[dict], tokenizer_dir: str, max_len: int, workers: i
             return
         # spawn: each worker loads its own tokenizer, no fork of a used Rust tokenizer
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_quiet_worker) as pool:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
+                                                    initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_tokenize_shard, tokenizer_dir, str(s["src"]), str(s["dst"]), max_len): s
                        for s in todo}
             for f in concurrent.futures.as_completed(futures):

@@ -31,6 +31,7 @@ from fledge.core.errors import FledgeError
 from fledge.core.files import (
     atomic_write_bytes,
     atomic_write_json,
+    output_lock,
     read_jsonl,
     sha256_file,
 )
@@ -304,7 +305,8 @@ def run_features(args) -> int:
     samples = load_samples(args.data, args.max_len, model.config.get_text_config().vocab_size)
     aux_ids = aux_layer_ids_for(model, args.aux_layers)
     opts = FeatureOptions(args.dtype, args.shard_size, args.batch_size, device)
-    meta = write_features(model, aux_ids, samples, args.out, features_meta(target.name, args.data, args.max_len), opts)
+    with output_lock(args.out):  # one writer per feature directory
+        meta = write_features(model, aux_ids, samples, args.out, features_meta(target.name, args.data, args.max_len), opts)
     tokens = sum(len(s.input_ids) for s in samples)
     per_token = 4 * meta["hidden_size"] * parse_dtype(args.dtype).itemsize
     print(f"{len(samples)} samples, {tokens} tokens, {per_token} bytes/token ({per_token * tokens / 2**30:.2f} GiB) in {args.out}")

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from fledge.core.config import TrainConfig
 from fledge.core.errors import FledgeError
-from fledge.core.files import atomic_write_text, read_jsonl
+from fledge.core.files import atomic_write_text, output_lock, read_jsonl
 from fledge.core.report import print_table, save_figure, subplots
 from fledge.drafter.checkpoint import export_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
@@ -180,8 +180,10 @@ def run_train(args) -> int:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
     begun = time.monotonic()  # a time budget counts the target's loading too
+    rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
-        result = train(cfg, load_target(cfg.target), begun=begun)
+        with output_lock(cfg.out) if rank0 else contextlib.nullcontext():  # one run per --out (rank 0 writes it)
+            result = train(cfg, load_target(cfg.target), begun=begun)
     except Paused as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"fledge train: {e}", file=sys.stderr)
