@@ -13,6 +13,7 @@ import functools
 import importlib
 import math
 import os
+from pathlib import Path
 
 from fledge.core.catalog import (
     BUILTINS,
@@ -31,10 +32,45 @@ from fledge.core.config import (
     TRAIN_OPTIONS,
     TrainConfig,
 )
+from fledge.core.errors import FledgeError
+from fledge.core.files import check_no_overlap
+
+
+# For the handlers that write a side file: the flags naming what they write, and the flags
+# naming what they read. An output that is, holds or lies inside an input is refused before
+# the handler runs: `tune --json` onto its `--model` config.json would replace it.
+SIDE_OUTPUTS = {
+    "fledge.core.target:run_target": (("json",), ("spec",)),
+    "fledge.engine.generate:run_generate": (("json",), ("messages", "target", "drafter")),
+    "fledge.perf.bench:run_bench": (("json", "png"), ("log", "prompt_file", "prompts", "target", "drafter")),
+    "fledge.perf.tune:run_tune": (("json", "png", "out"), ("model", "profile_json", "profile", "merge", "target",
+                                                          "drafter", "prompts")),
+}
+
+
+def _names_a_file(value: str) -> bool:
+    try:
+        return Path(value).exists()
+    except (OSError, ValueError):  # inline JSON too long for a file name
+        return False
+
+
+def check_side_outputs(name: str, args) -> None:
+    """Refuse an output flag of `name`'s handler that names one of its inputs (`SIDE_OUTPUTS`);
+    inputs that are not paths here (built-in names, inline JSON) are skipped."""
+    outs, ins = SIDE_OUTPUTS.get(name, ((), ()))
+    inputs = {(k if k == "spec" else f"--{k.replace('_', '-')}"): v for k in ins if (v := vars(args).get(k)) and _names_a_file(v)}
+    written = [vars(args).get(k) for k in outs]
+    for out in filter(None, written):
+        check_no_overlap(out, inputs)
+    if len(set(filter(None, written))) < len(list(filter(None, written))):
+        raise FledgeError(f"{', '.join(filter(None, written))}: two outputs name the same file; give each its own")
 
 
 def run_step(name: str, args) -> int | None:
-    """Import the step module of `name` ("module:function") and run the function on `args`."""
+    """Import the step module of `name` ("module:function") and run the function on `args`,
+    its side outputs checked against its inputs first."""
+    check_side_outputs(name, args)
     module, func = name.split(":")
     return getattr(importlib.import_module(module), func)(args)
 

@@ -59,6 +59,8 @@ def load_samples(path, max_len: int, vocab_size: int) -> list[Sample]:
         ids, mask = rec.get("input_ids"), rec.get("loss_mask")
         if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
             raise FledgeError(f"{path}:{lineno}: needs 'input_ids' and 'loss_mask' lists of equal length")
+        if not all(type(t) is int for t in ids):  # a float id would be cut to another token silently
+            raise FledgeError(f"{path}:{lineno}: input_ids must be integer token ids")
         ids, mask = torch.tensor(ids[:max_len], dtype=torch.int64), torch.tensor(mask[:max_len], dtype=torch.bool)
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise FledgeError(f"{path}:{lineno}: token id outside the target vocab [0, {vocab_size})")
