@@ -37,6 +37,9 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="fledge", description=__doc__.splitlines()[0])
     p.add_argument("--debug", action="store_true", help="show tracebacks (also FLEDGE_DEBUG=1)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a model directory's own Python files run when it loads (its config's auto_map; also "
+                        "FLEDGE_TRUST_REMOTE_CODE=1); off, such a target is refused")
     sub = p.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
@@ -73,6 +76,8 @@ def main(argv=None) -> int:
     args = None
     try:
         args = build_parser().parse_args(argv)
+        if args.trust_remote_code:  # the environment carries it to worker processes and torchrun's ranks
+            os.environ["FLEDGE_TRUST_REMOTE_CODE"] = "1"
         rc = args.func(args)
     except (Exception, KeyboardInterrupt) as e:
         code = exit_code(e)

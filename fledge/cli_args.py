@@ -59,7 +59,8 @@ def check_side_outputs(name: str, args) -> None:
     """Refuse an output flag of `name`'s handler that names one of its inputs (`SIDE_OUTPUTS`);
     inputs that are not paths here (built-in names, inline JSON) are skipped."""
     outs, ins = SIDE_OUTPUTS.get(name, ((), ()))
-    inputs = {(k if k == "spec" else f"--{k.replace('_', '-')}"): v for k in ins if (v := vars(args).get(k)) and _names_a_file(v)}
+    inputs = {(k if k == "spec" else f"--{k.replace('_', '-')}"): v
+              for k in ins if (v := vars(args).get(k)) and _names_a_file(v)}
     written = [vars(args).get(k) for k in outs]
     for out in filter(None, written):
         check_no_overlap(out, inputs)

@@ -50,6 +50,16 @@ class DraftConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # target fields carried verbatim
 
     def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "vocab_size", "draft_vocab_size", "target_hidden_size", "target_num_layers",
+                     "max_position_embeddings"):  # a config.json may hold "128" or 128.0: shapes need ints
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise FledgeError(f"draft config: {name} {v!r}: must be a positive integer")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if type(v) not in (int, float) or not (math.isfinite(v) and v > 0):
+                raise FledgeError(f"draft config: {name} {v!r}: must be a finite number > 0")
         self.aux_layer_ids = validate_aux_layer_ids(self.aux_layer_ids, self.target_num_layers)
         if self.hidden_size != self.target_hidden_size:
             # EAGLE-3 reuses the target's embeddings, so the draft width must match.

@@ -55,12 +55,12 @@ def _lock_holder(fd: int) -> int | None:
 def output_lock(path: str | os.PathLike):
     """Hold the one-writer lock of the output `path` for the block; a second writer is refused.
 
-    The lock is `.NAME.lock` beside `path`, holding the writer's pid, under an advisory
+    The lock is `.NAME.writer.lock` beside `path`, holding the writer's pid, under an advisory
     `flock`: the kernel drops it when its holder dies (kill -9 included), so a dead run's
     lock is taken over, never trusted by the pid it names. A lock this process already
     holds is entered again (a command locks its output, then `atomic_dir` does too)."""
     path = Path(path)
-    lock = path.parent / f".{path.name}.lock"
+    lock = path.parent / f".{path.name}.writer.lock"
     with naming(path.parent, force=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         while True:

@@ -158,8 +158,11 @@ def resolve_tokenizer(spec: str) -> str:
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
+    from fledge.core.target import check_remote_code, remote_code_allowed
+    path = resolve_tokenizer(spec)
+    check_remote_code(Path(path))
     try:
-        tok = AutoTokenizer.from_pretrained(resolve_tokenizer(spec))
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=remote_code_allowed())
     except (OSError, ValueError) as e:
         raise FledgeError(f"{spec}: no tokenizer could be loaded ({str(e).splitlines()[0][:200]})") from None
     if not tok.chat_template:
