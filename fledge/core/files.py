@@ -62,30 +62,37 @@ def output_lock(path: str | os.PathLike):
     path = Path(path)
     lock = path.parent / f".{path.name}.writer.lock"
     with naming(path.parent, force=True):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _lock_holder(fd)
-                os.close(fd)
-                if holder == os.getpid():
-                    yield path
-                    return
-                raise FledgeError(f"{path}: another fledge run (pid {holder}) is writing it; wait for it to end "
-                                  f"or stop it (its lock: {lock})") from None
-            with contextlib.suppress(FileNotFoundError):  # still the file at that name, not one a releaser unlinked
-                if os.path.samestat(os.fstat(fd), os.stat(lock)):
-                    break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        fd = _take_lock(path, lock)
+    if fd is None:  # this process holds it already
+        yield path
+        return
     try:
         yield path
     finally:
         with contextlib.suppress(OSError):
             os.unlink(lock)  # before the unlock: a waiter that opened the old file sees it gone and retries
+        os.close(fd)
+
+
+def _take_lock(path: Path, lock: Path) -> int | None:
+    """The fd holding `lock` with our pid in it; None if this process holds it already."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            if holder == os.getpid():
+                return None
+            raise FledgeError(f"{path}: another fledge run (pid {holder}) is writing it; wait for it to end "
+                              f"or stop it (its lock: {lock})") from None
+        with contextlib.suppress(FileNotFoundError):  # still the file at that name, not one a releaser unlinked
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                return fd
         os.close(fd)
 
 
@@ -211,14 +218,15 @@ def appending(path: str | os.PathLike, kept: str):
     """`path` open for appending records (its folder made, its `output_lock` held), for a
     resumable output. It is opened before any work, so an unwritable path fails at once; a file
     this call created and left empty is removed on the way out, so a run that kept nothing
-    leaves no output behind. An OSError in the block names `path` and says what is `kept`."""
+    leaves no output behind. An OSError in the block without a file name is given `path`'s."""
     path = Path(path)
-    with output_lock(path), keeping(path, kept):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        f = open(path, "a", encoding="utf-8")
+    with output_lock(path):
+        with keeping(path, kept):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            new = not path.exists()
+            f = open(path, "a", encoding="utf-8")
         try:
-            with f:
+            with naming(path), f:
                 yield f
         finally:
             with contextlib.suppress(OSError):
