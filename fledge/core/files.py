@@ -35,13 +35,16 @@ def naming(path: str | os.PathLike, force: bool = False):
 
 
 @contextlib.contextmanager
-def keeping(path: str | os.PathLike, kept: str):
+def keeping(path: str | os.PathLike, kept: str, own_name: bool = False):
     """Re-raise an OSError from the block naming `path` (the output the user knows, not a
-    temporary file) and saying what is `kept`."""
+    temporary file) and saying what is `kept`. `own_name`: keep a file name the error carries
+    (one inside the output, already given as the user knows it)."""
     try:
         yield
     except OSError as e:
-        raise OSError(e.errno, f"{e.strerror or e}; {kept}", str(path)) from None
+        name = e.filename if own_name and e.filename is not None else str(path)
+        said = "; " in (e.strerror or "")  # an inner `keeping` already said what is kept, more closely
+        raise OSError(e.errno, e.strerror if said else f"{e.strerror or e}; {kept}", name) from None
 
 
 def _lock_holder(fd: int) -> int | None:

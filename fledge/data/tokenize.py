@@ -179,7 +179,7 @@ def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict
     is written only when every conversation is done.
     """
     out_path = Path(out_path)
-    with keeping(out_path, f"the finished part is kept in {out_path.name}.partial, a rerun continues it"):
+    with keeping(out_path, f"the finished part is kept in {out_path.name}.partial: rerun the same command to resume"):
         return _build_training_set(tokenizer, conversations_path, out_path, max_len)
 
 
@@ -317,7 +317,8 @@ def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048,
         check_no_overlap(out, {"conversations": path})
     if workers < 1:
         raise FledgeError(f"--workers {workers}: must be >= 1")
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    kept = f"the finished shards are kept in {out.with_name(f'.{out.name}.shards')}: rerun the same command to resume"
+    with keeping(out, kept, own_name=True), atomic_dir(out, overwrite=overwrite) as tmp:
         sets = split_sets(list(inputs), list(heldout))
         if not any(sets.values()):
             raise FledgeError(f"{', '.join(map(str, inputs))}: no conversations to tokenize")
