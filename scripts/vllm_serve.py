@@ -4,7 +4,8 @@
 
 Runs in fledge's Python, vLLM from scripts/setup_vllm.sh's venv, bound to 127.0.0.1. Prints the
 base URL once /health answers; serves until Ctrl-C or SIGTERM. The server gets a process group
-of its own, so stopping it leaves no orphaned engine. Tests import `start` from here.
+of its own, so stopping it leaves no orphaned engine, and a parent-death signal, so a killed
+launcher (kill -9 included) stops it too. Tests import `start` from here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from fledge.core.target import resolve_target
 from fledge.core.errors import FledgeError
+from fledge.core.procs import ends_with_parent
 from fledge.core.vllm_cpu import venv_env, venv_python
 
 HOST = "127.0.0.1"
@@ -78,7 +80,9 @@ def start(target: Path, name: str, port: int = 0, max_model_len: int = 1024, dty
            "--enforce-eager", "--seed", "0", *extra]
     t0 = time.monotonic()
     with open(log, "ab") if log else contextlib.nullcontext() as out:  # the child holds its own descriptor
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, process_group=0)
+        # SIGTERM on the launcher's death: vLLM's API server then stops its engine processes itself.
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, process_group=0,
+                                preexec_fn=ends_with_parent(signal.SIGTERM))
     server = Server(proc, f"http://{HOST}:{port}", 0.0)
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
