@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import json
-import math
 import os
 import sys
 import threading
@@ -40,6 +39,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fledge.core.config import check_number
 from fledge.core.conversations import read_conversations
 from fledge.core.devices import parse_dtype
 from fledge.core.errors import FledgeError
@@ -69,11 +69,11 @@ class RegenConfig:
 
     def __post_init__(self):
         for name in ("max_new_tokens", "n", "max_turns", "max_len", "chunk"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise FledgeError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
-            raise FledgeError(f"--temperature {self.temperature} (>= 0), --top-p {self.top_p} (in (0, 1]): "
-                              f"out of range")
+            if getattr(self, name) is not None:
+                check_number(f"--{name.replace('_', '-')}", getattr(self, name), 1, integer=True)
+        check_number("--temperature", float(self.temperature), 0)
+        check_number("--top-p", float(self.top_p), 0, 1, low_open=True)
+        check_number("--seed", self.seed, -2**63, integer=True)
         if self.n > 1 and self.temperature == 0:
             raise FledgeError("--n > 1 with temperature 0 would write the same answer n times")
         if self.max_new_tokens >= self.max_len:

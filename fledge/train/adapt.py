@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from fledge.core.config import ADAPT_TRAIN_OPTIONS, DraftConfig
+from fledge.core.config import ADAPT_TRAIN_OPTIONS, DraftConfig, check_number
 from fledge.core.conventions import diff_vocab, validate_aux_layer_ids
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json, check_no_overlap, output_lock
@@ -65,6 +65,8 @@ class AdaptConfig:
         for name in ("drafter", "data"):
             if not Path(getattr(self, name)).exists():
                 raise FledgeError(f"--{name} {getattr(self, name)}: does not exist")
+        if self.draft_vocab is not None:
+            check_number("--draft-vocab", self.draft_vocab, 1, integer=True, what="adapt")
         if self.draft_vocab is not None and not self.rebuild_vocab:
             raise FledgeError("--draft-vocab sets the size of a rebuilt vocab: add --rebuild-vocab "
                               "(without it adapt keeps OLD's draft vocab)")
