@@ -61,7 +61,8 @@ def output_lock(path: str | os.PathLike):
     The lock is `.NAME.writer.lock` beside `path`, holding the writer's pid, under an advisory
     `flock`: the kernel drops it when its holder dies (kill -9 included), so a dead run's
     lock is taken over, never trusted by the pid it names. A lock this process already
-    holds is entered again (a command locks its output, then `atomic_dir` does too)."""
+    holds is entered again (a command locks its output, then `atomic_dir` does too). Taking
+    it clears what a killed writer left half-written (`clear_dead_temps`)."""
     path = Path(path)
     lock = path.parent / f".{path.name}.writer.lock"
     with naming(path.parent, force=True):
@@ -70,11 +71,25 @@ def output_lock(path: str | os.PathLike):
         yield path
         return
     try:
+        clear_dead_temps(path)
         yield path
     finally:
         with contextlib.suppress(OSError):
             os.unlink(lock)  # before the unlock: a waiter that opened the old file sees it gone and retries
         os.close(fd)
+
+
+def clear_dead_temps(path: Path) -> None:
+    """Remove the temporary files and folders a killed writer of `path` left: `.NAME.*.tmp`
+    beside it and, for a folder, `.*.tmp` inside it (`atomic_write_bytes`, `atomic_dir`). Only
+    the holder of `path`'s `output_lock` may call it: no live writer owns them then."""
+    inside = list(path.glob(".*.tmp")) if path.is_dir() else []
+    for tmp in [*path.parent.glob(f".{glob.escape(path.name)}.*.tmp"), *inside]:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def _take_lock(path: Path, lock: Path) -> int | None:
@@ -165,7 +180,8 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False):
     An existing `path` is kept unless `overwrite`; it is replaced only after the new
     content is complete, so a crash never leaves a half-written output directory, and a
     kill between the swap's two renames is undone by the next `settle_dir`, and temporary
-    dirs of writers killed mid-write are removed (one writer per `path`: its `output_lock`).
+    dirs of writers killed mid-write are removed (one writer per `path`: its `output_lock`
+    clears them).
     An OSError without a file name (a full disk) is given `path`'s.
     """
     with output_lock(path):
@@ -176,8 +192,6 @@ def _atomic_dir(path: Path, overwrite: bool):
     path = settle_dir(path)
     if path.exists() and not overwrite:
         raise FledgeError(f"{path}: already exists (pass --overwrite to replace it)")
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by writers killed mid-write
-        shutil.rmtree(stale, ignore_errors=True)
     with naming(path.parent, force=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
