@@ -65,7 +65,8 @@ def message(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return "fledge: interrupted"
     if isinstance(e, OSError):
-        hint = " (free some space, or write elsewhere)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        hint = {errno.ENOSPC: " (free some space, or write elsewhere)", errno.EDQUOT: " (free some space, or write "
+                "elsewhere)", errno.EROFS: " (the file system is mounted read-only: write elsewhere)"}.get(e.errno, "")
         where = f"{e.filename}: " if e.filename is not None else ""  # a full disk found where no file was named
         return f"fledge: error: {where}{e.strerror or type(e).__name__}{hint}"
     return f"fledge: error: {e}"

@@ -11,10 +11,17 @@ import argparse
 import dataclasses
 import functools
 import importlib
-import math
 import os
-from pathlib import Path
 
+from fledge.cli_checks import (
+    check_side_outputs,
+    fraction,
+    nonneg_float,
+    nonneg_int,
+    number,
+    positive_float,
+    positive_int,
+)
 from fledge.core.catalog import (
     BUILTINS,
     DATASETS,
@@ -32,40 +39,6 @@ from fledge.core.config import (
     TRAIN_OPTIONS,
     TrainConfig,
 )
-from fledge.core.errors import FledgeError
-from fledge.core.files import check_no_overlap
-
-
-# For the handlers that write a side file: the flags naming what they write, and the flags
-# naming what they read. An output that is, holds or lies inside an input is refused before
-# the handler runs: `tune --json` onto its `--model` config.json would replace it.
-SIDE_OUTPUTS = {
-    "fledge.core.target:run_target": (("json",), ("spec",)),
-    "fledge.engine.generate:run_generate": (("json",), ("messages", "target", "drafter")),
-    "fledge.perf.bench:run_bench": (("json", "png"), ("log", "prompt_file", "prompts", "target", "drafter")),
-    "fledge.perf.tune:run_tune": (("json", "png", "out"), ("model", "profile_json", "profile", "merge", "target",
-                                                          "drafter", "prompts")),
-}
-
-
-def _names_a_file(value: str) -> bool:
-    try:
-        return Path(value).exists()
-    except (OSError, ValueError):  # inline JSON too long for a file name
-        return False
-
-
-def check_side_outputs(name: str, args) -> None:
-    """Refuse an output flag of `name`'s handler that names one of its inputs (`SIDE_OUTPUTS`);
-    inputs that are not paths here (built-in names, inline JSON) are skipped."""
-    outs, ins = SIDE_OUTPUTS.get(name, ((), ()))
-    inputs = {(k if k == "spec" else f"--{k.replace('_', '-')}"): v
-              for k in ins if (v := vars(args).get(k)) and _names_a_file(v)}
-    written = [vars(args).get(k) for k in outs]
-    for out in filter(None, written):
-        check_no_overlap(out, inputs)
-    if len(set(filter(None, written))) < len(list(filter(None, written))):
-        raise FledgeError(f"{', '.join(filter(None, written))}: two outputs name the same file; give each its own")
 
 
 def run_step(name: str, args) -> int | None:
@@ -79,31 +52,6 @@ def run_step(name: str, args) -> int | None:
 def handler(name: str) -> functools.partial:
     """An argparse `func` for `name` ("module:function"): its module is imported when it runs."""
     return functools.partial(run_step, name)
-
-
-def number(kind: type, low: float, high: float = math.inf, low_open: bool = False):
-    """An argparse `type` for a finite number of `kind` in [low, high] ((low, high] if
-    `low_open`): zero, negative, inf and NaN are refused where the flag is read, in one line
-    naming the flag, before any model loads or any file is touched."""
-    def parse(s: str):
-        try:
-            v = kind(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{s!r} is not {'an integer' if kind is int else 'a number'}") from None
-        above = v > low if low_open else v >= low
-        if not (math.isfinite(v) and above and v <= high):
-            span = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
-            raise argparse.ArgumentTypeError(f"{s}: must be {'an integer' if kind is int else 'a finite number'} {span}")
-        return v
-    parse.__name__ = kind.__name__  # argparse names the type in its own messages
-    return parse
-
-
-positive_int = number(int, 1)
-nonneg_int = number(int, 0)
-positive_float = number(float, 0, low_open=True)
-nonneg_float = number(float, 0)
-fraction = number(float, 0, 1, low_open=True)  # a share in (0, 1]
 
 
 def int_list(s: str) -> list[int]:
@@ -157,7 +105,7 @@ def add_regen(sub) -> None:
     p.add_argument("--device", default="cpu", help="local engine: torch device (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="local engine: weights dtype (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64,
+    p.add_argument("--batch-size", type=positive_int, default=64,
                    help="local engine: rows decoded together (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=512,
                    help="longest answer per turn, in tokens (default: %(default)s)")
@@ -186,18 +134,18 @@ def add_prompts(sub) -> None:
     p = sub.add_parser("prompts", help="the target writes user prompts itself (Magpie), for regen to answer")
     p.add_argument("out", help="output JSONL of one-turn conversations (appended; rerun to resume); "
                                "counts go beside it, its extension replaced (a.jsonl: a.summary.json)")
-    p.add_argument("-n", type=int, required=True, help="distinct prompts to write")
+    p.add_argument("-n", type=positive_int, required=True, help="distinct prompts to write")
     p.add_argument("--target", default="smollm2-135m",
                    help="HF dir, GGUF or built-in name (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights dtype (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64, help="rows decoded together (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
+    p.add_argument("--batch-size", type=positive_int, default=64, help="rows decoded together (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256,
                    help="longest prompt; one cut off here is dropped (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--chunk", type=int, default=1024,
+    p.add_argument("--temperature", type=nonneg_float, default=1.0, help="sampling temperature (default: %(default)s)")
+    p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--chunk", type=positive_int, default=1024,
                    help="prompts sampled between writes to the output (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed; each round's follows from it (default: %(default)s)")
@@ -246,11 +194,11 @@ def add_features(sub) -> None:
     p.add_argument("--data", required=True, help="tokenized training set JSONL")
     p.add_argument("--out", required=True, help="feature directory (resumed if it exists)")
     p.add_argument("--dtype", choices=sorted(SHORT_DTYPES), default="bf16", help="storage dtype (fp32 for exact parity)")
-    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--max-len", type=positive_int, default=2048)
     p.add_argument("--aux-layers", type=int_list, default=None,
                    help="canonical aux layer ids, e.g. 2,15,27 (default: conventions)")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--shard-size", type=positive_int, default=256, help="samples per shard")
+    p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.set_defaults(func=handler("fledge.train.features:run_features"))
 
