@@ -240,6 +240,11 @@ def messages_json(b, t, mp):
             "--max-new-tokens", "2"]
 
 
+def features_argv(b: Path, t: Path, *extra) -> list[str]:
+    return ["features", "--target", str(b / "target"), "--data", str(b / "data.jsonl"), "--out", str(t / "f"),
+            "--dtype", "fp32", *extra]
+
+
 CASES = {  # name: (argv builder (base, tmp, monkeypatch), exit code, phrase of the one line)
     "export_shard_size_negative": (lambda b, t, mp: ["export", str(copy(b, t, "draft")), str(t / "o"),
                                                      "--shard-size-mb", "-1"], 2, "argument --shard-size-mb: -1"),
@@ -313,6 +318,9 @@ CASES = {  # name: (argv builder (base, tmp, monkeypatch), exit code, phrase of 
                                 "--device gpu0: not a device name"),
     "generate_dtype_garbage": (lambda b, t, mp: ["generate", "--target", "x", "--prompt", "hi", "--dtype", "int8"], 2,
                                "--dtype int8: choose one of bfloat16, float16, float32, bf16, fp16, fp32"),
+    "features_shard_size_0": (lambda b, t, mp: features_argv(b, t, "--shard-size", "0"), 2, "argument --shard-size: 0"),
+    "features_batch_size_0": (lambda b, t, mp: features_argv(b, t, "--batch-size", "0"), 2, "argument --batch-size: 0"),
+    "features_max_len_negative": (lambda b, t, mp: features_argv(b, t, "--max-len", "-5"), 2, "argument --max-len: -5"),
     "export_dtype_garbage": (lambda b, t, mp: ["export", str(copy(b, t, "draft")), str(t / "o"), "--dtype", "fp8"], 2,
                              "--dtype fp8: choose one of"),
 }
