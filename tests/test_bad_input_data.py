@@ -321,3 +321,41 @@ def test_a_dead_writers_lock_is_taken_over(tmp_path):
     with output_lock(tmp_path / "out"):
         assert lock.read_text().strip() == str(os.getpid())
     assert not lock.exists()
+
+
+def test_taking_a_lock_clears_what_a_killed_writer_left(tmp_path):
+    """Temporary files of a writer killed mid-write, beside the output and inside a folder output,
+    go when the next writer takes the lock; other files stay."""
+    from fledge.core.files import output_lock
+    out = tmp_path / "feats"
+    out.mkdir()
+    left = [tmp_path / ".feats.x1.tmp", out / ".shard_00001.safetensors.x2.tmp", out / ".meta.json.x3.tmp"]
+    for p in left:
+        p.write_bytes(b"half")
+    (tmp_path / ".feats.x4.tmp").mkdir()  # an atomic_dir's
+    kept = [out / "shard_00000.safetensors", tmp_path / ".other.x5.tmp"]
+    for p in kept:
+        p.write_bytes(b"whole")
+    with output_lock(out):
+        assert not any(p.exists() for p in left) and not (tmp_path / ".feats.x4.tmp").exists()
+    assert all(p.read_bytes() == b"whole" for p in kept)
+
+
+@pytest.mark.parametrize("where,name,args,kwargs", [
+    ("fledge.core.config", "TrainConfig", ("d", "o"), {"lr": float("inf")}),
+    ("fledge.core.config", "TrainConfig", ("d", "o"), {"max_steps": 2.5}),
+    ("fledge.engine.sampling", "SamplingParams", (), {"temperature": float("nan")}),
+    ("fledge.data.regen", "RegenConfig", (), {"chunk": 0}),
+    ("fledge.perf.hwmodel", "hardware", ("h100",), {"host_ms": float("inf")}),
+    ("fledge.perf.hwmodel", "hardware", ("h100",), {"tp": 0}),
+    ("fledge.perf.serving", "ServerBench", ("http://127.0.0.1:9", ["p"]), {"timeout_s": float("nan")}),
+], ids=["train lr inf", "train max_steps float", "sampling temperature NaN", "regen chunk 0", "hardware host inf",
+        "hardware tp 0", "bench timeout NaN"])
+def test_config_dataclasses_refuse_nonsense_numbers(where, name, args, kwargs):
+    """The dataclasses check their own numbers, for callers that do not come through the CLI."""
+    import importlib
+
+    from fledge.core.errors import FledgeError
+    make = getattr(importlib.import_module(where), name)
+    with pytest.raises(FledgeError, match=r"must be (an integer|a finite number)"):
+        make(*args, **kwargs)
