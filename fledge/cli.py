@@ -26,9 +26,20 @@ from fledge.cli_args import COMMANDS
 from fledge.core.errors import FledgeError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors (a missing argument, a number out of range) raised as a
+    FledgeError: one line and exit 2, like every other bad input; --help shows the usage."""
+
+    def error(self, message):
+        raise FledgeError(f"{message} (see `{self.prog} --help`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fledge", description=__doc__.splitlines()[0])
+    p = Parser(prog="fledge", description=__doc__.splitlines()[0])
     p.add_argument("--debug", action="store_true", help="show tracebacks (also FLEDGE_DEBUG=1)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a model directory's own Python files run when it loads (its config's auto_map; also "
+                        "FLEDGE_TRUST_REMOTE_CODE=1); off, such a target is refused")
     sub = p.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
@@ -45,7 +56,7 @@ def exit_code(e: BaseException) -> int | None:
         return 130
     if isinstance(e, FledgeError):
         return 2
-    if isinstance(e, OSError) and e.filename is not None:
+    if isinstance(e, OSError) and (e.filename is not None or e.errno in RUNTIME_ERRNOS):
         return 1 if e.errno in RUNTIME_ERRNOS else 2
     return None
 
@@ -54,18 +65,24 @@ def message(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return "fledge: interrupted"
     if isinstance(e, OSError):
-        hint = " (free some space, or write elsewhere)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        return f"fledge: error: {e.filename}: {e.strerror or type(e).__name__}{hint}"
+        hint = {errno.ENOSPC: " (free some space, or write elsewhere)", errno.EDQUOT: " (free some space, or write "
+                "elsewhere)", errno.EROFS: " (the file system is mounted read-only: write elsewhere)"}.get(e.errno, "")
+        where = f"{e.filename}: " if e.filename is not None else ""  # a full disk found where no file was named
+        return f"fledge: error: {where}{e.strerror or type(e).__name__}{hint}"
     return f"fledge: error: {e}"
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    debug = args.debug or os.environ.get("FLEDGE_DEBUG", "") not in ("", "0")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = None
     try:
+        args = build_parser().parse_args(argv)
+        if args.trust_remote_code:  # the environment carries it to worker processes and torchrun's ranks
+            os.environ["FLEDGE_TRUST_REMOTE_CODE"] = "1"
         rc = args.func(args)
     except (Exception, KeyboardInterrupt) as e:
         code = exit_code(e)
+        debug = (args.debug if args else "--debug" in argv) or os.environ.get("FLEDGE_DEBUG", "") not in ("", "0")
         if debug or code is None:
             raise
         print(message(e), file=sys.stderr)

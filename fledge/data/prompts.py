@@ -27,11 +27,11 @@ from fledge.core.config import RegenConfig
 from fledge.core.conversations import read_conversations
 from fledge.core.devices import parse_dtype
 from fledge.core.errors import FledgeError
-from fledge.core.files import append_jsonl, appending, atomic_write_json, keeping
+from fledge.core.files import append_jsonl, appending, atomic_write_json, check_jsonl_output, keeping, output_lock
 from fledge.data.regen import EngineBackend, answer_seed, repair_tail
 
 SOURCE = "self"
-_KEPT = "the prompts already written are kept, a rerun resumes"
+_KEPT = "the prompts already written are kept: rerun the same command to resume"
 
 
 def prompt_key(text: str) -> str:
@@ -56,6 +56,7 @@ def write_prompts(backend: EngineBackend, out: str | Path, n: int, chunk: int, s
         raise FledgeError(f"-n {n}, --chunk {chunk}: must be >= 1")
     if out.is_dir():
         raise FledgeError(f"{out}: is a directory; the output is a JSONL file")
+    check_jsonl_output(out, "prompts")  # before repair_tail cuts anything of it
     prefix = user_turn_prefix(backend.tok)
     with keeping(out, _KEPT):
         if out.exists():
@@ -105,10 +106,12 @@ def run_prompts(args) -> int:
                       seed=args.seed, batch_size=args.batch_size)
     if cfg.temperature == 0:
         raise FledgeError("--temperature 0 writes one prompt over and over; sample (the default is 1.0)")
-    dtype = parse_dtype(args.dtype)
-    target = load_target(args.target, dtype=dtype, device=args.device)
-    backend = EngineBackend(target, cfg, args.device, dtype, args.compile)
-    counts = write_prompts(backend, args.out, args.n, args.chunk, args.seed)
+    check_jsonl_output(args.out, "prompts")  # before a target load of minutes
+    with output_lock(args.out):  # held from reading what is done to the summary: one writer
+        dtype = parse_dtype(args.dtype)
+        target = load_target(args.target, dtype=dtype, device=args.device)
+        backend = EngineBackend(target, cfg, args.device, dtype, args.compile)
+        counts = write_prompts(backend, args.out, args.n, args.chunk, args.seed)
     print(json.dumps(counts, indent=2))
     if counts["kept"] < args.n:
         print(f"fledge: {args.out}: only {counts['kept']} distinct finished prompts of {args.n}: the last round "

@@ -47,8 +47,10 @@ from fledge.core.files import (
     append_jsonl,
     appending,
     atomic_write_json,
+    check_jsonl_output,
     check_no_overlap,
     keeping,
+    output_lock,
     read_jsonl,
 )
 from fledge.core.openai_client import Client, ServerError, with_retries
@@ -302,6 +304,7 @@ def _check_paths(conversations: Path, out: Path) -> None:
         raise FledgeError(f"{out}: is a directory; the output is a JSONL file")
     check_no_overlap(out, {"conversations": conversations})
     check_no_overlap(out.with_suffix(".summary.json"), {"conversations": conversations})
+    check_jsonl_output(out, "regen")  # before repair_tail cuts anything of it
 
 
 def _read_done(out: Path) -> set[str]:
@@ -316,7 +319,7 @@ def _read_done(out: Path) -> set[str]:
     return have
 
 
-_KEPT = "the samples already written are kept, a rerun resumes"  # what a failed write leaves
+_KEPT = "the samples already written are kept: rerun the same command to resume"  # what a failed write leaves
 
 
 def regenerate(conversations: str | os.PathLike, out: str | os.PathLike, backend, cfg: RegenConfig,
@@ -381,15 +384,16 @@ def run_regen(args):
     cfg = from_args(RegenConfig, args)
     _check_paths(Path(args.conversations), Path(args.out))  # before a target load of minutes
     read_conversations(Path(args.conversations))
-    if args.server:
-        backend = ServerBackend(args.server, args.model or args.target, cfg, args.concurrency,
-                                args.timeout, args.retries)
-    else:
-        from fledge.core.target import load_target
-        dtype = parse_dtype(args.dtype)
-        target = load_target(args.target, dtype=dtype, device=args.device)
-        backend = EngineBackend(target, cfg, args.device, dtype, args.compile)
-    counts = regenerate(args.conversations, args.out, backend, cfg, args.limit)
+    with output_lock(args.out):  # held from reading what is done to the summary: one writer
+        if args.server:
+            backend = ServerBackend(args.server, args.model or args.target, cfg, args.concurrency,
+                                    args.timeout, args.retries)
+        else:
+            from fledge.core.target import load_target
+            dtype = parse_dtype(args.dtype)
+            target = load_target(args.target, dtype=dtype, device=args.device)
+            backend = EngineBackend(target, cfg, args.device, dtype, args.compile)
+        counts = regenerate(args.conversations, args.out, backend, cfg, args.limit)
     print(json.dumps(counts, indent=2))
     if counts["failed"]:
         print(f"fledge: {counts['failed']} of {counts['total']} samples failed (reasons in "

@@ -63,6 +63,7 @@ from fledge.core.files import (
     keeping,
     read_jsonl,
 )
+from fledge.core.procs import die_with_parent
 from fledge.core.report import print_table
 
 # The two sets of every split: prep writes <set>.jsonl, tokenize and prep --tokenizer <set>.tok.jsonl.
@@ -157,8 +158,11 @@ def resolve_tokenizer(spec: str) -> str:
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
+    from fledge.core.target import check_remote_code, remote_code_allowed
+    path = resolve_tokenizer(spec)
+    check_remote_code(Path(path))
     try:
-        tok = AutoTokenizer.from_pretrained(resolve_tokenizer(spec))
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=remote_code_allowed())
     except (OSError, ValueError) as e:
         raise FledgeError(f"{spec}: no tokenizer could be loaded ({str(e).splitlines()[0][:200]})") from None
     if not tok.chat_template:
@@ -175,7 +179,7 @@ def build_training_set(tokenizer, conversations_path, out_path, max_len) -> dict
     is written only when every conversation is done.
     """
     out_path = Path(out_path)
-    with keeping(out_path, f"the finished part is kept in {out_path.name}.partial, a rerun continues it"):
+    with keeping(out_path, f"the finished part is kept in {out_path.name}.partial: rerun the same command to resume"):
         return _build_training_set(tokenizer, conversations_path, out_path, max_len)
 
 
@@ -240,7 +244,8 @@ def split_sets(inputs: list[Path], heldout: list[Path]) -> dict[str, list[str]]:
     return sets
 
 
-def _quiet_worker() -> None:
+def _start_worker(parent_pid: int) -> None:
+    die_with_parent(parent_pid)  # a worker outliving a killed run would write beside its rerun
     # Each shard's own progress bar would interleave with the others'; the parent draws one.
     os.environ["TQDM_DISABLE"] = "1"
 
@@ -286,7 +291,8 @@ def _run_shards(shards: list[dict], tokenizer_dir: str, max_len: int, workers: i
             return
         # spawn: each worker loads its own tokenizer, no fork of a used Rust tokenizer
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_quiet_worker) as pool:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
+                                                    initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_tokenize_shard, tokenizer_dir, str(s["src"]), str(s["dst"]), max_len): s
                        for s in todo}
             for f in concurrent.futures.as_completed(futures):
@@ -311,7 +317,8 @@ def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048,
         check_no_overlap(out, {"conversations": path})
     if workers < 1:
         raise FledgeError(f"--workers {workers}: must be >= 1")
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    kept = f"the finished shards are kept in {out.with_name(f'.{out.name}.shards')}: rerun the same command to resume"
+    with keeping(out, kept, own_name=True), atomic_dir(out, overwrite=overwrite) as tmp:
         sets = split_sets(list(inputs), list(heldout))
         if not any(sets.values()):
             raise FledgeError(f"{', '.join(map(str, inputs))}: no conversations to tokenize")

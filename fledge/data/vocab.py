@@ -29,6 +29,7 @@ from fledge.core.files import (
     atomic_write_bytes,
     atomic_write_json,
     check_no_overlap,
+    output_lock,
     keeping,
     read_jsonl,
 )
@@ -207,6 +208,11 @@ def run_build(args) -> int:
     if args.heldout:
         _check_input(args.heldout)
     _check_outputs(args)
+    with output_lock(args.out):  # one writer per vocab file
+        return _build(args)
+
+
+def _build(args) -> int:
     target_vocab = _target_vocab(args)
     empty: list[int] = []
     counts = count_masked_tokens(args.dataset, target_vocab, empty)

@@ -162,6 +162,8 @@ def check_shapes(cfg: dict, w: Weights, t: TargetFacts | None) -> Check | None:
     """Every tensor's shape against what config.json implies (fledge.drafter.checkpoint's reading of it)."""
     try:
         spec = checkpoint_keys(draft_config_from_json(cfg, t.num_layers if t else None))
+    except FledgeError as e:  # a field of the wrong type or range: no shape follows from it
+        return fail("shapes", str(e), "fix that field of config.json")
     except Exception:  # a config fledge cannot read: the config checks above say why
         return None
     bad = [f"{k} {list(w.shapes[n])} (config implies {list(spec[k][0])})" for n in w.files

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fledge.core.errors import FledgeError
+from fledge.core.config import check_number
 
 
 @dataclass
@@ -17,12 +17,10 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise FledgeError(f"temperature {self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise FledgeError(f"top_p {self.top_p}: must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise FledgeError(f"max_new_tokens {self.max_new_tokens}: must be >= 1")
+        check_number("--temperature", float(self.temperature), 0)
+        check_number("--top-p", float(self.top_p), 0, 1, low_open=True)
+        check_number("--max-new-tokens", self.max_new_tokens, 1, integer=True)
+        check_number("--seed", self.seed, -2**63, integer=True)
 
 
 def logits_to_probs(logits, params: SamplingParams):

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fledge.core.catalog import BUILTINS
+from fledge.core.config import check_number
 from fledge.core.devices import short_dtype
 from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
@@ -62,6 +63,13 @@ class Gpu:
     tflops: dict
     launch_us: float = 4.0  # cudaLaunchKernel host cost, a few us per kernel on current drivers
     graph_launch_us: float = 1.0  # a replayed graph still leaves ~1 us between dependent kernels
+
+    def __post_init__(self):
+        check_number("--hbm-gbs", float(self.hbm_gbs), 0, low_open=True, what="gpu")
+        for dtype, v in self.tflops.items():
+            check_number(f"--tflops ({dtype})", float(v), 0, low_open=True, what="gpu")
+        check_number("launch_us", float(self.launch_us), 0, what="gpu")
+        check_number("graph_launch_us", float(self.graph_launch_us), 0, what="gpu")
 
 
 GPUS = {
@@ -105,6 +113,10 @@ class Link:
     latency_us: float
     bus_gbs: float
 
+    def __post_init__(self):
+        check_number("--allreduce-us", float(self.latency_us), 0, what="interconnect")
+        check_number("--allreduce-gbs", float(self.bus_gbs), 0, low_open=True, what="interconnect")
+
 
 LINKS = {
     # 8 GPUs on PCIe without NVLink: an 8-byte NCCL all_reduce_perf takes 42 us on 8 x RTX 4090
@@ -133,8 +145,11 @@ class Hardware:
     round_host_ms: float = 0.6
 
     def __post_init__(self):
-        if self.tp < 1 or not 0 < self.bw_efficiency <= 1 or not 0 < self.flops_efficiency <= 1 or self.host_ms < 0:
-            raise FledgeError(f"hardware {self}: need --tp >= 1, efficiencies in (0, 1], host ms >= 0")
+        check_number("--tp", self.tp, 1, integer=True, what="hardware")
+        check_number("--bw-efficiency", float(self.bw_efficiency), 0, 1, low_open=True, what="hardware")
+        check_number("--flops-efficiency", float(self.flops_efficiency), 0, 1, low_open=True, what="hardware")
+        for name in ("host_ms", "forward_ms", "round_host_ms"):
+            check_number(f"--{name.replace('_', '-')}", float(getattr(self, name)), 0, what="hardware")
 
     @property
     def launch_us(self) -> float:
@@ -202,14 +217,19 @@ class Timings:
     def __post_init__(self):
         self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
         self.draft_ms = {int(k): float(v) for k, v in sorted(self.draft_ms.items())}
-        if not self.ar_ms > 0:
-            raise FledgeError(f"--ar-ms {self.ar_ms}: must be > 0")
-        if not self.verify_ms or min(self.verify_ms) < 1 or min(self.verify_ms.values()) <= 0:
-            raise FledgeError(f"--verify-ms {self.verify_ms}: need n >= 1 tokens and times > 0")
-        if self.output_len < 0 or self.prefill_ms < 0:
-            raise FledgeError(f"--output-len {self.output_len}: must be >= 1 (or unset for decode rounds only)")
-        if not self.draft_ms or min(self.draft_ms.values()) < 0 or self.overhead_ms < 0:
-            raise FledgeError("--draft-ms and --overhead-ms must be >= 0")
+        check_number("--ar-ms", float(self.ar_ms), 0, low_open=True)
+        if not self.verify_ms or min(self.verify_ms) < 1:
+            raise FledgeError(f"--verify-ms {self.verify_ms}: need n >= 1 tokens")
+        for n, ms in self.verify_ms.items():
+            check_number(f"--verify-ms ({n} tokens)", ms, 0, low_open=True)
+        if not self.draft_ms:
+            raise FledgeError("--draft-ms: no draft step time given")
+        for k, ms in self.draft_ms.items():
+            check_number(f"--draft-ms (topk {k})", ms, 0)
+        check_number("--overhead-ms", float(self.overhead_ms), 0)
+        check_number("--batch", self.batch, 1, integer=True)
+        check_number("prefill_ms", float(self.prefill_ms), 0)
+        check_number("--output-len", self.output_len, 0, integer=True)
 
     def verify(self, n: int) -> float:
         return _interp(self.verify_ms, n)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fledge.core.errors import FledgeError
+from fledge.core.procs import ends_with_parent
 from fledge.core.vllm_cpu import venv_env, venv_python
 
 HOST = "127.0.0.1"
@@ -134,14 +135,15 @@ class Server:
 def start(s: Serve, log: Path | None = None, timeout: float = 300.0) -> Server:
     """Start a vLLM server, wait at most `timeout` s for /health. `log`: its output (None: this
     terminal). The server gets a process group of its own, so stopping it leaves no orphaned
-    engine."""
+    engine, and SIGTERM when this process dies (kill -9 included), on which vLLM's API server
+    stops its engine processes itself."""
     if s.engine != "vllm":
         raise FledgeError(f"fledge starts vLLM servers only; run the {s.engine} line yourself (--dry-run prints it)")
     env = {**venv_env(), **s.env} if s.cpu else {**os.environ, **s.env}
     t0 = time.monotonic()
     with open(log, "ab") if log else contextlib.nullcontext() as out:  # the child holds its own descriptor
         proc = subprocess.Popen(command(s), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                process_group=0)
+                                process_group=0, preexec_fn=ends_with_parent(signal.SIGTERM))
     server = Server(proc, s.url, 0.0, shell_line(s))
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fledge.core.config import check_number
 from fledge.core.conventions import accept_length
 from fledge.core.errors import FledgeError
 from fledge.core.openai_client import Client, ServerError
@@ -166,8 +167,14 @@ class ServerBench:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not self.prompts or self.requests < 1 or min(self.concurrency) < 1 or self.duration_s <= 0:
-            raise FledgeError("bench: need prompts, --requests >= 1, --concurrency >= 1 and --duration > 0")
+        if not self.prompts or not self.concurrency:
+            raise FledgeError("bench: need prompts and at least one --concurrency level")
+        check_number("--max-new-tokens", self.max_tokens, 1, integer=True, what="bench")
+        check_number("--requests", self.requests, 1, integer=True, what="bench")
+        for c in self.concurrency:
+            check_number("--concurrency", c, 1, integer=True, what="bench")
+        check_number("--duration", float(self.duration_s), 0, low_open=True, what="bench")
+        check_number("--timeout", float(self.timeout_s), 0, low_open=True, what="bench")
 
 
 @dataclass

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from fledge.core.config import ADAPT_TRAIN_OPTIONS, DraftConfig
+from fledge.core.config import ADAPT_TRAIN_OPTIONS, DraftConfig, check_number
 from fledge.core.conventions import diff_vocab, validate_aux_layer_ids
 from fledge.core.errors import FledgeError
-from fledge.core.files import atomic_write_json, check_no_overlap
+from fledge.core.files import atomic_write_json, check_no_overlap, output_lock
 from fledge.core.report import print_table
 from fledge.data.vocab import count_masked_tokens, top_target_ids
 from fledge.drafter.checkpoint import export_checkpoint, load_checkpoint, verifier_of
@@ -65,6 +65,8 @@ class AdaptConfig:
         for name in ("drafter", "data"):
             if not Path(getattr(self, name)).exists():
                 raise FledgeError(f"--{name} {getattr(self, name)}: does not exist")
+        if self.draft_vocab is not None:
+            check_number("--draft-vocab", self.draft_vocab, 1, integer=True, what="adapt")
         if self.draft_vocab is not None and not self.rebuild_vocab:
             raise FledgeError("--draft-vocab sets the size of a rebuilt vocab: add --rebuild-vocab "
                               "(without it adapt keeps OLD's draft vocab)")
@@ -256,7 +258,8 @@ def run_adapt(args) -> int:
     cfg = AdaptConfig(drafter=args.drafter, target=args.target, data=args.data, out=args.out,
                       draft_vocab=args.draft_vocab, rebuild_vocab=args.rebuild_vocab, train=args.train,
                       train_options={k: v for k, v in opts.items() if v is not None})
-    report = adapt(cfg, load_target(cfg.target))
+    with output_lock(cfg.out):  # one adapt per run directory
+        report = adapt(cfg, load_target(cfg.target))
     if (report.get("train") or {}).get("eval"):
         from fledge.train.loop import print_eval
         print_eval(report["train"]["eval"])

@@ -15,6 +15,7 @@ import transformers
 from fledge.core.conventions import default_aux_layer_ids, validate_aux_layer_ids
 from fledge.core.devices import pick_device
 from fledge.core.errors import FledgeError
+from fledge.core.files import output_lock
 from fledge.core.target import load_target, resolve_target
 from fledge.train.capture import FinalNorm, VllmCapture, launch_args, launch_line
 from fledge.train.features import (
@@ -62,15 +63,18 @@ def run_features(args) -> int:
     opts = FeatureOptions(args.dtype, args.shard_size, args.batch_size, args.device or "cpu")
     if not args.print_launch and not (args.data and args.out):
         raise FledgeError("fledge features needs --data and --out (or --print-launch)")
-    if args.server or args.print_launch:
+    if args.print_launch:
         return run_capture(args, opts)
-    device = pick_device(args.device)  # before a load of minutes
-    target = load_target(args.target, device=device)
-    model = target.model
-    samples = load_samples(args.data, args.max_len, model.config.get_text_config().vocab_size)
-    aux_ids = aux_layer_ids_for(model, args.aux_layers)
-    summary = write_features(model, aux_ids, samples, args.out, features_meta(target.name, args.data, args.max_len),
-                             replace(opts, device=device))
+    with output_lock(args.out):  # one writer per feature directory
+        if args.server:
+            return run_capture(args, opts)
+        device = pick_device(args.device)  # before a load of minutes
+        target = load_target(args.target, device=device)
+        model = target.model
+        samples = load_samples(args.data, args.max_len, model.config.get_text_config().vocab_size)
+        aux_ids = aux_layer_ids_for(model, args.aux_layers)
+        summary = write_features(model, aux_ids, samples, args.out,
+                                 features_meta(target.name, args.data, args.max_len), replace(opts, device=device))
     print(summary_line(summary, args.out))
     return 0
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from fledge.core.config import TrainConfig, from_args
 from fledge.core.errors import FledgeError
-from fledge.core.files import atomic_write_text, read_jsonl
+from fledge.core.files import atomic_write_text, keeping, output_lock, read_jsonl
 from fledge.core.report import print_table, save_figure, subplots
 from fledge.drafter.checkpoint import export_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
@@ -178,8 +178,11 @@ def run_train(args) -> int:
     from fledge.core.target import load_target
     cfg = from_args(TrainConfig, args)
     begun = time.monotonic()  # a time budget counts the target's loading too
+    rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
-        result = train(cfg, load_target(cfg.target), begun=begun)
+        with (output_lock(cfg.out) if rank0 else contextlib.nullcontext(),  # one run per --out (rank 0 writes it)
+              keeping(cfg.out, "the last checkpoint is kept: rerun the same command to resume", own_name=True)):
+            result = train(cfg, load_target(cfg.target), begun=begun)
     except Paused as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"fledge train: {e}", file=sys.stderr)
