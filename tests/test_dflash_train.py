@@ -10,7 +10,15 @@ import pytest
 import torch
 from conftest import make_tiny
 from test_dflash import block_logits
-from test_train import V, config, curve, interrupt_then_resume, saved_step, tiny_target, write_data
+from test_train import (
+    V,
+    config,
+    curve,
+    interrupt_then_resume,
+    saved_step,
+    tiny_target,
+    write_data,
+)
 
 from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
@@ -18,7 +26,12 @@ from fledge.drafter.dflash import DFlashConfig, DFlashDraft
 from fledge.engine import SamplingParams, build_engine_target, generate_ar
 from fledge.engine.block import load_block_drafter
 from fledge.engine.spec import generate_spec
-from fledge.train.dflash import BlockTrain, default_mask_token, sample_anchors, valid_anchors
+from fledge.train.dflash import (
+    BlockTrain,
+    default_mask_token,
+    sample_anchors,
+    valid_anchors,
+)
 from fledge.train.features import load_samples
 from fledge.train.loop import train
 
@@ -102,7 +115,8 @@ def test_refused_inputs(tmp_path):
 
 
 def test_default_mask_token_is_an_unused_added_token():
-    from fledge.core.target import resolve_target
     from transformers import AutoTokenizer
+
+    from fledge.core.target import resolve_target
     tok = AutoTokenizer.from_pretrained(resolve_target("smollm2-135m"))
     assert default_mask_token(tok, 49152) == 16 and 16 not in tok.all_special_ids

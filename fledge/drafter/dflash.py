@@ -30,7 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    apply_rotary_pos_emb,
+)
 
 from fledge.core.conventions import (
     ROPE_THETA_DEFAULT,
@@ -91,7 +95,7 @@ class DFlashConfig:
 
     @classmethod
     def from_target(cls, tcfg, *, mask_token_id: int, draft_vocab_size: int | None = None, aux_layer_ids=None,
-                    num_layers: int = 2, block_size: int = 8, intermediate_size: int | None = None) -> "DFlashConfig":
+                    num_layers: int = 2, block_size: int = 8, intermediate_size: int | None = None) -> DFlashConfig:
         """Attention geometry and widths follow the target (one draft layer costs one target
         layer); the aux ids default to EAGLE-3's, so both methods train on one feature store."""
         tcfg = getattr(tcfg, "text_config", None) or tcfg
@@ -108,7 +112,7 @@ class DFlashConfig:
                    max_position_embeddings=tcfg.max_position_embeddings,
                    rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling)
 
-    def replace(self, **kw) -> "DFlashConfig":
+    def replace(self, **kw) -> DFlashConfig:
         return dataclasses.replace(self, **kw)
 
 
@@ -162,7 +166,7 @@ class DFlashDraft(nn.Module):
         self.register_buffer("t2d", t2d_from_target_ids(torch.arange(cfg.draft_vocab_size), cfg.vocab_size))
 
     @classmethod
-    def from_target(cls, cfg: DFlashConfig, target_model, target_ids: torch.Tensor | None = None) -> "DFlashDraft":
+    def from_target(cls, cfg: DFlashConfig, target_model, target_ids: torch.Tensor | None = None) -> DFlashDraft:
         """A fresh drafter reading the target's embeddings, its head the target's output rows of
         the draft vocabulary and its final norm the target's (the masks' outputs start where
         the target's next-token states are read)."""
@@ -188,7 +192,7 @@ class DFlashDraft(nn.Module):
         """Target token id of every draft id: i + d2t[i]."""
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
-    def cast(self, device, dtype) -> "DFlashDraft":
+    def cast(self, device, dtype) -> DFlashDraft:
         """Weights to `dtype` on `device`, RoPE frequencies kept fp32 (as Eagle3Draft.cast)."""
         inv_freq = self.rotary.inv_freq.float()
         self.to(device=device, dtype=dtype)

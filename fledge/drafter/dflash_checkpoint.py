@@ -18,7 +18,12 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
-from fledge.core.conventions import aux_ids_from_dflash, aux_ids_to_dflash, rope_fields, target_ids_from_d2t
+from fledge.core.conventions import (
+    aux_ids_from_dflash,
+    aux_ids_to_dflash,
+    rope_fields,
+    target_ids_from_d2t,
+)
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_dir, write_file
 from fledge.drafter.dflash import DFLASH_ARCH, DFlashConfig, DFlashDraft

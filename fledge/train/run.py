@@ -26,6 +26,7 @@ from fledge.core.errors import FledgeError
 from fledge.data.vocab import load_vocab_ids
 from fledge.drafter.checkpoint import load_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.train.dflash import BlockTrain, build_block_draft
 from fledge.train.features import (
     FeatureStore,
     Sample,
@@ -38,7 +39,6 @@ from fledge.train.features import (
     online_features,
     pad_batch,
 )
-from fledge.train.dflash import BlockTrain, build_block_draft
 from fledge.train.ttt import TTT, replay_counts, summarize
 
 
@@ -201,7 +201,7 @@ def setup(cfg: TrainConfig, target) -> Run:
 def start_schedule(run: Run, total: int) -> None:
     """Fix the run's length: linear warm-up over `--warmup` of `total` steps, then cosine decay to 0."""
     warm = max(1, int(run.cfg.warmup * total))
-    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))  # noqa: E731
+    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))
     run.total_steps = total
     run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lambda s: min((s + 1) / warm, cosine(s)))
 
