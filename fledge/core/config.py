@@ -62,7 +62,7 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, tcfg, draft_vocab_size: int | None = None, aux_layer_ids=None,
-                    intermediate_size: int | None = None) -> DraftConfig:
+                    intermediate_size: int | None = None) -> "DraftConfig":
         """Build the draft config from an HF target config (any family: only the text
         fields every causal LM has are read; attention geometry follows the target so the
         draft layer costs what one target layer costs)."""
@@ -88,7 +88,7 @@ class DraftConfig:
             rope_scaling=rope_scaling,
         )
 
-    def replace(self, **kw) -> DraftConfig:
+    def replace(self, **kw) -> "DraftConfig":
         return dataclasses.replace(self, **kw)
 
 

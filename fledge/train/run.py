@@ -201,7 +201,7 @@ def setup(cfg: TrainConfig, target) -> Run:
 def start_schedule(run: Run, total: int) -> None:
     """Fix the run's length: linear warm-up over `--warmup` of `total` steps, then cosine decay to 0."""
     warm = max(1, int(run.cfg.warmup * total))
-    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))
+    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (s - warm) / max(1, total - warm)))))  # noqa: E731
     run.total_steps = total
     run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lambda s: min((s + 1) / warm, cosine(s)))
 
