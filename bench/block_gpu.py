@@ -1,0 +1,220 @@
+"""A DFlash block drafter trained for the target and measured beside the shipped EAGLE-3 drafter.
+
+    python bench/block_gpu.py --target T --answers A.jsonl.gz [B.jsonl.gz ...] [--workdir runs/block]
+        [--train-seconds 300] [--quick]
+
+Steps, each skipped when its output is already in --workdir (a rerun continues where one stopped):
+  tokenize  `fledge tokenize` the answer sets (rows of source `sharegpt-heldout` are held out).
+  vocab     `fledge vocab build`, --draft-vocab tokens.
+  train     `fledge train --method dflash` with --train-seconds of time budget (the target's loading
+            counts), and, with --eagle-seconds, `fledge train` (EAGLE-3) from scratch on the same
+            data for that long: both runs' target tok/s (training throughput) go in the JSON.
+  measure   one process, batch 1, greedy, the target in --dtype: plain decoding, the EAGLE-3
+            drafter --eagle at --eagle-shape, and the new drafter as a chain of each --block-steps,
+            on --num-prompts MT-Bench first turns x --max-new-tokens; accept length (SGLang's:
+            accepted + 1 per verify step), ms a round, decode tok/s, speedups in the same process.
+Writes bench/results/block_gpu_<machine>.json (`_quick` with --quick) and, when $OUT is set,
+$OUT/block_gpu.json. --quick: tiny sizes for a CPU (a few minutes), the pipeline end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from machine import machine_name, result_path
+
+from fledge.core.errors import FledgeError
+from fledge.core.files import atomic_write_json, atomic_write_text, read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "drafters" / "smollm2-135m"
+EVAL_SAMPLES = 32
+FULL = {"max_convs": None, "max_len": 1024, "draft_vocab": 16384, "batch_size": 32, "num_prompts": 80,
+        "max_new_tokens": 256, "draft_layers": 3, "ttt_steps": 7, "blocks_per_sample": 64, "workers": os.cpu_count()}
+QUICK = {"max_convs": 24, "max_len": 128, "draft_vocab": 2048, "batch_size": 2, "num_prompts": 2,
+         "max_new_tokens": 16, "draft_layers": 1, "ttt_steps": 3, "blocks_per_sample": 8, "workers": 2}
+
+
+def run(cmd: list, log: Path) -> float:
+    """`cmd` with this checkout's fledge first on the path, its output shown and kept in `log`; wall seconds."""
+    cmd = [str(c) for c in cmd]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        while chunk := proc.stdout.read1(1 << 14):
+            f.write(chunk)
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        if proc.wait():
+            raise FledgeError(f"{cmd[2:4]} exited {proc.returncode} (log: {log}):\n{log.read_text(errors='replace')[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def fledge(*args) -> list:
+    return [sys.executable, "-m", "fledge.cli", *args]
+
+
+def subset(answers: list[str], n: int | None, out: Path) -> Path:
+    """The answer sets, or with `n` the first n training and n/8 held-out rows of each (--quick)."""
+    if n is None:
+        return None
+    rows = []
+    for path in answers:
+        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+            recs = [json.loads(line) for line in f]
+        rows += [r for r in recs if r.get("source") != "sharegpt-heldout"][:n]
+        rows += [r for r in recs if r.get("source") == "sharegpt-heldout"][:max(1, n // 8)]
+    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return out
+
+
+def prepare(args, w: Path) -> None:
+    tok = w / "tok"
+    if not (tok / "train.tok.jsonl").exists():
+        small = subset(args.answers, args.max_convs, w / "subset.jsonl")
+        run(fledge("tokenize", *([small] if small else args.answers), "-o", tok, "--tokenizer", args.target,
+                   "--max-len", args.max_len, "--workers", args.workers, "--overwrite"), w / "logs" / "tokenize.log")
+    if not (tok / "heldout.eval.jsonl").exists():  # the runs' final eval: a few held-out samples
+        lines = (tok / "heldout.tok.jsonl").read_text().splitlines(keepends=True)
+        atomic_write_text(tok / "heldout.eval.jsonl", "".join(lines[:EVAL_SAMPLES]))
+    if not (w / "vocab.safetensors").exists():
+        run(fledge("vocab", "build", tok / "train.tok.jsonl", "--size", args.draft_vocab, "--target", args.target,
+                   "--heldout", tok / "heldout.tok.jsonl", "-o", w / "vocab.safetensors"), w / "logs" / "vocab.log")
+
+
+def train_rate(run_dir: Path) -> float | None:
+    """Target tok/s of a run's training log lines, weighted by their tokens (warm-up line dropped)."""
+    rows = [r for _, r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"][1:]
+    secs = sum(r["seconds"] for r in rows)
+    return sum(r["target_tokens"] for r in rows) / secs if secs else None
+
+
+def train(args, w: Path) -> dict:
+    common = ["--data", w / "tok" / "train.tok.jsonl", "--eval-data", w / "tok" / "heldout.eval.jsonl",
+              "--vocab", w / "vocab.safetensors", "--target", args.target, "--batch-size", args.batch_size,
+              "--lr", args.lr, "--max-len", args.max_len, "--log-every", 5]
+    budget = ["--max-steps", args.quick_steps] if args.quick else ["--time-budget", args.train_seconds]
+    out = {}
+    runs = {"dflash": ["--method", "dflash", "--ttt-steps", args.ttt_steps, "--draft-layers", args.draft_layers,
+                       "--blocks-per-sample", args.blocks_per_sample, "--head", "target", *budget]}
+    if args.eagle_seconds:
+        runs["eagle3"] = ["--ttt-steps", 7, *(["--max-steps", args.quick_steps] if args.quick
+                                               else ["--time-budget", args.eagle_seconds])]
+    for method, flags in runs.items():
+        d = w / f"train_{method}"
+        if not (d / "result.json").exists():
+            cmd = fledge("train", *common, "--out", d, *flags, "--eval-every", 10 ** 6, "--save-every", 10 ** 6)
+            try:
+                run(cmd, w / "logs" / f"train_{method}.log")
+            except FledgeError:
+                if not (d / "checkpoint").exists():
+                    raise
+                # Behind its plan, the run paused at the budget (checkpoint saved): the same
+                # command resumes it for its last steps.
+                run(cmd, w / "logs" / f"finish_{method}.log")
+        result = json.loads((d / "result.json").read_text())
+        out[method] = {"draft": result["draft"], "steps": result["steps"], "target_tok_s": train_rate(d),
+                       "eval": result.get("eval")}
+    return out
+
+
+def measure(args, trained: dict) -> dict:
+    import torch
+
+    from fledge.core.devices import pick_dtype
+    from fledge.core.shape import Shape
+    from fledge.drafter.dflash_checkpoint import load_dflash
+    from fledge.engine.block import BlockDrafter
+    from fledge.engine.rig import engine_path, load_rig, run_ar, run_shape
+    from fledge.perf.bench import load_prompts
+
+    rig = load_rig(args.target, args.eagle, args.device, args.dtype)
+    dtype = pick_dtype(args.dtype, rig.device)
+    block = load_dflash(trained["dflash"]["draft"], embed_from=rig.hf).eval().cast(rig.device, dtype)
+    prompts = load_prompts("mtbench", args.num_prompts, rig.tokenizer)
+    ar = run_ar(rig, prompts, args.max_new_tokens)
+    print(f"plain decoding {ar['tok_s']:8.1f} tok/s ({ar['ar_ms']:.3f} ms a token)", flush=True)
+    drafters = {("eagle3", tuple(args.eagle_shape)): rig.drafter(Shape(*args.eagle_shape))}
+    for k in args.block_steps:
+        drafters[("dflash", (k, 1, k + 1))] = BlockDrafter(block, Shape(k, 1, k + 1), rig.target, compile=rig.compiled)
+    rows = []
+    with torch.no_grad():
+        for (who, shape), d in drafters.items():
+            stats, tok_s = run_shape(rig, d, prompts, args.max_new_tokens, f"{who} {shape}")
+            sm = stats.summary()
+            rows.append({"drafter": who, "shape": list(shape), "accept_length": sm["accept_length"],
+                         "depth_acceptance": sm["depth_acceptance"], "round_ms": sm["round_ms_per_step"],
+                         "tok_s": tok_s, "speedup": tok_s / ar["tok_s"], "verify_steps": sm["verify_steps"]})
+            print(f"{who:<7} {str(shape):<12} accept {sm['accept_length']:.3f}  {sm['round_ms_per_step']:.3f} ms a round"
+                  f"  {tok_s:8.1f} tok/s ({tok_s / ar['tok_s']:.2f}x plain)", flush=True)
+    eagle = rows[0]["tok_s"]
+    for r in rows:
+        r["vs_eagle3"] = r["tok_s"] / eagle
+    return {"machine": machine_name(rig.device), "device": str(rig.device), "dtype": str(dtype).removeprefix("torch."),
+            "engine": engine_path(rig), "prompts": f"mtbench first turns x {len(prompts)}",
+            "max_new_tokens": args.max_new_tokens, "ar": ar, "rows": rows}
+
+
+def git_commit() -> str | None:
+    res = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return res.stdout.strip() or None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m", help="the target: built-in name, HF dir or GGUF file")
+    p.add_argument("--answers", nargs="+", required=True, help="the target's answer sets (conversations JSONL[.gz])")
+    p.add_argument("--workdir", default="runs/block_gpu")
+    p.add_argument("--eagle", default=str(SHIPPED), help="the EAGLE-3 drafter to measure beside (default: shipped)")
+    p.add_argument("--eagle-shape", type=int, nargs=3, default=[5, 4, 16], metavar=("STEPS", "TOPK", "TOKENS"))
+    p.add_argument("--block-steps", type=int, nargs="+", help="chain lengths for the new drafter (default: its block)")
+    p.add_argument("--train-seconds", type=float, default=300.0, help="fledge train --time-budget for the DFlash run")
+    p.add_argument("--eagle-seconds", type=float, default=0.0,
+                   help="also train EAGLE-3 from scratch this long, for training tok/s on the same data (0: skip)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--device")
+    p.add_argument("--dtype", help="engine dtype for measuring (default: bf16 on CUDA, fp32 on the CPU)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes for a CPU run of the whole pipeline")
+    p.add_argument("--quick-steps", type=int, default=6, help="--quick: training steps (no time budget)")
+    for k, v in FULL.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, help=f"default {v} (--quick: {QUICK[k]})")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for k, v in (QUICK if args.quick else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.block_steps = args.block_steps or [args.ttt_steps]
+    w = Path(args.workdir)
+    t0 = time.perf_counter()
+    prepare(args, w)
+    trained = train(args, w)
+    t1 = time.perf_counter()
+    report = {"bench": "block_gpu", "commit": git_commit(), "target": args.target, "answers": args.answers,
+              "settings": {k: getattr(args, k) for k in FULL} | {"lr": args.lr, "train_seconds": args.train_seconds,
+                                                               "quick": args.quick},
+              "train": trained, "prepare_and_train_s": round(t1 - t0, 1), **measure(args, trained)}
+    report["measure_s"] = round(time.perf_counter() - t1, 1)
+    paths = [result_path("block_gpu", report["machine"], "quick" if args.quick else "")]
+    if os.environ.get("OUT"):
+        paths.append(Path(os.environ["OUT"]) / "block_gpu.json")
+    for path in paths:
+        atomic_write_json(path, report)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
