@@ -126,3 +126,17 @@ def test_bad_shapes_are_one_fledge_error(tmp_path):
     (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()), "block_size": None}))
     with pytest.raises(FledgeError, match="config.json"):
         load_dflash(out)
+
+
+def test_doctor_checks_a_dflash_drafter_and_its_launch_line(tmp_path):
+    from fledge.doctor.checks import FAIL, PASS
+    from fledge.doctor.doctor import doctor
+    _, _, draft = tiny_dflash(block=4)
+    out = export_dflash(draft, tmp_path / "d")
+    line = "vllm serve T --speculative-config '{\"method\": \"%s\", \"model\": \"d\", \"num_speculative_tokens\": %d}'"
+    checks = {c.name: c.status for c in doctor(out, launch=line % ("dflash", 3))}
+    assert checks == {"dflash.checkpoint": PASS, "launch.algorithm": PASS}
+    assert {c.name: c.status for c in doctor(out, launch=line % ("eagle3", 3))}["launch.algorithm"] == FAIL
+    assert {c.name: c.status for c in doctor(out, launch=line % ("dflash", 4))}["launch.depth"] == FAIL
+    (out / "model.safetensors").write_bytes(b"")
+    assert [c.status for c in doctor(out)] == [FAIL]

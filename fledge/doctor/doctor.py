@@ -26,6 +26,7 @@ from fledge.core.conventions import (
     target_ids_from_d2t,
 )
 from fledge.core.errors import FledgeError
+from fledge.doctor.block import dflash_checks, is_block_drafter
 from fledge.doctor.checks import Check, fail, ok, report, warn
 from fledge.doctor.lint import launch_checks
 from fledge.drafter.layout import (
@@ -447,6 +448,8 @@ def against_check(drafter, other) -> Check:
 
 def doctor(drafter, target: str | None = None, launch: str | None = None, against: str | None = None) -> list[Check]:
     """All checks for one drafter; never raises on a broken checkpoint or an odd launch line."""
+    if is_block_drafter(drafter):
+        return dflash_checks(drafter, target, launch)
     results, facts = static_checks(drafter, target)
     if launch is not None:
         results += launch_checks(launch, drafter, facts, target)

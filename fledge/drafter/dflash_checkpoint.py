@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
@@ -109,7 +110,7 @@ def load_dflash(path, embed_from=None) -> DFlashDraft:
     try:
         cj = json.loads((path / "config.json").read_text())
         tensors = load_file(path / WEIGHTS)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, SafetensorError) as e:
         raise FledgeError(f"{path}: cannot read a DFlash checkpoint ({e})") from None
     cfg = config_from_json(cj, path / "config.json")
     draft = DFlashDraft(cfg)
