@@ -18,7 +18,7 @@ from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
 from fledge.drafter.dflash import DFlashDraft
 from fledge.drafter.dflash_checkpoint import load_dflash
-from fledge.engine.model import compile_static, one_off_attention
+from fledge.engine.layers import compile_static, one_off_attention
 from fledge.engine.protocols import DraftInput
 from fledge.engine.tree import Tree, chain
 
