@@ -140,3 +140,25 @@ def test_doctor_checks_a_dflash_drafter_and_its_launch_line(tmp_path):
     assert {c.name: c.status for c in doctor(out, launch=line % ("dflash", 4))}["launch.depth"] == FAIL
     (out / "model.safetensors").write_bytes(b"")
     assert [c.status for c in doctor(out)] == [FAIL]
+
+
+def test_tune_predicts_chains_from_one_forward_and_a_verify():
+    """`fledge tune`'s block model on the engine: the longest chain's prediction is what was
+    measured (accept length exactly, round time as block + verify), shorter chains accept no
+    more, and every chain costs the same drafter forward."""
+    from fledge.engine.rig import EngineRig
+    from fledge.perf.tune_block import chain_predictions, measure_block
+
+    hf, target, draft = tiny_dflash(block=5)
+    rig = EngineRig(hf, None, target, draft, [], torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 30, (n,), generator=g).tolist() for n in (6, 9)]
+    m = measure_block(rig, draft, prompts, 4, 16, iters=1)
+    assert sorted(m["verify_ms"]) == [2, 3, 4, 5] and len(m["reach"]) == 4
+    preds = {p.shape.num_steps: p for p in chain_predictions(m["reach"], m["block_ms"], m["verify_ms"], m["ar_ms"])}
+    assert preds[4].accept_length == pytest.approx(m["accept_length"])
+    assert preds[4].iter_ms == pytest.approx(m["round_ms"])
+    assert [preds[k].accept_length for k in (1, 2, 3, 4)] == sorted(preds[k].accept_length for k in (1, 2, 3, 4))
+    for k, p in preds.items():
+        assert p.iter_ms - m["verify_ms"][k + 1] == pytest.approx(m["block_ms"])
+        assert p.tok_s == pytest.approx(1e3 * p.accept_length / p.iter_ms)

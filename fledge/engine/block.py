@@ -107,3 +107,24 @@ def load_block_drafter(path: str, spec: Shape, hf_model, engine_target, device, 
     """The DFlash drafter of a checkpoint directory, embeddings from the target `hf_model`."""
     draft = load_dflash(path, embed_from=hf_model).eval().cast(device, dtype)
     return BlockDrafter(draft, spec, engine_target, compile)
+
+
+def load_block_rig(target: str, drafter: str, device: str | None, dtype: str | None):
+    """(EngineRig, DFlashDraft): the target as `load_rig` builds it (compiled layers and CUDA
+    graphs on CUDA, eager on the CPU) and the DFlash drafter of `drafter` beside it. The rig's
+    `draft` is the DFlash drafter: timing helpers read only its aux layer ids."""
+    from fledge.core.devices import pick_device, pick_dtype
+    from fledge.core.target import eos_ids, load_target
+    from fledge.engine.hf import build_engine_target
+    from fledge.engine.layers import GEMV_ROWS, LayerFns
+    from fledge.engine.rig import EngineRig
+
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    compile = dev.type == "cuda"
+    t = load_target(target, dtype=dt, device=dev)
+    draft = load_dflash(drafter, embed_from=t.model).eval().cast(dev, dt)
+    fns = LayerFns.compiled(gemv_rows=GEMV_ROWS, few_rows=16) if compile else LayerFns()
+    rig = EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev, fns=fns), draft,
+                    eos_ids(t.tokenizer, t.model.generation_config), dev, compile)
+    return rig, draft

@@ -26,9 +26,11 @@ from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
 from fledge.core.report import save_figure, subplots
 from fledge.core.shape import Shape, max_nodes, parse_shapes
+from fledge.drafter.dflash_checkpoint import is_dflash
 from fledge.engine import rig as engine_rig
 from fledge.perf import bench, hwmodel
 from fledge.perf.acceptance import (
+    Prediction,
     Profile,
     expected_accept_length,
     profile_from_args,
@@ -37,6 +39,7 @@ from fledge.perf.acceptance import (
 from fledge.perf.calibrate import cmd_calibrate, load_profile
 from fledge.perf.hwmodel import Timings
 from fledge.perf.serving import parse_levels
+from fledge.perf.tune_block import block_tune
 
 
 def parse_ms_table(text: str, arg: str) -> dict[int, float]:
@@ -50,16 +53,6 @@ def parse_ms_table(text: str, arg: str) -> dict[int, float]:
 
 
 # --------------------------------------------------------------------------- predictions
-@dataclass
-class Prediction:
-    shape: Shape
-    accept_length: float  # SGLang definition, bonus included
-    iter_ms: float
-    tok_s: float  # per request
-    speedup: float  # vs plain decoding at the same batch size
-    break_even: float  # accept length at which this shape only matches plain decoding
-
-
 def predict(profile: Profile, timings: Timings, shape: Shape) -> Prediction:
     L = expected_accept_length(profile, shape)
     t = timings.round_ms(shape)
@@ -302,7 +295,10 @@ def _hardware_model(args):
 
 def measured_tune(args):
     """`fledge tune --target T --drafter D`: time the engine as `fledge generate` runs it, measure
-    acceptance, predict every shape; with --validate, also run shapes for real and compare."""
+    acceptance, predict every shape; with --validate, also run shapes for real and compare. A
+    block drafter's chains are predicted by fledge.perf.tune_block."""
+    if is_dflash(args.drafter):
+        return block_tune(args)
     rig = engine_rig.load_rig(args.target, args.drafter, args.device, args.dtype)
     prompts = bench.load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
     ar = engine_rig.run_ar(rig, prompts, args.max_new_tokens)
