@@ -1,20 +1,25 @@
 """A DFlash block drafter trained for the target and measured beside the shipped EAGLE-3 drafter.
 
-    python bench/block_gpu.py --target T --answers A.jsonl.gz [B.jsonl.gz ...] [--workdir runs/block]
-        [--train-seconds 300] [--quick]
+    python bench/block_gpu.py --target T --answers A.jsonl.gz [B.jsonl.gz ...] [--prompts mtbench]
+        [--workdir runs/block] [--train-seconds 140] [--num-prompts 40 --max-new-tokens 256] [--quick]
 
 Steps, each skipped when its output is already in --workdir (a rerun continues where one stopped):
   tokenize  `fledge tokenize` the answer sets (rows of source `sharegpt-heldout` are held out).
   vocab     `fledge vocab build`, --draft-vocab tokens.
   train     `fledge train --method dflash` with --train-seconds of time budget (the target's loading
-            counts), and, with --eagle-seconds, `fledge train` (EAGLE-3) from scratch on the same
-            data for that long: both runs' target tok/s (training throughput) go in the JSON.
+            counts), and `fledge train` (EAGLE-3) from scratch on the same data for --eagle-steps
+            steps: both runs' target tok/s (training throughput) go in the JSON.
   measure   one process, batch 1, greedy, the target in --dtype: plain decoding, the EAGLE-3
             drafter --eagle at --eagle-shape, and the new drafter as a chain of each --block-steps,
-            on --num-prompts MT-Bench first turns x --max-new-tokens; accept length (SGLang's:
-            accepted + 1 per verify step), ms a round, decode tok/s, speedups in the same process.
+            on the first turns of --prompts (built-in name or file, e.g. MT-Bench's question.jsonl)
+            x --max-new-tokens; accept length (SGLang's: accepted + 1 per verify step) and by
+            position, ms a round, the verify forward alone at each round's size (the rest of a
+            round is drafting), decode tok/s, speedups in the same process. A drafter that fails
+            is recorded with its error and the next one runs; no row starts after --deadline
+            seconds from the start.
 Writes bench/results/block_gpu_<machine>.json (`_quick` with --quick) and, when $OUT is set,
-$OUT/block_gpu.json. --quick: tiny sizes for a CPU (a few minutes), the pipeline end to end.
+$OUT/block_gpu.json, after every measured row; prints a table at the end. --quick: tiny sizes
+for a CPU (a few minutes), the pipeline end to end.
 """
 
 from __future__ import annotations
@@ -104,12 +109,11 @@ def train(args, w: Path) -> dict:
               "--vocab", w / "vocab.safetensors", "--target", args.target, "--batch-size", args.batch_size,
               "--lr", args.lr, "--max-len", args.max_len, "--log-every", 5]
     budget = ["--max-steps", args.quick_steps] if args.quick else ["--time-budget", args.train_seconds]
-    out = {}
     runs = {"dflash": ["--method", "dflash", "--ttt-steps", args.ttt_steps, "--draft-layers", args.draft_layers,
                        "--blocks-per-sample", args.blocks_per_sample, "--head", "target", *budget]}
-    if args.eagle_seconds:
-        runs["eagle3"] = ["--ttt-steps", 7, *(["--max-steps", args.quick_steps] if args.quick
-                                               else ["--time-budget", args.eagle_seconds])]
+    if args.eagle_steps:
+        runs["eagle3"] = ["--ttt-steps", 7, "--max-steps", args.eagle_steps]
+    out = {}
     for method, flags in runs.items():
         d = w / f"train_{method}"
         if not (d / "result.json").exists():
@@ -128,45 +132,110 @@ def train(args, w: Path) -> dict:
     return out
 
 
-def measure(args, trained: dict) -> dict:
+def measure_rows(args, rig, block, prompts, ar: dict, save, t0: float) -> list[dict]:
+    """One row per drafter and shape, each saved as it comes; a drafter that fails is a row
+    with its error (a compiled DFlash drafter that fails is retried eager)."""
     import torch
 
-    from fledge.core.devices import pick_dtype
     from fledge.core.shape import Shape
-    from fledge.drafter.dflash_checkpoint import load_dflash
     from fledge.engine.block import BlockDrafter
-    from fledge.engine.rig import engine_path, load_rig, run_ar, run_shape
+    from fledge.engine.rig import run_shape
+
+    shapes = [("eagle3", tuple(args.eagle_shape))] + [("dflash", (k, 1, k + 1)) for k in args.block_steps]
+    rows = []
+    for who, shape in shapes:
+        row = {"drafter": who, "shape": list(shape)}
+        if time.perf_counter() - t0 > args.deadline:
+            rows.append(row | {"skipped": f"past the {args.deadline:.0f} s deadline"})
+            continue
+        tries = [rig.compiled, False] if who == "dflash" and rig.compiled else [rig.compiled]
+        for compiled in tries:
+            try:
+                d = (rig.drafter(Shape(*shape)) if who == "eagle3"
+                     else BlockDrafter(block, Shape(*shape), rig.target, compile=compiled))
+                with torch.no_grad():
+                    stats, tok_s = run_shape(rig, d, prompts, args.max_new_tokens, f"{who} {shape}")
+            except Exception as e:  # noqa: BLE001 -- recorded in the row; the other drafters still run
+                row["error" if compiled == tries[-1] else "compiled_error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{who} {shape} failed ({'compiled' if compiled else 'eager'}): {e}", flush=True)
+                continue
+            sm = stats.summary()
+            row |= {"compiled": compiled, "accept_length": sm["accept_length"],
+                    "depth_acceptance": sm["depth_acceptance"], "round_ms": sm["round_ms_per_step"],
+                    "tok_s": tok_s, "speedup": tok_s / ar["tok_s"], "verify_steps": sm["verify_steps"]}
+            row.pop("error", None)
+            print(f"{who:<7} {shape!s:<12} accept {sm['accept_length']:.3f}  {sm['round_ms_per_step']:.3f} ms a "
+                  f"round  {tok_s:8.1f} tok/s ({tok_s / ar['tok_s']:.2f}x plain)", flush=True)
+            break
+        rows.append(row)
+        eagle = rows[0].get("tok_s")
+        for r in rows:
+            if eagle and "tok_s" in r:
+                r["vs_eagle3"] = r["tok_s"] / eagle
+        save(rows)
+    return rows
+
+
+def verify_split(rig, rows: list[dict], context: int) -> dict | None:
+    """The verify forward alone at each measured round's size (tokens a round verifies): a
+    round's time minus it is drafting and bookkeeping."""
+    from fledge.engine.rig import measure_verify_ms
+
+    sizes = sorted({r["shape"][2] for r in rows if "tok_s" in r})
+    try:
+        return {str(n): ms for n, ms in measure_verify_ms(rig, sizes, context).items()} if sizes else None
+    except Exception as e:  # noqa: BLE001 -- a missing split leaves the measured rows intact
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+
+
+def measure(args, trained: dict, save, t0: float) -> dict:
+    from fledge.core.devices import pick_dtype
+    from fledge.drafter.dflash_checkpoint import load_dflash
+    from fledge.engine.rig import engine_path, load_rig, run_ar
     from fledge.perf.bench import load_prompts
 
     rig = load_rig(args.target, args.eagle, args.device, args.dtype)
     dtype = pick_dtype(args.dtype, rig.device)
     block = load_dflash(trained["dflash"]["draft"], embed_from=rig.hf).eval().cast(rig.device, dtype)
-    prompts = load_prompts("mtbench", args.num_prompts, rig.tokenizer)
+    prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
+    head = {"machine": machine_name(rig.device), "device": str(rig.device), "dtype": str(dtype).removeprefix("torch."),
+            "engine": engine_path(rig), "prompts": f"{args.prompts} first turns x {len(prompts)}",
+            "max_new_tokens": args.max_new_tokens}
     ar = run_ar(rig, prompts, args.max_new_tokens)
     print(f"plain decoding {ar['tok_s']:8.1f} tok/s ({ar['ar_ms']:.3f} ms a token)", flush=True)
-    drafters = {("eagle3", tuple(args.eagle_shape)): rig.drafter(Shape(*args.eagle_shape))}
-    for k in args.block_steps:
-        drafters[("dflash", (k, 1, k + 1))] = BlockDrafter(block, Shape(k, 1, k + 1), rig.target, compile=rig.compiled)
-    rows = []
-    with torch.no_grad():
-        for (who, shape), d in drafters.items():
-            stats, tok_s = run_shape(rig, d, prompts, args.max_new_tokens, f"{who} {shape}")
-            sm = stats.summary()
-            rows.append({"drafter": who, "shape": list(shape), "accept_length": sm["accept_length"],
-                         "depth_acceptance": sm["depth_acceptance"], "round_ms": sm["round_ms_per_step"],
-                         "tok_s": tok_s, "speedup": tok_s / ar["tok_s"], "verify_steps": sm["verify_steps"]})
-            print(f"{who:<7} {str(shape):<12} accept {sm['accept_length']:.3f}  {sm['round_ms_per_step']:.3f} ms a round"
-                  f"  {tok_s:8.1f} tok/s ({tok_s / ar['tok_s']:.2f}x plain)", flush=True)
-    eagle = rows[0]["tok_s"]
-    for r in rows:
-        r["vs_eagle3"] = r["tok_s"] / eagle
-    return {"machine": machine_name(rig.device), "device": str(rig.device), "dtype": str(dtype).removeprefix("torch."),
-            "engine": engine_path(rig), "prompts": f"mtbench first turns x {len(prompts)}",
-            "max_new_tokens": args.max_new_tokens, "ar": ar, "rows": rows}
+    rows = measure_rows(args, rig, block, prompts, ar, lambda rows: save(head | {"ar": ar, "rows": rows}), t0)
+    context = sum(map(len, prompts)) // len(prompts) + args.max_new_tokens // 2
+    return head | {"ar": ar, "rows": rows, "verify_ms": verify_split(rig, rows, context), "verify_context": context}
+
+
+def print_report(report: dict) -> None:
+    from fledge.core.report import print_table
+
+    ar = report["ar"]
+    table = [["drafter", "shape", "accept", "ms/round", "verify ms", "tok/s", "x plain", "x eagle3", "by position"],
+             ["plain", "-", "1.000", f"{ar['ar_ms']:.3f}", "-", f"{ar['tok_s']:.1f}", "1.00", "-", "-"]]
+    verify = report.get("verify_ms") or {}
+    for r in report["rows"]:
+        if "tok_s" not in r:
+            table.append([r["drafter"], str(tuple(r["shape"])), r.get("skipped") or r.get("error", "")[:60]]
+                         + [""] * 6)
+            continue
+        v = verify.get(str(r["shape"][2]))
+        table.append([r["drafter"], str(tuple(r["shape"])), f"{r['accept_length']:.3f}", f"{r['round_ms']:.3f}",
+                      f"{v:.3f}" if isinstance(v, float) else "-", f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}",
+                      f"{r.get('vs_eagle3', 0):.2f}", " ".join(f"{p:.2f}" for p in r["depth_acceptance"])])
+    print_table(table)
+    for method, t in report["train"].items():
+        rate = t["target_tok_s"]
+        print(f"train {method}: {t['steps']} steps, {rate:.0f} target tok/s" if rate else f"train {method}: {t['steps']} steps")
 
 
 def git_commit() -> str | None:
-    res = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    try:
+        res = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=False)
+    except OSError:  # no git where the bench runs: the JSON says so
+        return None
     return res.stdout.strip() or None
 
 
@@ -174,13 +243,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m", help="the target: built-in name, HF dir or GGUF file")
     p.add_argument("--answers", nargs="+", required=True, help="the target's answer sets (conversations JSONL[.gz])")
+    p.add_argument("--prompts", default="mtbench", help="prompt set measured: built-in name or file (MT-Bench's "
+                                                         "question.jsonl, conversations JSONL, ...)")
     p.add_argument("--workdir", default="runs/block_gpu")
     p.add_argument("--eagle", default=str(SHIPPED), help="the EAGLE-3 drafter to measure beside (default: shipped)")
     p.add_argument("--eagle-shape", type=int, nargs=3, default=[5, 4, 16], metavar=("STEPS", "TOPK", "TOKENS"))
-    p.add_argument("--block-steps", type=int, nargs="+", help="chain lengths for the new drafter (default: its block)")
-    p.add_argument("--train-seconds", type=float, default=300.0, help="fledge train --time-budget for the DFlash run")
-    p.add_argument("--eagle-seconds", type=float, default=0.0,
-                   help="also train EAGLE-3 from scratch this long, for training tok/s on the same data (0: skip)")
+    p.add_argument("--block-steps", type=int, nargs="+",
+                   help="chain lengths for the new drafter (default: its K masks, then 5 and 3 where shorter)")
+    p.add_argument("--train-seconds", type=float, default=140.0, help="fledge train --time-budget for the DFlash run")
+    p.add_argument("--eagle-steps", type=int, help="EAGLE-3 steps from scratch on the same data, for its training "
+                                                   "tok/s (default 30; --quick: --quick-steps; 0: skip)")
+    p.add_argument("--deadline", type=float, default=380.0, help="seconds from the start after which no measured "
+                                                                 "row starts (it is recorded as skipped)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--device")
     p.add_argument("--dtype", help="engine dtype for measuring (default: bf16 on CUDA, fp32 on the CPU)")
@@ -192,27 +266,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    t0 = time.perf_counter()
     args = build_parser().parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.block_steps = args.block_steps or [args.ttt_steps]
+    if args.eagle_steps is None:
+        args.eagle_steps = args.quick_steps if args.quick else 30
+    args.block_steps = args.block_steps or list(dict.fromkeys(k for k in (args.ttt_steps, 5, 3) if k <= args.ttt_steps))
     w = Path(args.workdir)
-    t0 = time.perf_counter()
     prepare(args, w)
     trained = train(args, w)
     t1 = time.perf_counter()
     report = {"bench": "block_gpu", "commit": git_commit(), "target": args.target, "answers": args.answers,
-              "settings": {k: getattr(args, k) for k in FULL} | {"lr": args.lr, "train_seconds": args.train_seconds,
-                                                               "quick": args.quick},
-              "train": trained, "prepare_and_train_s": round(t1 - t0, 1), **measure(args, trained)}
-    report["measure_s"] = round(time.perf_counter() - t1, 1)
-    paths = [result_path("block_gpu", report["machine"], "quick" if args.quick else "")]
-    if os.environ.get("OUT"):
-        paths.append(Path(os.environ["OUT"]) / "block_gpu.json")
-    for path in paths:
-        atomic_write_json(path, report)
+              "settings": {k: getattr(args, k) for k in FULL} | {
+                  "lr": args.lr, "train_seconds": args.train_seconds, "eagle_steps": args.eagle_steps,
+                  "block_steps": args.block_steps, "quick": args.quick},
+              "train": trained, "prepare_and_train_s": round(t1 - t0, 1), "complete": False}
+
+    def save(part: dict) -> list[Path]:
+        report.update(part)
+        report["measure_s"] = round(time.perf_counter() - t1, 1)
+        paths = [result_path("block_gpu", report["machine"], "quick" if args.quick else "")]
+        if os.environ.get("OUT"):
+            paths.append(Path(os.environ["OUT"]) / "block_gpu.json")
+        for path in paths:
+            atomic_write_json(path, report)
+        return paths
+
+    measured = measure(args, trained, save, t0)
+    report["complete"] = True
+    for path in save(measured):
         print(f"wrote {path}")
+    print_report(report)
     return 0
 
 
