@@ -1,7 +1,7 @@
 """A DFlash block drafter trained for the target and measured beside the shipped EAGLE-3 drafter.
 
     python bench/block_gpu.py --target T --answers A.jsonl.gz [B.jsonl.gz ...] [--prompts mtbench]
-        [--workdir runs/block] [--train-seconds 140] [--num-prompts 40 --max-new-tokens 256] [--quick]
+        [--workdir runs/block] [--train-seconds 130] [--num-prompts 40 --max-new-tokens 256] [--quick]
 
 Steps, each skipped when its output is already in --workdir (a rerun continues where one stopped):
   tokenize  `fledge tokenize` the answer sets (rows of source `sharegpt-heldout` are held out).
@@ -188,7 +188,7 @@ def verify_split(rig, rows: list[dict], context: int) -> dict | None:
         return {"error": f"{type(e).__name__}: {e}"[:2000]}
 
 
-def measure(args, trained: dict, save, t0: float) -> dict:
+def measure(args, dflash_dir: str, save, t0: float) -> dict:
     from fledge.core.devices import pick_dtype
     from fledge.drafter.dflash_checkpoint import load_dflash
     from fledge.engine.rig import engine_path, load_rig, run_ar
@@ -196,16 +196,18 @@ def measure(args, trained: dict, save, t0: float) -> dict:
 
     rig = load_rig(args.target, args.eagle, args.device, args.dtype)
     dtype = pick_dtype(args.dtype, rig.device)
-    block = load_dflash(trained["dflash"]["draft"], embed_from=rig.hf).eval().cast(rig.device, dtype)
+    block = load_dflash(dflash_dir, embed_from=rig.hf).eval().cast(rig.device, dtype)
     prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
     head = {"machine": machine_name(rig.device), "device": str(rig.device), "dtype": str(dtype).removeprefix("torch."),
-            "engine": engine_path(rig), "prompts": f"{args.prompts} first turns x {len(prompts)}",
+            "engine": engine_path(rig), "prompts": f"{shown(args.prompts, Path(args.workdir))} first turns x {len(prompts)}",
             "max_new_tokens": args.max_new_tokens}
     ar = run_ar(rig, prompts, args.max_new_tokens)
     print(f"plain decoding {ar['tok_s']:8.1f} tok/s ({ar['ar_ms']:.3f} ms a token)", flush=True)
     rows = measure_rows(args, rig, block, prompts, ar, lambda rows: save(head | {"ar": ar, "rows": rows}), t0)
     context = sum(map(len, prompts)) // len(prompts) + args.max_new_tokens // 2
-    return head | {"ar": ar, "rows": rows, "verify_ms": verify_split(rig, rows, context), "verify_context": context}
+    late = time.perf_counter() - t0 > args.deadline
+    verify = {"skipped": f"past the {args.deadline:.0f} s deadline"} if late else verify_split(rig, rows, context)
+    return head | {"ar": ar, "rows": rows, "verify_ms": verify, "verify_context": context}
 
 
 def print_report(report: dict) -> None:
@@ -230,6 +232,18 @@ def print_report(report: dict) -> None:
         print(f"train {method}: {t['steps']} steps, {rate:.0f} target tok/s" if rate else f"train {method}: {t['steps']} steps")
 
 
+def shown(path, workdir: Path) -> str:
+    """A path as the JSON records it: under the work directory as WORKDIR/..., a file elsewhere
+    by its name (scratch directories of one machine mean nothing to a reader)."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        try:
+            return str(Path("WORKDIR") / p.resolve().relative_to(workdir.resolve()))
+        except ValueError:
+            return p.name if p.is_file() else str(path)
+    return str(path)
+
+
 def git_commit() -> str | None:
     try:
         res = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -250,10 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eagle-shape", type=int, nargs=3, default=[5, 4, 16], metavar=("STEPS", "TOPK", "TOKENS"))
     p.add_argument("--block-steps", type=int, nargs="+",
                    help="chain lengths for the new drafter (default: its K masks, then 5 and 3 where shorter)")
-    p.add_argument("--train-seconds", type=float, default=140.0, help="fledge train --time-budget for the DFlash run")
+    p.add_argument("--train-seconds", type=float, default=130.0, help="fledge train --time-budget for the DFlash run")
     p.add_argument("--eagle-steps", type=int, help="EAGLE-3 steps from scratch on the same data, for its training "
-                                                   "tok/s (default 30; --quick: --quick-steps; 0: skip)")
-    p.add_argument("--deadline", type=float, default=380.0, help="seconds from the start after which no measured "
+                                                   "tok/s (default 20; --quick: --quick-steps; 0: skip)")
+    p.add_argument("--deadline", type=float, default=360.0, help="seconds from the start after which no measured "
                                                                  "row starts (it is recorded as skipped)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--device")
@@ -272,13 +286,17 @@ def main(argv=None) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.eagle_steps is None:
-        args.eagle_steps = args.quick_steps if args.quick else 30
+        args.eagle_steps = args.quick_steps if args.quick else 20
     args.block_steps = args.block_steps or list(dict.fromkeys(k for k in (args.ttt_steps, 5, 3) if k <= args.ttt_steps))
     w = Path(args.workdir)
     prepare(args, w)
     trained = train(args, w)
     t1 = time.perf_counter()
-    report = {"bench": "block_gpu", "commit": git_commit(), "target": args.target, "answers": args.answers,
+    dflash_dir = trained["dflash"]["draft"]
+    for t in trained.values():
+        t["draft"] = shown(t["draft"], w)
+    report = {"bench": "block_gpu", "commit": git_commit(), "target": shown(args.target, w),
+              "answers": [shown(a, w) for a in args.answers],
               "settings": {k: getattr(args, k) for k in FULL} | {
                   "lr": args.lr, "train_seconds": args.train_seconds, "eagle_steps": args.eagle_steps,
                   "block_steps": args.block_steps, "quick": args.quick},
@@ -294,7 +312,7 @@ def main(argv=None) -> int:
             atomic_write_json(path, report)
         return paths
 
-    measured = measure(args, trained, save, t0)
+    measured = measure(args, dflash_dir, save, t0)
     report["complete"] = True
     for path in save(measured):
         print(f"wrote {path}")
