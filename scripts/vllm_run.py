@@ -1,4 +1,4 @@
-"""Greedy generation in real vLLM (CPU), with or without an EAGLE-3 drafter; writes one JSON.
+"""Greedy generation in real vLLM (CPU), with or without a drafter (EAGLE-3 or DFlash); writes one JSON.
 
 Runs INSIDE the venv built by scripts/setup_vllm.sh, started with the LD_PRELOAD from its
 vllm.env; it does not import fledge (that venv has vLLM's own torch, not fledge's).
@@ -40,7 +40,8 @@ def spec_counters(metrics) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="target model: plain HF safetensors directory")
-    ap.add_argument("--drafter", help="EAGLE-3 drafter checkpoint directory (omit for no speculation)")
+    ap.add_argument("--drafter", help="drafter checkpoint directory (omit for no speculation)")
+    ap.add_argument("--method", default="eagle3", choices=("eagle3", "dflash"), help="the drafter's kind")
     ap.add_argument("--prompts", required=True, help="JSON list of prompt strings")
     ap.add_argument("--out", required=True, help="where to write the result JSON")
     ap.add_argument("--num-spec-tokens", type=int, default=3)
@@ -56,7 +57,7 @@ def main():
 
     spec = None
     if args.drafter:
-        spec = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.num_spec_tokens}
+        spec = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.num_spec_tokens}
     prompts = json.loads(Path(args.prompts).read_text())
 
     t0 = time.perf_counter()

@@ -126,6 +126,9 @@ PARALLEL = ("ddp", "fsdp")  # how `fledge train` spreads over torchrun's ranks (
 HEADS = ("fresh", "target", "frozen")
 # What `fledge train` minimises at each TTT step (fledge.train.loop.draft_loss says what each is).
 LOSSES = ("kl", "greedy", "lk")
+# The drafter kind `fledge train` trains: EAGLE-3 (one layer, drafted step by step) or DFlash (a
+# block drafted in one forward: fledge.drafter.dflash, fledge.train.dflash).
+METHODS = ("eagle3", "dflash")
 
 # TrainConfig fields that `fledge train` sets with a plain `--name VALUE`: (option, type, what
 # it sets). The help adds the field's default.
@@ -170,6 +173,10 @@ class TrainConfig:
     data: str
     out: str
     target: str = "smollm2-135m"
+    method: str = "eagle3"            # one of METHODS
+    draft_layers: int = 2             # dflash: draft decoder layers
+    blocks_per_sample: int = 64       # dflash: anchors drawn per sample and step
+    mask_token_id: int | None = None  # dflash: None = fledge.train.dflash.default_mask_token
     vocab: str | None = None          # d2t/t2d file (`fledge vocab`); None: draft vocab = target vocab
     init: str | None = None           # warm start from an exported drafter directory
     head: str = "fresh"               # a fresh draft's lm_head: one of HEADS
@@ -223,6 +230,10 @@ class TrainConfig:
         checks = [(not (self.loop_cut and self.features), "--loop-cut cuts samples the stored --features cover whole; "
                                                           "drop one"),
                   (self.warmup < 1, "warmup is a share of steps in [0, 1)"),
+                  (self.method in METHODS, f"method {self.method!r}: one of {', '.join(METHODS)}"),
+                  (self.draft_layers >= 1 and self.blocks_per_sample >= 1, "draft_layers and blocks_per_sample must be >= 1"),
+                  (self.method == "eagle3" or not (self.fc_norm or self.norm_output),
+                   "--fc-norm and --norm-output are EAGLE-3.1's; a dflash drafter has neither"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.head in HEADS, f"head {self.head!r}: one of {', '.join(HEADS)}"),
                   (self.loss in LOSSES, f"loss {self.loss!r}: one of {', '.join(LOSSES)}"),

@@ -59,6 +59,17 @@ def aux_ids_to_sglang(ids: Sequence[int], num_layers: int) -> tuple[int, int, in
     return tuple(i - 1 for i in ids)  # type: ignore[return-value]
 
 
+def aux_ids_to_dflash(ids: Sequence[int]) -> list[int]:
+    """DFlash's `dflash_config.target_layer_ids` name the *output* of layer k (vLLM adds 1 when
+    it captures them, as SGLang does for EAGLE-3), and there may be any number of them."""
+    return [int(i) - 1 for i in ids]
+
+
+def aux_ids_from_dflash(ids: Sequence[int]) -> tuple[int, ...]:
+    """Inverse of `aux_ids_to_dflash`: canonical ids of DFlash target_layer_ids."""
+    return tuple(int(i) + 1 for i in ids)
+
+
 # --------------------------------------------------------------------------- rope
 # HF's Llama config and the engines assume this theta when a config names none.
 ROPE_THETA_DEFAULT = 10000.0

@@ -26,6 +26,7 @@ from fledge.core.conventions import (
     target_ids_from_d2t,
 )
 from fledge.core.errors import FledgeError
+from fledge.doctor.block import dflash_checks, is_block_drafter
 from fledge.doctor.checks import Check, fail, ok, report, warn
 from fledge.doctor.lint import launch_checks, parse_launch
 from fledge.doctor.sanity import check_norms, check_trained, check_weights
@@ -428,6 +429,8 @@ def doctor(drafter, target: str | None = None, launch: str | None = None, agains
     Without `target`, a launch line serving a local directory names it."""
     if target is None and launch is not None:
         target = served_target(launch, drafter)
+    if is_block_drafter(drafter):
+        return dflash_checks(drafter, target, launch)
     results, facts = static_checks(drafter, target)
     if launch is not None:
         results += launch_checks(launch, drafter, facts, target)

@@ -39,6 +39,25 @@ from fledge.core.shape import Shape, parse_shape
 
 
 @dataclass
+class Prediction:
+    """A shape's predicted round: `fledge tune` ranks these."""
+
+    shape: Shape
+    accept_length: float  # SGLang definition, bonus included
+    iter_ms: float
+    tok_s: float  # per request
+    speedup: float  # vs plain decoding at the same batch size
+    break_even: float  # accept length at which this shape only matches plain decoding
+    low: float | None = None  # the speed-up's range, where the timings carry one
+    high: float | None = None
+
+    def call(self, margin: float) -> str:
+        """"pays", "loses" or "too close to call" (module doc); without a range, the point decides."""
+        lo, hi = (self.low, self.high) if self.low is not None else (self.speedup, self.speedup)
+        return "pays" if lo > 1 + margin else "loses" if hi < 1 else "too close to call"
+
+
+@dataclass
 class Profile:
     """The two tables of the module doc, indexed [depth - 1][rank]; without `spine` one table
     serves both. Depths past a table's last row repeat it; ranks past a row's end are never

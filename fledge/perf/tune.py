@@ -28,6 +28,7 @@ from fledge.core.report import save_figure, subplots
 from fledge.core.shape import Shape, max_nodes
 from fledge.perf import hwmodel, servemodel
 from fledge.perf.acceptance import (
+    Prediction,
     Profile,
     expected_accept_length,
     profile_from_args,
@@ -49,23 +50,6 @@ def parse_ms_table(text: str, arg: str) -> dict[int, float]:
 
 
 # --------------------------------------------------------------------------- predictions
-@dataclass
-class Prediction:
-    shape: Shape
-    accept_length: float  # SGLang definition, bonus included
-    iter_ms: float
-    tok_s: float  # per request
-    speedup: float  # vs plain decoding at the same batch size
-    break_even: float  # accept length at which this shape only matches plain decoding
-    low: float | None = None  # the speed-up's range, where the timings carry one
-    high: float | None = None
-
-    def call(self, margin: float) -> str:
-        """"pays", "loses" or "too close to call" (module doc); without a range, the point decides."""
-        lo, hi = (self.low, self.high) if self.low is not None else (self.speedup, self.speedup)
-        return "pays" if lo > 1 + margin else "loses" if hi < 1 else "too close to call"
-
-
 def predict(profile: Profile, timings: Timings, shape: Shape, spread: tuple[float, float] | None = None) -> Prediction:
     """`spread`: log(measured / predicted) quantiles of the timings' source (None: exact timings)."""
     L = expected_accept_length(profile, shape)

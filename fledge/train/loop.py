@@ -27,6 +27,8 @@ from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_text, keeping, output_lock, read_jsonl
 from fledge.core.report import print_table, save_figure, subplots
 from fledge.drafter.checkpoint import export_checkpoint
+from fledge.drafter.dflash import DFlashDraft
+from fledge.drafter.dflash_checkpoint import export_dflash
 from fledge.drafter.eagle3 import Eagle3Draft
 from fledge.train.budget import plan_budget
 from fledge.train.resume import (
@@ -47,9 +49,13 @@ def export(run: Run) -> Path:
     model_sd, _ = full_state(run)
     out = Path(run.cfg.out) / "draft"
     if run.rank == 0:
-        draft = Eagle3Draft(run.ttt.draft.cfg)
+        dflash = run.cfg.method == "dflash"
+        draft = (DFlashDraft if dflash else Eagle3Draft)(run.ttt.draft.cfg)
         draft.load_state_dict({k.removeprefix("draft."): v for k, v in model_sd.items()})
-        export_checkpoint(draft, out, layout="eagle3", verifier=run.verifier, overwrite=True)
+        if dflash:
+            export_dflash(draft, out, verifier=run.verifier, overwrite=True)
+        else:
+            export_checkpoint(draft, out, layout="eagle3", verifier=run.verifier, overwrite=True)
     return out
 
 

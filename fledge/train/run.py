@@ -27,6 +27,7 @@ from fledge.data.vocab import load_vocab_ids
 from fledge.drafter.checkpoint import load_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
 from fledge.train.capture_run import StreamedFeatures, open_stream
+from fledge.train.dflash import BlockTrain, build_block_draft
 from fledge.train.features import (
     FeatureStore,
     Sample,
@@ -96,6 +97,9 @@ def draft_vocab_ids(path: str, vocab_size: int) -> torch.Tensor:
 def build_draft(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
     model = target.model
     tcfg = model.config.get_text_config()
+    if cfg.method == "dflash":
+        return build_block_draft(cfg, target, draft_vocab_ids(cfg.vocab, tcfg.vocab_size) if cfg.vocab
+                                 else torch.arange(tcfg.vocab_size))
     if cfg.init:
         draft = load_checkpoint(cfg.init, embed_from=model)
         if (draft.cfg.hidden_size, draft.cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
@@ -185,7 +189,8 @@ def setup(cfg: TrainConfig, target) -> Run:
             print(f"fledge train: --init gained fc_norm, weights at its aux states' median RMS "
                   f"{[round(x, 3) for x in scales.tolist()]}", file=sys.stderr)
     draft.lm_head.weight.requires_grad_(cfg.head != "frozen")  # set on resume too: the optimizer's groups follow it
-    ttt = TTT(draft, cfg.ttt_steps, cfg.step_decay, loss=cfg.loss).to(device)
+    ttt = (BlockTrain(draft, cfg.ttt_steps, cfg.step_decay, cfg.blocks_per_sample, loss=cfg.loss)
+           if cfg.method == "dflash" else TTT(draft, cfg.ttt_steps, cfg.step_decay, loss=cfg.loss)).to(device)
     wrapped = parallelize(ttt, cfg.parallel, world, device)
     per_epoch = len(train) // (cfg.batch_size * world * cfg.grad_accum)
     if per_epoch == 0:

@@ -1,0 +1,164 @@
+"""The DFlash block drafter: the engine's cached block equals the block recomputed from scratch,
+greedy speculative output equals AR token for token (fp32), the checkpoint round-trips in vLLM's
+layout, and bad shapes are one FledgeError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ENGINE_FAMILIES, make_tiny
+
+from fledge.core.errors import FledgeError
+from fledge.core.shape import Shape
+from fledge.drafter.dflash import DFlashConfig, DFlashDraft
+from fledge.drafter.dflash_checkpoint import export_dflash, load_dflash
+from fledge.engine import SamplingParams, build_engine_target, generate_ar
+from fledge.engine.block import BlockDrafter, load_block_drafter
+from fledge.engine.protocols import DraftInput
+from fledge.engine.spec import generate_spec
+
+VARIED = dict(vocab_size=32, initializer_range=0.25)
+GREEDY_21 = SamplingParams(temperature=0.0, max_new_tokens=21)
+
+
+def tiny_dflash(family="llama", seed=0, block=6, layers=2, draft_ids=None):
+    """A tiny target and a random DFlash drafter (mask token 31) whose head is the target's."""
+    hf = make_tiny(family, seed=seed, **VARIED)
+    target = build_engine_target(hf, torch.float32, "cpu")
+    torch.manual_seed(seed + 1)
+    cfg = DFlashConfig.from_target(hf.config, mask_token_id=31, num_layers=layers, block_size=block,
+                                   draft_vocab_size=None if draft_ids is None else len(draft_ids))
+    return hf, target, DFlashDraft.from_target(cfg, hf, draft_ids).eval()
+
+
+def block_logits(draft: DFlashDraft, ids, aux, anchor: int, steps: int) -> torch.Tensor:
+    """The block at `anchor` of one sequence from scratch: context = the aux states of tokens
+    0..anchor-1, the block = ids[anchor] and `steps` masks, plain SDPA without a mask (the
+    block sees the whole context and itself). Draft logits [steps, Vd]."""
+    kv = draft.context_kv(aux[None, :anchor], torch.arange(anchor)[None])
+    blk = torch.cat([ids[anchor:anchor + 1], torch.full((steps,), draft.cfg.mask_token_id)])[None]
+
+    def attend(layer, q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        keys, values = torch.cat([kv[layer][0], k], 2), torch.cat([kv[layer][1], v], 2)
+        return F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1))
+
+    return draft.logits(draft.block(blk, anchor + torch.arange(steps + 1)[None], attend))[0, 1:]
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_block_spec_equals_ar(family):
+    hf, target, draft = tiny_dflash(family)
+    prompt = torch.randint(0, 30, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    ar = generate_ar(target, [prompt], GREEDY_21, eos_ids=[])[0][0]
+    assert len(set(ar)) >= 6, ar
+    for k in (1, 3, 5):
+        out, stats = generate_spec(target, BlockDrafter(draft, Shape(k, 1, k + 1), target), prompt, GREEDY_21,
+                                   eos_ids=[])
+        assert out == ar, k
+        assert stats.steps == len(stats.accepted) and all(0 <= a <= k for a in stats.accepted)
+    eos = [ar[6]]
+    ar_eos = generate_ar(target, [prompt], GREEDY_21, eos_ids=eos)[0][0]
+    out, _ = generate_spec(target, BlockDrafter(draft, Shape(3, 1, 4), target), prompt, GREEDY_21, eos_ids=eos)
+    assert out == ar_eos
+
+
+def test_engine_block_equals_block_from_scratch():
+    """Every round's proposal (the cache filled by observe across rounds, rows at their
+    positions) is the argmax of the block recomputed from the whole text so far."""
+    hf, target, draft = tiny_dflash(draft_ids=torch.tensor([t for t in range(32) if t % 5]))
+    prompt = torch.randint(0, 30, (7,), generator=torch.Generator().manual_seed(4)).tolist()
+    k = 4
+    drafter = BlockDrafter(draft, Shape(k, 1, k + 1), target)
+    seen = []
+    propose = drafter.propose
+
+    def recording(inp: DraftInput):
+        tree = propose(inp)
+        seen.append((int(inp.cache_len), int(inp.root), tree.tokens[0, 1:].tolist()))
+        return tree
+
+    drafter.propose = recording
+    out, _ = generate_spec(target, drafter, prompt, GREEDY_21, eos_ids=[])
+    text = prompt + out
+    with torch.no_grad():
+        hs = hf(torch.tensor([text]), output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[i][0] for i in draft.cfg.aux_layer_ids], -1)
+        assert len(seen) > 3
+        for cache_len, root, proposed in seen:
+            assert root == text[cache_len]
+            logits = block_logits(draft, torch.tensor(text), aux, cache_len, k)
+            assert draft.target_ids()[logits.argmax(-1)].tolist() == proposed
+
+
+def test_checkpoint_round_trip(tmp_path):
+    hf, target, draft = tiny_dflash(draft_ids=torch.tensor([t for t in range(32) if t % 3]))
+    out = export_dflash(draft, tmp_path / "d", dtype=torch.float32, verifier="some/target")
+    cj = json.loads((out / "config.json").read_text())
+    assert cj["architectures"] == ["DFlashDraftModel"] and cj["model_type"] == "qwen3"
+    assert cj["dflash_config"]["target_layer_ids"] == [i - 1 for i in draft.cfg.aux_layer_ids]
+    back = load_dflash(out, embed_from=hf)
+    for k, v in draft.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    assert back.cfg == draft.cfg.replace(extra={"verifier": {"name_or_path": "some/target"}})
+    # a full-vocabulary drafter carries no d2t (vLLM would refuse the key)
+    _, _, full = tiny_dflash()
+    from safetensors.torch import load_file
+    assert "d2t" not in load_file(export_dflash(full, tmp_path / "f") / "model.safetensors")
+    d = load_block_drafter(str(out), Shape(3, 1, 4), hf, target, "cpu", torch.float32)
+    prompt = [1, 2, 3, 4, 5]
+    ar = generate_ar(target, [prompt], GREEDY_21, eos_ids=[])[0][0]
+    assert generate_spec(target, d, prompt, GREEDY_21, eos_ids=[])[0] == ar
+
+
+def test_bad_shapes_are_one_fledge_error(tmp_path):
+    hf, target, draft = tiny_dflash(block=4)
+    with pytest.raises(FledgeError, match="chain of 1..3"):
+        BlockDrafter(draft, Shape(4, 1, 5), target)
+    with pytest.raises(FledgeError, match="chain"):
+        BlockDrafter(draft, Shape(2, 2, 5), target)
+    with pytest.raises(FledgeError, match="mask_token_id"):
+        draft.cfg.replace(mask_token_id=99)
+    out = export_dflash(draft, tmp_path / "d")
+    (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()), "block_size": None}))
+    with pytest.raises(FledgeError, match="config.json"):
+        load_dflash(out)
+
+
+def test_doctor_checks_a_dflash_drafter_and_its_launch_line(tmp_path):
+    from fledge.doctor.checks import FAIL, PASS
+    from fledge.doctor.doctor import doctor
+    _, _, draft = tiny_dflash(block=4)
+    out = export_dflash(draft, tmp_path / "d")
+    line = "vllm serve T --speculative-config '{\"method\": \"%s\", \"model\": \"d\", \"num_speculative_tokens\": %d}'"
+    checks = {c.name: c.status for c in doctor(out, launch=line % ("dflash", 3))}
+    assert checks == {"dflash.checkpoint": PASS, "launch.algorithm": PASS}
+    assert {c.name: c.status for c in doctor(out, launch=line % ("eagle3", 3))}["launch.algorithm"] == FAIL
+    assert {c.name: c.status for c in doctor(out, launch=line % ("dflash", 4))}["launch.depth"] == FAIL
+    (out / "model.safetensors").write_bytes(b"")
+    assert [c.status for c in doctor(out)] == [FAIL]
+
+
+def test_tune_predicts_chains_from_one_forward_and_a_verify():
+    """`fledge tune`'s block model on the engine: the longest chain's prediction is what was
+    measured (accept length exactly, round time as block + verify), shorter chains accept no
+    more, and every chain costs the same drafter forward."""
+    from fledge.engine.rig import EngineRig
+    from fledge.perf.tune_block import chain_predictions, measure_block
+
+    hf, target, draft = tiny_dflash(block=5)
+    rig = EngineRig(hf, None, target, draft, [], torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 30, (n,), generator=g).tolist() for n in (6, 9)]
+    m = measure_block(rig, draft, prompts, 4, 16, iters=1)
+    assert sorted(m["verify_ms"]) == [2, 3, 4, 5] and len(m["reach"]) == 4
+    preds = {p.shape.num_steps: p for p in chain_predictions(m["reach"], m["block_ms"], m["verify_ms"], m["ar_ms"])}
+    assert preds[4].accept_length == pytest.approx(m["accept_length"])
+    assert preds[4].iter_ms == pytest.approx(m["round_ms"])
+    assert [preds[k].accept_length for k in (1, 2, 3, 4)] == sorted(preds[k].accept_length for k in (1, 2, 3, 4))
+    for k, p in preds.items():
+        assert p.iter_ms - m["verify_ms"][k + 1] == pytest.approx(m["block_ms"])
+        assert p.tok_s == pytest.approx(1e3 * p.accept_length / p.iter_ms)
