@@ -184,11 +184,11 @@ def with_speedups(rows: list[dict], baseline: str) -> list[dict]:
 
 def bench_url(args) -> dict:
     """`fledge bench --url` (and `--baseline-url`): every level, a table, a JSON-able dict."""
+    levels = parse_levels(args.concurrency, "--concurrency")  # the flags before any server is asked
     prompts = first_user_turns(args.prompt_file, args.num_prompts) if args.prompt_file else PROMPTS[:2]
     servers = [served("speculative" if args.baseline_url else "server", args.url, args.model, args.timeout)]
     if args.baseline_url:
         servers.insert(0, served("plain", args.baseline_url, args.model, args.timeout))
-    levels = parse_levels(args.concurrency, "--concurrency")
     cfg = ServerBench(args.url, prompts, None, args.max_new_tokens, tuple(levels), args.requests, args.duration,
                       args.timeout)
     rounds = max(1, min(args.rounds, args.requests)) if args.baseline_url else 1
