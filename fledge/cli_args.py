@@ -104,7 +104,9 @@ def add_regen(sub) -> None:
     p.add_argument("--n", type=int, default=1,
                    help="answers per conversation, ids <id>#k; needs --temperature > 0 (default: %(default)s)")
     p.add_argument("--max-turns", type=int,
-                   help="assistant turns to write per conversation (default: all of them)")
+                   help="assistant turns to write per conversation, each user turn answered in order "
+                        "(MT-Bench's turn 2 after the answer to turn 1); 1 keeps the first turn only "
+                        "(default: all of them)")
     p.add_argument("--max-len", type=int, default=2048,
                    help="prompt + answer must fit in this many tokens; a turn that does not ends the "
                         "conversation (default: %(default)s)")
