@@ -47,6 +47,13 @@ def int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
 
+def add_chat_template(p) -> None:
+    p.add_argument("--chat-template", metavar="FILE|plain",
+                   help="render chats with this Jinja template (chat_template.jinja or .json) instead of the "
+                        "target's own; 'plain' for a base model: the texts one after another, answers ended by "
+                        "end-of-text (default: the target's own; none is refused before anything loads)")
+
+
 def add_target(sub) -> None:
     p = sub.add_parser("target", help="resolve and load a target; print its shape and aux layers")
     p.add_argument("spec", help=f"built-in name ({', '.join(BUILTINS)}), GGUF file, or HF model directory")
@@ -70,6 +77,7 @@ def add_prep(sub) -> None:
                         "(a quick run: tokenizing all of ShareGPT takes ~20 min on a CPU; default: all)")
     p.add_argument("--show", type=int, default=0, metavar="N", help="print N samples with trained tokens marked")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.data.prep:run_prep"))
 
 
@@ -118,6 +126,7 @@ def add_regen(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.data.regen:run_regen"))
 
 
@@ -149,12 +158,14 @@ def add_tokenize(sub) -> None:
     p.add_argument("conversations", nargs="+", help="conversations JSONL or .jsonl.gz (sources ending in "
                    f"{HELDOUT_SUFFIX!r} go to the held-out set)")
     p.add_argument("-o", "--out", required=True, help="output dir: train.tok.jsonl, heldout.tok.jsonl, summary.json")
-    p.add_argument("--tokenizer", default="smollm2-135m", help="HF dir, .gguf file or target name (default smollm2-135m)")
+    p.add_argument("--tokenizer", required=True,
+                   help="the target's tokenizer: HF dir, .gguf file or target name (recorded in every sample)")
     p.add_argument("--heldout", action="append", default=[], metavar="FILE",
                    help="conversations that all go to the held-out set (repeatable)")
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: one per CPU)")
     p.add_argument("--overwrite", action="store_true")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.data.tokenize:run_tokenize"))
 
 
@@ -293,6 +304,7 @@ def add_generate(sub) -> None:
                    help="torch.compile the target's layer functions and the drafter's halves (CUDA; slow start)")
     p.add_argument("--phased", action="store_true",
                    help="run each round's steps apart and time them (draft / verify / other ms) instead of one fused graph")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.engine.generate:run_generate"))
 
 
@@ -324,6 +336,7 @@ def add_demo(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size of the miniature drafter")
     p.add_argument("--train-steps", type=int, default=20,
                    help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.demo:run_demo"))
 
 
@@ -372,6 +385,7 @@ def add_bench(sub) -> None:
     p.add_argument("--dtype")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="engine: plot acceptance by depth and tok/s by shape here")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.perf.bench:run_bench"))
 
 

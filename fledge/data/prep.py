@@ -338,7 +338,7 @@ def run_prep(args) -> int:
         print("note: every conversation is held out (fine for an eval prompt set like MT-Bench)", file=sys.stderr)
     if not args.tokenizer:
         return 0
-    tok = load_tokenizer(args.tokenizer)
+    tok = load_tokenizer(args.tokenizer, args.chat_template)
     if out:
         for name in SETS:
             summary[f"tokenized_{name}"] = build_training_set(

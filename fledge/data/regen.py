@@ -420,7 +420,7 @@ def run_regen(args):
     else:
         from fledge.core.target import load_target
         dtype = parse_dtype(args.dtype)
-        target = load_target(args.target, dtype=dtype, device=args.device)
+        target = load_target(args.target, dtype=dtype, device=args.device, chat_template=args.chat_template, chat=True)
         backend = EngineBackend(target, cfg, args.batch_size, args.device, dtype, args.compile)
     counts = regenerate(args.conversations, args.out, backend, cfg, args.limit)
     print(json.dumps(counts, indent=2))

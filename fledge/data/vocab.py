@@ -208,6 +208,9 @@ def run_build(args) -> int:
         _check_input(args.heldout)
     _check_outputs(args)
     target_vocab = _target_vocab(args)
+    if args.target:
+        from fledge.data.tokenize import check_tokenized, load_tokenizer
+        check_tokenized(args.dataset, load_tokenizer(args.target, template_needed=False), args.target)
     empty: list[int] = []
     counts = count_masked_tokens(args.dataset, target_vocab, empty)
     total = int(counts.sum())

@@ -48,7 +48,7 @@ def run_generate(args) -> int:
     if args.oracle:
         OracleDrafter.check(spec)  # before the target loads and its AR run
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, args.seed)
-    t = load_target(args.target, dtype=dtype, device=device)
+    t = load_target(args.target, dtype=dtype, device=device, chat_template=args.chat_template, chat=True)
     target = build_engine_target(t.model, dtype, device, compile=args.compile)
     prompt = encode_chat(t.tokenizer, _messages(args))
     eos = eos_ids(t.tokenizer, t.model.generation_config)

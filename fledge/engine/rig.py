@@ -94,7 +94,8 @@ class EngineRig:
                              compile=self.compiled)
 
 
-def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -> EngineRig:
+def load_rig(target: str, drafter: str, device: str | None, dtype: str | None,
+             chat_template: str | None = None) -> EngineRig:
     """The engine as `fledge generate --compile` and `bench/bench_engine.py --compile` run it on
     CUDA (CUDA graphs, fused rounds, fused reductions up to GEMV_ROWS rows, the few-rows kernel
     for verify-sized forwards); eager on the CPU."""
@@ -106,7 +107,7 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     compile = dev.type == "cuda"
-    t = load_target(target, dtype=dt, device=dev)
+    t = load_target(target, dtype=dt, device=dev, chat_template=chat_template, chat=True)
     draft = load_checkpoint(drafter, embed_from=t.model).eval().cast(dev, dt)
     fns = LayerFns.compiled(gemv_rows=GEMV_ROWS, few_rows=16) if compile else LayerFns()
     return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev, fns=fns), draft,

@@ -56,7 +56,7 @@ def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
 
 # --------------------------------------------------------------------------- CLI
 def _engine_bench(args) -> dict:
-    rig = load_rig(args.target, args.drafter, args.device, args.dtype)
+    rig = load_rig(args.target, args.drafter, args.device, args.dtype, args.chat_template)
     prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
     ar = run_ar(rig, prompts, args.max_new_tokens)
     results = []

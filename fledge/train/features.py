@@ -35,6 +35,7 @@ from fledge.core.files import (
     sha256_file,
 )
 from fledge.core.target import capture, load_target
+from fledge.data.tokenize import check_tokenized
 
 
 # --------------------------------------------------------------------------- samples
@@ -301,6 +302,7 @@ def run_features(args) -> int:
     device = pick_device(args.device)  # before a load of minutes
     target = load_target(args.target, device=device)
     model = target.model
+    check_tokenized(args.data, target.tokenizer, args.target)
     samples = load_samples(args.data, args.max_len, model.config.get_text_config().vocab_size)
     aux_ids = aux_layer_ids_for(model, args.aux_layers)
     opts = FeatureOptions(args.dtype, args.shard_size, args.batch_size, device)
