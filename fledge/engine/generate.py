@@ -69,6 +69,10 @@ def run_generate(args) -> int:
     else:
         out, stats = generate_spec(target, drafter, prompt, params, eos, phased=args.phased)
         summary, report = stats.summary(), stats.report()
+        if params.temperature == 0:  # greedy: speculation must give plain decoding's tokens exactly
+            summary["equal_to_plain"] = out == generate_ar(target, [prompt], params, eos)[0][0]
+            report += (f"\noutput equal to plain decoding: {int(summary['equal_to_plain'])}/1"
+                       + ("" if summary["equal_to_plain"] else " (fp32 keeps them equal; bf16 may differ at ties)"))
     print(t.tokenizer.decode(out, skip_special_tokens=False))
     print("-" * 60)
     print(report)

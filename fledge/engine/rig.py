@@ -120,30 +120,37 @@ def engine_path(rig: EngineRig) -> str:
             "fused greedy rounds")
 
 
-def run_ar(rig: EngineRig, prompts, max_new_tokens: int) -> dict:
-    """Plain decoding on the engine, batch 1: ms per decode step and decode tok/s."""
+def run_ar(rig: EngineRig, prompts, max_new_tokens: int, outputs: list | None = None) -> dict:
+    """Plain decoding on the engine, batch 1: ms per decode step and decode tok/s (each prompt's
+    tokens appended to `outputs`, if given)."""
     from fledge.engine.decode import generate_ar
     from fledge.engine.sampling import SamplingParams
 
     generate_ar(rig.target, [prompts[0]], SamplingParams(max_new_tokens=8), rig.eos)  # warm-up/capture
     ms = steps = 0
     for p in tqdm(prompts, desc="plain decoding", leave=False):
-        _, st = generate_ar(rig.target, [p], SamplingParams(max_new_tokens=max_new_tokens), rig.eos)
+        rows, st = generate_ar(rig.target, [p], SamplingParams(max_new_tokens=max_new_tokens), rig.eos)
         ms, steps = ms + st["decode_ms"], steps + st["decode_steps"]
+        if outputs is not None:
+            outputs.append(rows[0])
     return {"ar_ms": ms / max(steps, 1), "tok_s": 1e3 * steps / max(ms, 1e-9)}
 
 
-def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str):
+def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str, outputs: list | None = None):
     """Every prompt through the engine's speculative decoding as shipped (greedy: fused rounds,
     one graph each on CUDA), the timing path of `fledge bench` and `fledge tune`: merged
-    SpecStats and decode tok/s (prefill excluded: the cost model predicts decode rounds)."""
+    SpecStats and decode tok/s (prefill excluded: the cost model predicts decode rounds); each
+    prompt's tokens appended to `outputs`, if given."""
     from fledge.engine.sampling import SamplingParams
     from fledge.engine.spec import generate_spec
     from fledge.engine.stats import SpecStats
 
     generate_spec(rig.target, drafter, prompts[0], SamplingParams(max_new_tokens=8), rig.eos)  # compile, capture
-    runs = [generate_spec(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos)[1]
+    done = [generate_spec(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos)
             for p in tqdm(prompts, desc=desc, leave=False)]
+    if outputs is not None:
+        outputs.extend(out for out, _ in done)
+    runs = [st for _, st in done]
     stats = SpecStats.merge(runs)
     decode_tok_s = 1e3 * (stats.generated_tokens - len(runs)) / max(stats.wall_ms - stats.prefill_ms, 1e-9)
     return stats, decode_tok_s
