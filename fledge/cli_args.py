@@ -51,7 +51,8 @@ def add_chat_template(p) -> None:
     p.add_argument("--chat-template", metavar="FILE|plain",
                    help="render chats with this Jinja template (chat_template.jinja or .json) instead of the "
                         "target's own; 'plain' for a base model: the texts one after another, answers ended by "
-                        "end-of-text (default: the target's own; none is refused before anything loads)")
+                        "end-of-text. Without it the target's own is used, and a target with none is refused "
+                        "before anything loads")
 
 
 def add_target(sub) -> None:
@@ -336,6 +337,10 @@ def add_demo(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size of the miniature drafter")
     p.add_argument("--train-steps", type=int, default=20,
                    help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")
+    p.add_argument("--cpu-head-rows", type=int, default=4096,
+                   help="speed check: the drafter's head cut to its first N rows, as a CPU favours")
+    p.add_argument("--cpu-steps", type=int, default=3, help="speed check: chain length (draft steps a round)")
+    p.add_argument("--repeats", type=int, default=2, help="speed check: interleaved repeats of AR and EAGLE-3")
     add_chat_template(p)
     p.set_defaults(func=handler("fledge.demo:run_demo"))
 
