@@ -91,8 +91,8 @@ def _compare(drafters: dict, prompts, engine, eos, new_tokens: int, repeats: int
                 accepts[name].append(stats.summary()["accept_length"])
                 round_ms[name].append(stats.summary()["round_ms_per_step"])
                 equal += out == ref
-        for name in runs:
-            runs[name].append(tokens[name] / seconds[name])
+        for name, tok_s in runs.items():
+            tok_s.append(tokens[name] / seconds[name])
     out = {"AR": {"tok_s": runs["AR"], "ms_per_token": 1e3 / statistics.median(runs["AR"])}}
     for name in drafters:
         ratios = [a / b for a, b in zip(runs[name], runs["AR"])]
@@ -105,6 +105,94 @@ def _speed_step(args, target, held, work) -> tuple[dict, bool]:
     """The last step: the shipped drafter (or the miniature one) against plain decoding on
     held-out prompts, as shipped and as the CPU favours (a head of `--cpu-head-rows` rows and a
     chain of `--cpu-steps`), with every output checked against plain decoding."""
+    shipped = SHIPPED / args.target
+    drafter_dir = shipped if (shipped / "config.json").exists() else work / "export"
+    engine = build_engine_target(target.model, torch.float32, "cpu")
+    eos = eos_ids(target.tokenizer, target.model.generation_config)
+
+    def draft():
+        return load_checkpoint(str(drafter_dir), embed_from=target.model).eval().cast("cpu", torch.float32)
+
+    full = draft()
+    small = cpu_head(draft(), args.cpu_head_rows, target.model)
+    chain = Shape(args.cpu_steps, 1, args.cpu_steps + 1)
+    drafters = {f"eagle3 chain {args.cpu_steps}, head {full.cfg.draft_vocab_size}": Eagle3Drafter(full, chain, engine),
+                f"eagle3 chain {args.cpu_steps}, head {small.cfg.draft_vocab_size}": Eagle3Drafter(small, chain, engine)}
+    cover = {n: coverage(d.draft.target_ids().cpu(), work / "heldout.tok.jsonl") for n, d in drafters.items()}
+    prompts = [encode_chat(target.tokenizer, c["messages"]) for c in held]
+    summary, equal = _compare(drafters, prompts, engine, eos, args.new_tokens, args.repeats)
+    n_out = len(prompts) * len(drafters) * args.repeats
+    print(f"\nspeed on this CPU (fp32, batch 1, {torch.get_num_threads()} threads, {len(prompts)} held-out prompts x "
+          f"{args.new_tokens} new tokens, {args.repeats} interleaved repeats; drafter {drafter_dir})")
+    print(f"{'config':<28}{'tok/s':>8}{'vs AR (spread)':>20}{'accept len':>12}{'held-out cover':>16}")
+    ar = summary["AR"]
+    print(f"{'plain decoding (AR)':<28}{statistics.median(ar['tok_s']):>8.1f}")
+    for name in drafters:
+        r = summary[name]
+        spread = f"{r['speedup']:.2f}x ({min(r['speedups']):.2f}-{max(r['speedups']):.2f})"
+        print(f"{name:<28}{statistics.median(r['tok_s']):>8.1f}{spread:>20}{r['accept_length']:>12.2f}{cover[name]:>16.3f}")
+    print(f"speculative outputs equal to plain decoding: {equal}/{n_out}")
+    best = max(drafters, key=lambda n: summary[n]["speedup"])
+    if summary[best]["speedup"] < 1.3:
+        r = summary[best]
+        print(f"below 1.3x here: a round ({args.cpu_steps} draft steps + a verify of {args.cpu_steps + 1} tokens) took "
+              f"{r['round_ms']:.0f} ms against {ar['ms_per_token']:.0f} ms a plain token, for {r['accept_length']:.2f} "
+              f"tokens a round; {_gpu_figure()}")
+    for name in drafters:
+        summary[name]["heldout_coverage"] = cover[name]
+    return {"drafter": str(drafter_dir), "compare": summary, "equal_to_plain": equal, "outputs": n_out}, equal == n_out
+
+
+def run_demo(args) -> int:
+    torch.manual_seed(0)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    rows, t0 = [], time.perf_counter()
+    target = load_target(args.target, chat_template=args.chat_template, chat=True)
+    t0 = _step(rows, "target", t0, f"{args.target}: {target.num_layers} layers, hidden {target.hidden_size}")
+
+    convs, _ = load_conversations("mtbench")
+    if len(convs) < args.prompts + args.eval_prompts:
+        raise FledgeError(f"mtbench: {len(convs)} questions, demo needs {args.prompts + args.eval_prompts}")
+    first_turn = [{**c, "messages": c["messages"][:1]} for c in convs]
+    train_convs, held = first_turn[: args.prompts], first_turn[-args.eval_prompts:]
+    for name, part in (("prompts", train_convs), ("heldout", held)):
+        (work / f"{name}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in part))
+    t0 = _step(rows, "prep", t0, f"{len(train_convs)} MT-Bench first turns (+{len(held)} held out for eval and speed)")
+
+    cfg = RegenConfig(max_new_tokens=args.new_tokens, max_turns=1, max_len=1024)
+    backend = EngineBackend(target, cfg, batch_size=args.prompts, device="cpu", dtype=torch.float32)
+    stats = {}
+    for name in ("prompts", "heldout"):
+        (work / f"{name}.regen.jsonl").unlink(missing_ok=True)
+        regenerate(work / f"{name}.jsonl", work / f"{name}.regen.jsonl", backend, cfg)
+        stats[name] = build_training_set(target.tokenizer, work / f"{name}.regen.jsonl", work / f"{name}.tok.jsonl", 1024)
+    t0 = _step(rows, "regen", t0, f"{args.prompts}+{args.eval_prompts} answers written by the target, tokenized")
+
+    tok_path = work / "prompts.tok.jsonl"
+    vocab_path = work / "vocab.safetensors"
+    d2t, t2d = build_vocab(tok_path, target.model.config.vocab_size, args.draft_vocab)
+    save_vocab(vocab_path, t2d.nonzero().flatten(), target.model.config.vocab_size, {"source": str(tok_path)})
+    t0 = _step(rows, "data", t0, f"{stats['prompts']['samples']} samples, {stats['prompts']['trained_tokens']} trained tokens; draft vocab {args.draft_vocab}")
+
+    run = work / "train"
+    shutil.rmtree(run, ignore_errors=True)
+    tcfg = TrainConfig(data=str(tok_path), out=str(run), target=args.target, vocab=str(vocab_path),
+                       max_steps=args.train_steps, batch_size=2, ttt_steps=3, eval_data=str(work / "heldout.tok.jsonl"), max_len=1024,
+                       lr=1e-3, log_every=5, eval_every=args.train_steps, save_every=args.train_steps, device="cpu")
+    result = train(tcfg, target)
+    ev = result["eval"] or {}
+    acc = f"{ev['acc'][0]:.3f}" if ev else "n/a"
+    t0 = _step(rows, "train", t0, f"{args.train_steps} steps; held-out step-0 top-1 accuracy {acc}")
+
+    exported = export_checkpoint(load_checkpoint(result["draft"], embed_from=target.model), work / "export",
+                                 layout="eagle3", overwrite=True)
+    checks = doctor(str(exported), target=args.target)
+    code = exit_code(checks)
+    report(checks)
+    verdict = {0: "every check passes", 1: "warnings"}.get(code, "failures")
+    t0 = _step(rows, "export", t0, f"{exported}: doctor exit {code} ({verdict})")
+
     speed, same = _speed_step(args, target, held, work)
     _step(rows, "compare", t0, "AR vs EAGLE-3 (accept length = SGLang's, incl. the bonus token)")
     atomic_write_json(work / "demo.json", {"steps": rows, **speed, "doctor_exit": code,
