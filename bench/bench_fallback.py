@@ -34,8 +34,8 @@ from fledge.engine.sampling import SamplingParams
 
 
 def make_model(quick: bool):
-    size = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, vocab_size=4096) if quick else \
-        dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=12, vocab_size=32768)
+    size = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "vocab_size": 4096} if quick else \
+        {"hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 12, "vocab_size": 32768}
     cfg = transformers.Gemma3TextConfig(**size, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
                                         sliding_window=128, max_position_embeddings=4096)
     cfg._attn_implementation = "sdpa"
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                    for r in rows)])
     print(f"fledge's ms/token at {contexts[-1]} tokens of context / at {contexts[0]}: {growth:.2f}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+                            cwd=Path(__file__).parent, check=False).stdout.strip()
     out = args.out or result_path("fallback", machine_name("cpu"))
     atomic_write_json(out, {
         "what": "decode ms per token on the fallback path (HFTarget) vs transformers' DynamicCache, greedy, batch 1, "

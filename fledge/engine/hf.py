@@ -125,7 +125,7 @@ class HFCache:
         return self.positions.shape[1]
 
     @classmethod
-    def allocate(cls, layers: int, batch: int, max_len: int, device) -> "HFCache":
+    def allocate(cls, layers: int, batch: int, max_len: int, device) -> HFCache:
         return cls([None] * layers, [None] * layers, torch.zeros(batch, max_len, dtype=torch.long, device=device))
 
     def write(self, layer: int, k, v, slots, n: int):
