@@ -78,6 +78,9 @@ def test_readme_quick_start_runs_as_written(tmp_path, monkeypatch):
         rc = cli_main(argv[1:])
         # doctor: 1 is WARN (a 2-step drafter accepts little); only a FAIL (2) is wrong.
         assert rc in ((0, 1) if argv[1] == "doctor" else (0,)), f"{line}: exit {rc}"
+        if argv[1] == "bench":  # every speculative output checked against plain decoding, and equal (fp32)
+            rows = json.loads((tmp_path / "runs/mt/bench.json").read_text())["results"]
+            assert rows and all(r["equal_to_plain"] == r["prompts"] == 1 for r in rows)
     for _, row in read_jsonl(tmp_path / "data/mt/regen.jsonl"):  # MT-Bench's two turns, --max-turns 1: turn 1 only
         assert [m["role"] for m in row["messages"]] == ["user", "assistant"] and row["messages"][0]["content"].startswith("w")
     tok = json.loads((tmp_path / "data/mt/tok/summary.json").read_text())
