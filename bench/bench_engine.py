@@ -35,7 +35,7 @@ from fledge.engine.decode import generate_ar
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, load_drafter
 from fledge.engine.graphs import now
 from fledge.engine.hf import build_engine_target
-from fledge.engine.model import GEMV_ROWS, LayerFns
+from fledge.engine.layers import GEMV_ROWS, LayerFns
 from fledge.engine.resident import Resident
 from fledge.engine.sampling import SamplingParams
 from fledge.engine.spec import generate_spec, oracle_text
@@ -151,7 +151,7 @@ def engine_configs(args, t, target, device, dtype, prompts, graphs) -> tuple[dic
         for name, fns in variants.items():
             model = build_engine_target(t.model, dtype, device, fns=fns)
             configs[f"engine AR ({name})"] = ar_runner(model, eos, graphs, resident(model))
-    if args.only:  # a re-measure of some rows against the baseline, in less device time
+    if args.only:  # a re-measure of some rows against the baseline, in less GPU time
         want = [n.strip() for n in args.only.split(";") if n.strip()]
         unknown = [n for n in want if n not in configs]
         if unknown:

@@ -260,7 +260,7 @@ def add_checkpoint(sub) -> None:
     p.add_argument("--verifier", help="target model name/path recorded for `vllm serve <dir>` (speculators)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (never one holding an input)")
     add_target_layers(p)
-    p.set_defaults(func=handler("fledge.drafter.checkpoint:run_export"))
+    p.set_defaults(func=handler("fledge.drafter.export:run_export"))
 
     p = sub.add_parser("import", help="read an eagle3 / speculators / SpecForge drafter into fledge's layout")
     p.add_argument("src", help="drafter dir: eagle3 (SGLang/vLLM/SpecForge/EAGLE, safetensors or pytorch_model.bin) "
@@ -269,7 +269,7 @@ def add_checkpoint(sub) -> None:
                                "(written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dir (default: refuse)")
     add_target_layers(p)
-    p.set_defaults(func=handler("fledge.drafter.checkpoint:run_import"))
+    p.set_defaults(func=handler("fledge.drafter.export:run_import"))
 
     p = sub.add_parser("init-draft", help="a fresh drafter for a target (target embeddings, eagle3 layout)")
     p.add_argument("out")
@@ -277,7 +277,7 @@ def add_checkpoint(sub) -> None:
     p.add_argument("--draft-vocab", type=int, help="draft vocab size (default: the target's full vocab)")
     p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes}")
     p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=handler("fledge.drafter.checkpoint:run_init_draft"))
+    p.set_defaults(func=handler("fledge.drafter.export:run_init_draft"))
 
 
 def add_generate(sub) -> None:

@@ -15,7 +15,7 @@ from fledge.engine import SamplingParams, build_engine_target, generate_ar
 from fledge.engine.attention import Prefix, kernel_available, prefix_attention
 from fledge.engine.decode import make_causal_mask
 from fledge.engine.drafters import Eagle3Drafter
-from fledge.engine.model import LayerFns
+from fledge.engine.layers import LayerFns
 from fledge.engine.spec import generate_spec
 from fledge.engine.stream import generate_stream
 from fledge.engine.tree import make_tree

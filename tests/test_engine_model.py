@@ -9,16 +9,7 @@ import transformers
 from conftest import ENGINE_FAMILIES, FAMILIES, make_tiny
 
 from fledge.core.errors import FledgeError
-from fledge.engine import (
-    HFTarget,
-    SamplingParams,
-    Transformer,
-    build_engine_target,
-    generate_ar,
-    logits_to_probs,
-    make_causal_mask,
-    sample_token,
-)
+from fledge.engine import (HFTarget, SamplingParams, Transformer, build_engine_target, generate_ar, logits_to_probs, make_causal_mask, sample_token)
 
 AUX = (2, 3, 5)
 
@@ -151,7 +142,7 @@ def test_hf_target_decodes_over_spans_narrower_than_its_cache(monkeypatch):
 
 def test_decode_attention_equals_sdpa():
     """The matmul decode attention is SDPA's math: fresh random q/k/v, a random key mask."""
-    from fledge.engine.model import decode_attention
+    from fledge.engine.layers import decode_attention
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(5, 3, *shape, generator=g) for shape in ((4, 16), (40, 16), (40, 16)))
     keep = torch.rand(5, 1, 4, 40, generator=g) < 0.6
@@ -167,7 +158,7 @@ def test_compiled_batched_decode_equals_eager():
     row equals the eager engine's (fp32)."""
     import dataclasses
 
-    from fledge.engine.model import LayerFns
+    from fledge.engine.layers import LayerFns
     hf = make_tiny("llama", seed=6)
     eager = build_engine_target(hf, torch.float32, "cpu")
     fns, calls = LayerFns.compiled(decode_attention_min_rows=4, prefix_kernel=False, few_rows=0), []
@@ -184,7 +175,7 @@ def test_compiled_batched_decode_equals_eager():
 
 
 def test_linear_as_reduction_equals_f_linear():
-    from fledge.engine.model import linear
+    from fledge.engine.layers import linear
 
     g = torch.Generator().manual_seed(13)
     w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
@@ -198,7 +189,7 @@ def test_linear_as_reduction_equals_f_linear():
 def test_cpu_few_rows_linear_equals_f_linear():
     """On the CPU, 2..CPU_FEW_ROWS rows multiply as w @ x.T: the same product, a contiguous
     result of F.linear's shape, either side of both thresholds, 2-D and 3-D, with and without bias."""
-    from fledge.engine.model import CPU_FEW_ROWS, linear
+    from fledge.engine.layers import CPU_FEW_ROWS, linear
 
     w, b = torch.randn(96, 72), torch.randn(96)
     for rows in (1, 2, 5, CPU_FEW_ROWS, CPU_FEW_ROWS + 1):
@@ -215,7 +206,7 @@ def test_cpu_few_rows_linear_equals_f_linear():
 def test_compiled_gemv_layers_equal_eager(family):
     """Compiled layers whose one-row matmuls are reductions (gemv_rows): the same greedy tokens
     and logits within fp32 rounding, at batch 1 (the reduction form) and batch 5 (F.linear)."""
-    from fledge.engine.model import LayerFns
+    from fledge.engine.layers import LayerFns
     hf = make_tiny(family, seed=7)
     eager = build_engine_target(hf, torch.float32, "cpu")
     gemv = build_engine_target(hf, torch.float32, "cpu", fns=LayerFns.compiled(prefix_kernel=False, gemv_rows=4, few_rows=0))

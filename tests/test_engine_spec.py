@@ -11,14 +11,7 @@ from fledge.core.config import DraftConfig
 from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
 from fledge.drafter.eagle3 import Eagle3Draft
-from fledge.engine import (
-    HFTarget,
-    SamplingParams,
-    build_engine_target,
-    generate_ar,
-    logits_to_probs,
-    make_causal_mask,
-)
+from fledge.engine import (HFTarget, SamplingParams, build_engine_target, generate_ar, logits_to_probs, make_causal_mask)
 from fledge.engine.attention import Prefix
 from fledge.engine.drafters import Eagle3Drafter, NgramDrafter, OracleDrafter
 from fledge.engine.protocols import DraftInput
@@ -479,7 +472,8 @@ def test_cli_flag_errors_are_one_line(capsys):
     assert main(["generate", "--target", "x", "--prompt", "hi", "--topk", "2"]) == 2
     assert main(["generate", "--target", "x", "--prompt", "hi", "--num-steps", "3", "--num-draft-tokens", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith("fledge: error: --num-draft-tokens") for line in err)
+    assert len(err) == 2 and all(line.startswith("fledge: error: --num") for line in err)
+    assert "--num-draft-tokens 3: a chain (topk 1) of 3 steps verifies exactly num_steps + 1 = 4" in err[1]
     # refused before the target ("x", which would not load) and its AR run
     assert main(["generate", "--target", "x", "--prompt", "hi", "--oracle", "--topk", "2", "--num-draft-tokens", "5"]) == 2
     assert capsys.readouterr().err.strip() == "fledge: error: --oracle drafts a chain: use --topk 1"

@@ -15,7 +15,7 @@ from test_engine_spec import tiny_setup
 from fledge.engine import SamplingParams, build_engine_target, generate_ar
 from fledge.engine.attention import Prefix, kernel_available, prefix_attention
 from fledge.engine.few_rows import MAX_ROWS, k_split, o_proj, usable
-from fledge.engine.model import LayerFns
+from fledge.engine.layers import LayerFns
 
 pytestmark = pytest.mark.skipif(not kernel_available(torch.device("cpu")), reason="needs Triton (interpreted)")
 

@@ -580,7 +580,7 @@ def test_kill9_then_resume_gives_the_same_curve(tmp_path):
 
 @pytest.mark.slow
 def test_sigint_pauses_with_a_checkpoint_and_resumes_the_same_curve(tmp_path):
-    """SIGINT mid-run (as `timeout -s INT` sends at a GPU call's limit): the run saves at the
+    """SIGINT mid-run (as `timeout -s INT` sends at a job's time limit): the run saves at the
     step it reached although no save was due, and exits 130."""
     logged = lambda d: (d / "metrics.jsonl").exists() and len((d / "metrics.jsonl").read_text().splitlines()) >= 3  # noqa: E731
     rc, step = interrupt_then_resume(tmp_path, signal.SIGINT, logged, max_steps=12, save_every=1000)

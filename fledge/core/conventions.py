@@ -172,7 +172,7 @@ def chain_replay(leading: Sequence[int], answer: Sequence[bool]) -> list[int]:
     skip the rows inside an accepted run, so it overstates a chain on easy stretches: 2.66
     against this replay's 2.58 and the engine's 2.59 on the engine's own answers to 16 held-out
     ShareGPT prompts (SmolLM2-135M and the drafter shipped then, a chain of 7, fp32 on a CPU:
-    bench/results/replay_check_cpu.json at commit d466fab)."""
+    docs/performance.md)."""
     rounds, n, i = [], len(answer), 0
     while i < n:
         if not answer[i] or (i > 0 and answer[i - 1]):

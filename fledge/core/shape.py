@@ -18,6 +18,20 @@ def max_nodes(num_steps: int, topk: int) -> int:
     return 1 + topk + (num_steps - 1) * topk ** 2
 
 
+def shape_problem(num_steps: int, topk: int, num_draft_tokens: int) -> str | None:
+    """What makes (steps, topk, draft tokens) no shape SGLang would run, or None: the one place
+    the bound is written, so a command can name its own flags in front of it."""
+    if num_steps < 1 or topk < 1:
+        return f"steps {num_steps} and topk {topk} must be >= 1"
+    if topk == 1 and num_draft_tokens != num_steps + 1:
+        return f"a chain (topk 1) of {num_steps} steps verifies exactly num_steps + 1 = {num_steps + 1} draft tokens"
+    cap = max_nodes(num_steps, topk)
+    if not 2 <= num_draft_tokens <= cap:
+        return (f"a tree of {num_steps} steps, topk {topk} holds 2..{cap} draft tokens "
+                "(root + topk + (steps-1)*topk^2)")
+    return None
+
+
 @dataclass(frozen=True)
 class Shape:
     """SGLang's three knobs, the engine's and tune's speculation shape: `num_steps` draft forwards
@@ -29,15 +43,9 @@ class Shape:
     num_draft_tokens: int
 
     def __post_init__(self):
-        if self.num_steps < 1 or self.topk < 1:
-            raise FledgeError(f"speculative shape: steps {self.num_steps} and topk {self.topk} must be >= 1")
-        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise FledgeError(f"speculative shape: draft tokens {self.num_draft_tokens}: a chain (topk 1) of "
-                              f"{self.num_steps} steps verifies exactly num_steps + 1 = {self.num_steps + 1}")
-        cap = max_nodes(self.num_steps, self.topk)
-        if not 2 <= self.num_draft_tokens <= cap:
-            raise FledgeError(f"speculative shape: draft tokens {self.num_draft_tokens}: a tree of {self.num_steps} "
-                              f"steps, topk {self.topk} holds 2..{cap} nodes (root + topk + (steps-1)*topk^2)")
+        problem = shape_problem(self.num_steps, self.topk, self.num_draft_tokens)
+        if problem:
+            raise FledgeError(f"speculative shape {self.num_steps},{self.topk},{self.num_draft_tokens}: {problem}")
 
     @classmethod
     def full(cls, num_steps: int, topk: int) -> "Shape":

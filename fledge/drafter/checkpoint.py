@@ -30,9 +30,8 @@ from fledge.core.conventions import (
     t2d_from_target_ids,
     target_ids_from_d2t,
 )
-from fledge.core.devices import parse_dtype
 from fledge.core.errors import FledgeError
-from fledge.core.files import atomic_dir, check_no_overlap, write_file
+from fledge.core.files import atomic_dir, write_file
 from fledge.drafter.eagle3 import Eagle3Draft
 from fledge.drafter.layout import (
     canonical_name,
@@ -41,7 +40,7 @@ from fledge.drafter.layout import (
     draft_config_from_json,
     layout_name,
 )
-from fledge.drafter.weights import INDEX, Checkpoint, model_config, open_checkpoint
+from fledge.drafter.weights import INDEX, Checkpoint, open_checkpoint
 
 DEFAULT_SPECULATIVE_TOKENS = 3
 # Tensors vLLM fills in without a word when a checkpoint lacks them.
@@ -155,7 +154,7 @@ def tensor_problems(tensors: dict, origin: dict, cfg: DraftConfig, where: Path) 
 
 
 @dataclass
-class _Read:
+class ReadCheckpoint:
     """A checkpoint dir as read: its config, layout, and tensors under our names."""
 
     cfg: DraftConfig
@@ -163,7 +162,7 @@ class _Read:
     tensors: dict
 
 
-def _inspect(path, target_layers: int | None = None) -> tuple[_Read | None, list[str]]:
+def _inspect(path, target_layers: int | None = None) -> tuple[ReadCheckpoint | None, list[str]]:
     """Read and check a checkpoint dir: what was read (None if it could not be), and the problems."""
     ck = open_checkpoint(path)
     if ck.config is None:
@@ -180,7 +179,7 @@ def _inspect(path, target_layers: int | None = None) -> tuple[_Read | None, list
         return None, [str(e)]
     index = ck.path / INDEX
     where = index if index.exists() else ck.files[0] if len(ck.files) == 1 else ck.path  # names missing tensors
-    return _Read(cfg, detect_layout(ck.config), tensors), tensor_problems(tensors, origin, cfg, where)
+    return ReadCheckpoint(cfg, detect_layout(ck.config), tensors), tensor_problems(tensors, origin, cfg, where)
 
 
 def validate_checkpoint(path, target_layers: int | None = None) -> list[str]:
@@ -189,7 +188,9 @@ def validate_checkpoint(path, target_layers: int | None = None) -> list[str]:
     return _inspect(path, target_layers)[1]
 
 
-def _load(path, target_layers=None, embed_from=None) -> tuple[Eagle3Draft, _Read]:
+def read_checkpoint(path, target_layers=None, embed_from=None) -> tuple[Eagle3Draft, ReadCheckpoint]:
+    """The drafter in `path` and what was read (its layout, config and tensors), refused in one line
+    if the checkpoint fails its checks."""
     if target_layers is None and embed_from is not None:
         target_layers = embed_from.config.get_text_config().num_hidden_layers
     r, problems = _inspect(path, target_layers)
@@ -214,7 +215,7 @@ def load_checkpoint(path, target_layers: int | None = None, embed_from=None) -> 
     `embed_tokens` gets `embed_from`'s (an HF model; it also supplies the target's layer
     count), else NaN embeddings that make any forward visibly wrong.
     Raises FledgeError naming the first problem `validate_checkpoint` finds."""
-    return _load(path, target_layers, embed_from)[0]
+    return read_checkpoint(path, target_layers, embed_from)[0]
 
 
 # --------------------------------------------------------------------------- writing
@@ -277,70 +278,3 @@ def export_checkpoint(draft: Eagle3Draft, out_dir, layout="eagle3", dtype=torch.
     return out_dir
 
 
-# --------------------------------------------------------------------------- CLI
-def _target_layers_arg(args) -> int | None:
-    if not args.target_config:
-        return args.target_layers
-    p = Path(args.target_config)
-    p = p / "config.json" if p.is_dir() else p
-    try:
-        return int(model_config(p)["num_hidden_layers"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise FledgeError(f"{p}: cannot read num_hidden_layers ({e})") from None
-
-
-def _target(args):
-    if not args.target:
-        return None
-    from fledge.core.target import (
-        load_target,  # pulls in model code; only needed when a target is named
-    )
-
-    return load_target(args.target)
-
-
-def _load_src(args) -> tuple[Eagle3Draft, _Read]:
-    """The drafter `src`, with the target's embeddings and layer count when --target names one."""
-    target_dir = args.target if args.target and Path(args.target).exists() else None  # not a built-in name
-    check_no_overlap(args.out, {"src": args.src, "--target-config": args.target_config, "--target": target_dir})
-    target = _target(args)
-    return _load(args.src, _target_layers_arg(args), embed_from=target and target.model)
-
-
-def _summary(out: Path, layout: str, draft: Eagle3Draft) -> None:
-    print(f"{'file':<44} {'MiB':>9}")
-    for f in sorted(f for f in out.iterdir() if f.is_file()):
-        print(f"{f.name:<44} {f.stat().st_size / 2**20:>9.2f}")
-    c = draft.cfg
-    print(f"wrote {out} ({layout}): target {c.target_num_layers} layers, aux ids {list(c.aux_layer_ids)} "
-          f"(canonical), draft vocab {c.draft_vocab_size}/{c.vocab_size}")
-
-
-def run_export(args) -> int:
-    draft, _ = _load_src(args)
-    out = export_checkpoint(draft, args.out, layout=args.layout, dtype=parse_dtype(args.dtype),
-                            shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
-                            verifier=args.verifier, overwrite=args.overwrite)
-    _summary(out, args.layout, draft)
-    return 0
-
-
-def run_import(args) -> int:
-    """Into fledge's own (eagle3) layout, keeping the source's dtype, and its embeddings if it has them."""
-    draft, r = _load_src(args)
-    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(r.cfg.torch_dtype),
-                            with_embed="embed_tokens.weight" in r.tensors, overwrite=args.overwrite)
-    print(f"read {args.src} ({r.layout} layout)")
-    _summary(out, "eagle3", draft)
-    return 0
-
-
-def run_init_draft(args) -> int:
-    check_no_overlap(args.out, {"--target": args.target if Path(args.target).exists() else None})
-    target = _target(args)
-    cfg = DraftConfig.from_target(target.model.config, draft_vocab_size=args.draft_vocab)
-    cfg.extra["verifier"] = verifier_of(target)
-    draft = Eagle3Draft.from_target(cfg, target.model)
-    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
-    _summary(out, "eagle3", draft)
-    return 0

@@ -10,7 +10,7 @@ from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
 from fledge.drafter.checkpoint import load_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
-from fledge.engine.model import compile_static, one_off_attention
+from fledge.engine.layers import compile_static, one_off_attention
 from fledge.engine.protocols import DraftInput
 from fledge.engine.tree import (
     Tree,
@@ -155,7 +155,7 @@ class Eagle3Drafter:
     bookkeeping included. A draft step is ~1/30 of a target step in bytes but, eager, ~80 small
     kernels: on the H200 at batch 1 a chain of 7 drafted in 1.93 ms against a 1.32 ms target
     step; compiled, a (5,4,16) tree drafts in 1.01 ms against 1.58 eager
-    (bf16, bench/profile_round.py at commit d466fab). The context rows are rounded up to
+    (bf16; docs/performance.md). The context rows are rounded up to
     DRAFT_CACHE_QUANTUM so that requests of different lengths share one compiled shape; the
     observe after the prefill (T = the prompt's length) stays eager for the same reason.
     """
@@ -178,7 +178,7 @@ class Eagle3Drafter:
         # the H200, reproduced on the CPU with torch 2.11 and Inductor's Triton scheduling), so
         # those are compiled unsplit and split by hand (tree.topk_by_max's chunks). On the H200 a
         # compiled (5, 4, 16) round took 1.90 ms this way against 2.28 with torch.topk
-        # (bf16, bench/profile_round.py at commit d466fab with and without --torch-topk).
+        # (bf16; docs/performance.md).
         self.draft, self.spec, self.compiled, self.fast_topk, self.kv = draft, spec, compile, fast_topk, None
         self.aux_ids = tuple(cfg.aux_layer_ids)
         self.to_target = draft.target_ids()
@@ -196,8 +196,7 @@ class Eagle3Drafter:
         shape = (2, batch, cfg.num_key_value_heads, self.max_len + scratch, cfg.head_dim)  # K and V side by side
         if self.kv is not None and tuple(self.kv.shape) == shape:
             # The same buffers again, zeroed: nothing is allocated per request, and a round kept
-            # by a resident replays over them. (New buffers cost no recompile either:
-            # bench/profile_round.py's "fresh" rows at commit d466fab.)
+            # by a resident replays over them. (New buffers would cost no recompile either.)
             self.kv.zero_()
             self.last.zero_()
             return

@@ -9,7 +9,7 @@ from pathlib import Path
 from fledge.core.devices import pick_device, pick_dtype
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
-from fledge.core.shape import Shape
+from fledge.core.shape import Shape, shape_problem
 from fledge.core.target import encode_chat, eos_ids, load_target
 from fledge.engine.decode import generate_ar
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, load_drafter
@@ -23,6 +23,9 @@ def spec_config(num_steps: int, topk: int, num_draft_tokens: int | None) -> Shap
         if topk > 1:
             raise FledgeError("--num-draft-tokens is required for a tree (--topk > 1)")
         num_draft_tokens = num_steps + 1
+    problem = shape_problem(num_steps, topk, num_draft_tokens)
+    if problem:
+        raise FledgeError(f"--num-steps {num_steps} --topk {topk} --num-draft-tokens {num_draft_tokens}: {problem}")
     return Shape(num_steps, topk, num_draft_tokens)
 
 

@@ -18,7 +18,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from fledge.core.errors import FledgeError
 from fledge.engine.attention import Prefix
-from fledge.engine.model import LayerFns, ModelArgs, Transformer
+from fledge.engine.layers import LayerFns
+from fledge.engine.model import ModelArgs, Transformer
 
 COMPACT_FAMILIES = ("llama", "qwen2", "qwen3")
 # Rope types whose frequencies do not change with sequence length (dynamic/longrope do).

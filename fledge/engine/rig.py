@@ -102,7 +102,7 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None,
     from fledge.core.target import eos_ids, load_target
     from fledge.drafter.checkpoint import load_checkpoint
     from fledge.engine.hf import build_engine_target
-    from fledge.engine.model import GEMV_ROWS, LayerFns
+    from fledge.engine.layers import GEMV_ROWS, LayerFns
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)

@@ -285,7 +285,7 @@ class QueuedRound(FusedRound):
     and read (one sync) when the host needs it; at most two rounds are queued unread. Device
     drafters need nothing from the host between rounds, so the host reads round i while round
     i+1 runs: on the H200 a round otherwise waited 0.015-0.33 ms for the host, by the host's
-    load (bench/profile_round.py's "round_gap" at commit d466fab)."""
+    load (docs/performance.md)."""
 
     def __init__(self, target, cache, drafter, use_graph: bool):
         super().__init__(target, cache, drafter, use_graph)
@@ -301,7 +301,7 @@ class QueuedRound(FusedRound):
         # Keep the next round queued while the host reads this one, as long as the cache surely
         # holds it (each unread round adds at most path_len slots) and the rounds already queued
         # may leave tokens to write: a round queued past max_new_tokens is a whole round of
-        # device time wasted per request (1.05 ms of an oracle request's 32.7 on the H200 in
+        # GPU time wasted per request (1.05 ms of an oracle request's 32.7 on the H200 in
         # bf16), where waiting for the host costs ~0.03 ms once. One queued past an eos is
         # wasted, and its time counted.
         spec, req = self.drafter.spec, self.req

@@ -55,7 +55,7 @@ def chain(root: torch.Tensor, tokens: torch.Tensor) -> Tree:
 
 
 # torch.topk on the GPU is a radix select of several passes, ~25 us a call on the H200 whatever
-# the row's length (bench/profile_round.py's "kernels" at commit d466fab, bf16: 27 us for one
+# the row's length (bf16: 27 us for one
 # best of 68 candidates, 75 us for 4 of 16K logits): with several calls per draft step it was
 # most of a step. These two compile to a few short kernels each. Both return torch.topk's
 # (values, indices), largest first, ties to the lower index.

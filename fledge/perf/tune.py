@@ -26,6 +26,7 @@ from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
 from fledge.core.report import save_figure, subplots
 from fledge.core.shape import Shape, max_nodes, parse_shapes
+from fledge.engine import rig as engine_rig
 from fledge.perf import bench, hwmodel
 from fledge.perf.acceptance import (
     Profile,
@@ -302,9 +303,9 @@ def _hardware_model(args):
 def measured_tune(args):
     """`fledge tune --target T --drafter D`: time the engine as `fledge generate` runs it, measure
     acceptance, predict every shape; with --validate, also run shapes for real and compare."""
-    rig = bench.load_rig(args.target, args.drafter, args.device, args.dtype)
+    rig = engine_rig.load_rig(args.target, args.drafter, args.device, args.dtype)
     prompts = bench.load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
-    ar = bench.run_ar(rig, prompts, args.max_new_tokens)
+    ar = engine_rig.run_ar(rig, prompts, args.max_new_tokens)
     topks = sorted({1, *[k for k in (2, 4, 8) if k <= args.probe_topk]})
     context = max(len(p) for p in prompts) + args.max_new_tokens // 2
     shapes = grid(args.max_steps, tuple(topks))
@@ -313,15 +314,15 @@ def measured_tune(args):
     # so verify time is not smooth in n.
     sizes = sorted({s.num_draft_tokens for s in shapes})
     iters = 20 if rig.device.type == "cuda" else 3  # CPU forwards are slow and steady
-    verify_ms = bench.measure_verify_ms(rig, sizes, context, iters)
-    draft_ms, overhead = bench.measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens), context, iters)
+    verify_ms = engine_rig.measure_verify_ms(rig, sizes, context, iters)
+    draft_ms, overhead = engine_rig.measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens), context, iters)
     timings = Timings(ar["ar_ms"], verify_ms, draft_ms, overhead, batch=1)
     if args.profile_json:
         profile = profile_from_json(args.profile_json)
     else:
-        probed = bench.probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)
+        probed = engine_rig.probe_profile(rig, prompts, args.max_steps, args.probe_topk, args.max_new_tokens)
         profile = Profile(probed["ranks"], probed["spine"])
-    note = f"timings: measured on fledge's engine ({bench.engine_path(rig)}), batch 1"
+    note = f"timings: measured on fledge's engine ({engine_rig.engine_path(rig)}), batch 1"
     text, data, preds = _ranked(args, profile, timings, shapes, None, (note,))
     data["ar_measured_tok_s"] = ar["tok_s"]
     if args.validate:
@@ -352,7 +353,7 @@ def validate(rig, prompts, preds: list[Prediction], max_new_tokens: int, ar_tok_
 
     rows = []
     for p in preds:
-        stats, tok_s = bench.run_shape(rig, rig.drafter(p.shape), prompts, max_new_tokens, f"validate {p.shape.label}")
+        stats, tok_s = engine_rig.run_shape(rig, rig.drafter(p.shape), prompts, max_new_tokens, f"validate {p.shape.label}")
         accept, round_ms = stats.accept_length(), stats.summary()["round_ms_per_step"]
         rows.append({**asdict(p.shape), "label": p.shape.label,
                      "accept_predicted": p.accept_length, "accept_measured": accept,

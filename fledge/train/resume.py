@@ -140,8 +140,8 @@ class Paused(Exception):
 @contextlib.contextmanager
 def pause_on_signal():
     """Yields a flag (a one-element list) that the first SIGINT or SIGTERM sets; a second one
-    interrupts as it normally would. So a run cut by `timeout -s INT` (a 10-minute GPU call)
-    or by Ctrl-C loses nothing past its last optimizer step. Outside the main thread, where no
+    interrupts as it normally would. So a run cut by `timeout -s INT` (a job scheduler's time
+    limit) or by Ctrl-C loses nothing past its last optimizer step. Outside the main thread, where no
     handler can be installed, the flag never rises."""
     flag, old = [False], {}
 

@@ -1,0 +1,90 @@
+"""`fledge export`, `fledge import` and `fledge init-draft`: the commands that write a drafter checkpoint
+(through `checkpoint.export_checkpoint`, which checks what it wrote). export writes a serving layout,
+import reads a SpecForge or speculators checkpoint into fledge's own, init-draft writes a fresh drafter
+for a target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fledge.core.config import DraftConfig
+from fledge.core.devices import parse_dtype
+from fledge.core.errors import FledgeError
+from fledge.core.files import check_no_overlap
+from fledge.drafter.checkpoint import (
+    ReadCheckpoint,
+    export_checkpoint,
+    read_checkpoint,
+    verifier_of,
+)
+from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.drafter.weights import model_config
+
+
+def _target_layers_arg(args) -> int | None:
+    if not args.target_config:
+        return args.target_layers
+    p = Path(args.target_config)
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        return int(model_config(p)["num_hidden_layers"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise FledgeError(f"{p}: cannot read num_hidden_layers ({e})") from None
+
+
+def _target(args):
+    if not args.target:
+        return None
+    from fledge.core.target import (
+        load_target,  # pulls in model code; only needed when a target is named
+    )
+
+    return load_target(args.target)
+
+
+def _load_src(args) -> tuple[Eagle3Draft, ReadCheckpoint]:
+    """The drafter `src`, with the target's embeddings and layer count when --target names one."""
+    target_dir = args.target if args.target and Path(args.target).exists() else None  # not a built-in name
+    check_no_overlap(args.out, {"src": args.src, "--target-config": args.target_config, "--target": target_dir})
+    target = _target(args)
+    return read_checkpoint(args.src, _target_layers_arg(args), embed_from=target and target.model)
+
+
+def _summary(out: Path, layout: str, draft: Eagle3Draft) -> None:
+    print(f"{'file':<44} {'MiB':>9}")
+    for f in sorted(f for f in out.iterdir() if f.is_file()):
+        print(f"{f.name:<44} {f.stat().st_size / 2**20:>9.2f}")
+    c = draft.cfg
+    print(f"wrote {out} ({layout}): target {c.target_num_layers} layers, aux ids {list(c.aux_layer_ids)} "
+          f"(canonical), draft vocab {c.draft_vocab_size}/{c.vocab_size}")
+
+
+def run_export(args) -> int:
+    draft, _ = _load_src(args)
+    out = export_checkpoint(draft, args.out, layout=args.layout, dtype=parse_dtype(args.dtype),
+                            shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
+                            verifier=args.verifier, overwrite=args.overwrite)
+    _summary(out, args.layout, draft)
+    return 0
+
+
+def run_import(args) -> int:
+    """Into fledge's own (eagle3) layout, keeping the source's dtype, and its embeddings if it has them."""
+    draft, r = _load_src(args)
+    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(r.cfg.torch_dtype),
+                            with_embed="embed_tokens.weight" in r.tensors, overwrite=args.overwrite)
+    print(f"read {args.src} ({r.layout} layout)")
+    _summary(out, "eagle3", draft)
+    return 0
+
+
+def run_init_draft(args) -> int:
+    check_no_overlap(args.out, {"--target": args.target if Path(args.target).exists() else None})
+    target = _target(args)
+    cfg = DraftConfig.from_target(target.model.config, draft_vocab_size=args.draft_vocab)
+    cfg.extra["verifier"] = verifier_of(target)
+    draft = Eagle3Draft.from_target(cfg, target.model)
+    out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+    _summary(out, "eagle3", draft)
+    return 0
