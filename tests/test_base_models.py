@@ -131,3 +131,20 @@ def test_another_tokenizers_data_is_refused_by_vocab_and_train(smollm_tokenized,
     with pytest.raises(FledgeError, match="tokenized with smollm2-135m#.*another vocabulary"):
         train(TrainConfig(data=str(smollm_tokenized), out=str(tmp_path / "run"), target="tiny-base", max_steps=1,
                           device="cpu"), other)
+
+
+def test_a_silent_step_shows_its_name_and_a_running_clock(capsys):
+    """What a GGUF's tokenizer reading shows while transformers parses it: the step's name,
+    redrawn with its elapsed time until the step ends (waits on redraws, asserts no timing)."""
+    import time
+
+    from fledge.core.report import ticking
+
+    seen = ""
+    with ticking("fledge: reading big.gguf's tokenizer", every_s=0.01):
+        deadline = time.monotonic() + 60
+        while seen.count("\r") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            seen += capsys.readouterr().err
+    seen += capsys.readouterr().err
+    assert seen.count("fledge: reading big.gguf's tokenizer: 00:0") >= 3  # drawn, then redrawn by the clock

@@ -35,6 +35,7 @@ from fledge.core.conventions import (
 )
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_dir, atomic_write_json, cache_dir, sha256_file
+from fledge.core.report import ticking
 from fledge.core.wheels import wheel_member
 
 
@@ -223,7 +224,9 @@ def _load_gguf(gguf: Path):
     # lets save_pretrained write the model (a packed GGUF model is not serializable).
     quant = transformers.GgufConfig(dequantize=True)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # transformers parses every vocabulary entry in Python, silently: minutes for 262K entries
+        with ticking(f"fledge: reading {gguf.name}'s tokenizer"):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=quant)
     except (ValueError, KeyError, OSError) as e:

@@ -197,16 +197,21 @@ def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int, contex
     (`measure_verify_ms`), and round - verify is fitted as a + b * num_steps from runs at 2 and
     6 steps: b is the draft step, a the rest."""
     draft, fixed = {}, []
+    # One bar over the runs: each is minutes on a large target, and the inner bars restart per run.
+    runs = tqdm(total=2 * len(topks), desc="draft timing (runs of 2 and 6 steps per topk)", unit="run")
     for k in topks:
         rest = {}
         for s in (2, 6):
             shape = Shape(s, k, min(16, max_nodes(s, k)))
-            st, _ = run_shape(rig, rig.drafter(shape), prompts, max_new_tokens, f"draft timing s{s} k{k}")
+            runs.set_postfix_str(shape.label)
+            st, _ = run_shape(rig, rig.drafter(shape), prompts, max_new_tokens, f"draft timing {shape.label}")
             verify = measure_verify_ms(rig, [shape.num_draft_tokens], context, iters)[shape.num_draft_tokens]
             rest[s] = st.summary()["round_ms_per_step"] - verify
+            runs.update()
         b = max((rest[6] - rest[2]) / 4, 0.0)
         draft[k] = b
         fixed += [max(rest[2] - 2 * b, 0.0), max(rest[6] - 6 * b, 0.0)]
+    runs.close()
     return draft, statistics.median(fixed)
 
 
