@@ -1,11 +1,13 @@
 """Targets new users bring: a template-less base model of a non-llama family (Gemma3, sliding
 window) refused early in one line, then run with `--chat-template plain` or a template file
 through the fallback engine path, equal to HF's own greedy decoding; a GGUF without a template
-refused before any conversion; tokenized data of another tokenizer refused by vocab and train."""
+refused before any conversion; tokenized data of another tokenizer refused by vocab, features,
+train and adapt; a step that reports nothing itself shown with a running clock."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import gguf
 import pytest
@@ -116,7 +118,7 @@ def smollm_tokenized(tmp_path_factory):
     return d / "train.tok.jsonl"
 
 
-def test_another_tokenizers_data_is_refused_by_vocab_and_train(smollm_tokenized, gemma_base, tmp_path, capsys):
+def test_another_tokenizers_data_is_refused_by_vocab_features_train_and_adapt(smollm_tokenized, gemma_base, tmp_path, capsys):
     assert json.loads(smollm_tokenized.read_text())["tokenizer"].startswith("smollm2-135m#")
     check_tokenized(smollm_tokenized, transformers.AutoTokenizer.from_pretrained(resolve_target("smollm2-135m")),
                     "smollm2-135m")  # its own tokenizer passes
@@ -125,12 +127,21 @@ def test_another_tokenizers_data_is_refused_by_vocab_and_train(smollm_tokenized,
     errors = [ln for ln in err.splitlines() if "error" in ln]
     assert rc == 2 and len(errors) == 1 and "another vocabulary" in errors[0] and not (tmp_path / "v.safetensors").exists()
 
+    rc, _, err = cli_run(["features", "--data", str(smollm_tokenized), "--target", str(gemma_base), "--device", "cpu",
+                          "--out", str(tmp_path / "feats")], capsys)
+    assert rc == 2 and "another vocabulary" in err and not (tmp_path / "feats").exists()
+
     from fledge.core.target import Target
+    from fledge.train.adapt import AdaptConfig, adapt
     from fledge.train.loop import TrainConfig, train
     other = Target(make_tiny("llama"), base_tokenizer(301), "tiny-base", None)
     with pytest.raises(FledgeError, match="tokenized with smollm2-135m#.*another vocabulary"):
         train(TrainConfig(data=str(smollm_tokenized), out=str(tmp_path / "run"), target="tiny-base", max_steps=1,
                           device="cpu"), other)
+    shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m"
+    with pytest.raises(FledgeError, match="tokenized with smollm2-135m#.*another vocabulary"):
+        adapt(AdaptConfig(drafter=str(shipped), target="tiny-base", data=str(smollm_tokenized),
+                          out=str(tmp_path / "adapted")), other)
 
 
 def test_a_silent_step_shows_its_name_and_a_running_clock(capsys):
