@@ -60,6 +60,14 @@ def int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
 
+def add_chat_template(p) -> None:
+    p.add_argument("--chat-template", metavar="FILE|plain",
+                   help="render chats with this Jinja template (chat_template.jinja or .json) instead of the "
+                        "target's own; 'plain' for a base model: the texts one after another, answers ended by "
+                        "end-of-text. Without it the target's own is used, and a target with none is refused "
+                        "before anything loads")
+
+
 def add_target(sub) -> None:
     p = sub.add_parser("target", help="resolve and load a target; print its shape and aux layers")
     p.add_argument("spec", help=f"built-in name ({', '.join(BUILTINS)}), GGUF file, or HF model directory")
@@ -83,6 +91,7 @@ def add_prep(sub) -> None:
                         "(a quick run: tokenizing all of ShareGPT takes ~20 min on a CPU; default: all)")
     p.add_argument("--show", type=int, default=0, metavar="N", help="print N samples with trained tokens marked")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.data.prep:run_prep"))
 
 
@@ -113,7 +122,9 @@ def add_regen(sub) -> None:
     p.add_argument("--top-p", type=float, help=regen_help("top_p", "nucleus sampling mass"))
     p.add_argument("--n", type=int, help=regen_help("n", "answers per conversation, ids <id>#k; needs --temperature > 0"))
     p.add_argument("--max-turns", type=int,
-                   help="assistant turns to write per conversation (default: all of them)")
+                   help="assistant turns to write per conversation, each user turn answered in order "
+                        "(MT-Bench's turn 2 after the answer to turn 1); 1 keeps the first turn only "
+                        "(default: all of them)")
     p.add_argument("--max-len", type=int, help=regen_help("max_len", "prompt + answer must fit in this many tokens; "
                                                           "a turn that does not ends the conversation"))
     p.add_argument("--chunk", type=int, help=regen_help("chunk", "conversations answered between writes to the output"))
@@ -122,6 +133,7 @@ def add_regen(sub) -> None:
                                                        "the sample id and the turn"))
     p.add_argument("--compile", action="store_true",
                    help="local engine: torch.compile its layers (on a GPU, decode attends through the prefix kernel)")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.data.regen:run_regen"))
 
 
@@ -153,12 +165,14 @@ def add_tokenize(sub) -> None:
     p.add_argument("conversations", nargs="+", help="conversations JSONL or .jsonl.gz (sources ending in "
                    f"{HELDOUT_SUFFIX!r} go to the held-out set)")
     p.add_argument("-o", "--out", required=True, help="output dir: train.tok.jsonl, heldout.tok.jsonl, summary.json")
-    p.add_argument("--tokenizer", default="smollm2-135m", help="HF dir, .gguf file or target name (default smollm2-135m)")
+    p.add_argument("--tokenizer", required=True,
+                   help="the target's tokenizer: HF dir, .gguf file or target name (recorded in every sample)")
     p.add_argument("--heldout", action="append", default=[], metavar="FILE",
                    help="conversations that all go to the held-out set (repeatable)")
     p.add_argument("--max-len", type=positive_int, default=2048)
     p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help="processes (default: one per CPU)")
     p.add_argument("--overwrite", action="store_true")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.data.tokenize:run_tokenize"))
 
 
@@ -320,6 +334,7 @@ def add_generate(sub) -> None:
                    help="torch.compile the target's layer functions and the drafter's halves (CUDA; slow start)")
     p.add_argument("--phased", action="store_true",
                    help="run each round's steps apart and time them (draft / verify / other ms) instead of one fused graph")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.engine.generate:run_generate"))
 
 
@@ -353,6 +368,11 @@ def add_demo(sub) -> None:
     p.add_argument("--draft-vocab", type=positive_int, default=2048, help="draft vocabulary size of the miniature drafter")
     p.add_argument("--train-steps", type=positive_int, default=20,
                    help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")
+    p.add_argument("--cpu-head-rows", type=int, default=4096,
+                   help="speed check: the drafter's head cut to its first N rows, as a CPU favours")
+    p.add_argument("--cpu-steps", type=int, default=3, help="speed check: chain length (draft steps a round)")
+    p.add_argument("--repeats", type=int, default=2, help="speed check: interleaved repeats of AR and EAGLE-3")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.demo:run_demo"))
 
 
@@ -408,6 +428,7 @@ def add_bench(sub) -> None:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="plot here: engine, acceptance by depth and tok/s by shape; server, tok/s by "
                                  "concurrency per server")
+    add_chat_template(p)
     p.set_defaults(func=handler("fledge.perf.bench:run_bench"))
 
 

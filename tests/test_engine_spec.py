@@ -307,8 +307,8 @@ def test_chain_equals_make_tree():
 
 
 def test_hf_target_family_spec_equals_ar():
-    """Families without a compact implementation run through HFTarget, whose cache stores
-    (token, position, mask row) per slot: compaction must move those too."""
+    """Families without a compact implementation run through HFTarget, whose cache keeps each
+    layer's K/V and each slot's position: compaction must move all of them."""
     hf, target, draft = tiny_setup("gemma3")
     prompt = torch.randint(0, 24, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]

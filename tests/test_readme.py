@@ -21,6 +21,7 @@ import transformers
 from conftest import make_tiny
 
 from fledge.cli import main as cli_main
+from fledge.core.files import read_jsonl
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TEMPLATE = ("{% for m in messages %} <{{ m['role'] }}> {{ m['content'] }} w1{% endfor %}"
@@ -67,7 +68,8 @@ def test_readme_quick_start_runs_as_written(tmp_path, monkeypatch):
         assert script.count(old) == n, f"README quick start: expected {n}x {old!r}"
         script = script.replace(old, new)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [f"w{5 + i} w{40 + 3 * i} w{7 * i + 2}"]}) + "\n"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [f"w{5 + i} w{40 + 3 * i} w{7 * i + 2}",
+                                                                     f"w{9 + i} w{60 - i}"]}) + "\n"
                                for i in range(6)))
     script = script.format(target=tiny_target(tmp_path / "target"), prompts=prompts)
     monkeypatch.chdir(tmp_path)
@@ -76,6 +78,11 @@ def test_readme_quick_start_runs_as_written(tmp_path, monkeypatch):
         rc = cli_main(argv[1:])
         # doctor: 1 is WARN (a 2-step drafter accepts little); only a FAIL (2) is wrong.
         assert rc in ((0, 1) if argv[1] == "doctor" else (0,)), f"{line}: exit {rc}"
+        if argv[1] == "bench":  # every speculative output checked against plain decoding, and equal (fp32)
+            rows = json.loads((tmp_path / "runs/mt/bench.json").read_text())["results"]
+            assert rows and all(r["equal_to_plain"] == r["prompts"] == 1 for r in rows)
+    for _, row in read_jsonl(tmp_path / "data/mt/regen.jsonl"):  # MT-Bench's two turns, --max-turns 1: turn 1 only
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"] and row["messages"][0]["content"].startswith("w")
     tok = json.loads((tmp_path / "data/mt/tok/summary.json").read_text())
     assert tok["train"]["samples"] == 4 and tok["heldout"]["samples"] == 2
     assert (tmp_path / "drafters/mt/config.json").is_file()

@@ -17,6 +17,7 @@ from fledge.core.config import RegenConfig
 from fledge.core.errors import FledgeError
 from fledge.core.files import read_jsonl
 from fledge.core.target import resolve_target
+from fledge.data.prep import load_conversations
 from fledge.data.regen import EngineBackend, ServerBackend, regenerate
 
 
@@ -365,3 +366,33 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny_target_dir
               f"{duplicates} duplicates, {lost} lost, 0 torn lines after the rerun")
     assert duplicates == 0 and lost == 0
     assert {r["id"]: r for _, r in read_jsonl(out)} == {r["id"]: r for _, r in read_jsonl(ref)}
+
+
+def test_mtbench_turns_are_answered_turn_by_turn(tmp_path, tiny_chat_target):
+    """An MT-Bench record (two consecutive user turns, as prep stores it) comes back as turn 1,
+    its answer, turn 2, the answer to the whole exchange; --max-turns 1 keeps turn 1 only."""
+    t = tiny_chat_target
+    src = tmp_path / "question.jsonl"
+    src.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["first question", "second one"]}) + "\n")
+    rec = {"id": "81", "source": "mt", "messages": load_conversations(str(src))[0][0]["messages"]}
+    (tmp_path / "c.jsonl").write_text(json.dumps(rec) + "\n")
+    first = t.tokenizer.apply_chat_template(rec["messages"][:1], add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+    # The random model's third greedy token ends its turn: a cut-off answer would end the conversation.
+    stop = t.model.generate(first, max_new_tokens=3, do_sample=False)[0, -1].item()
+    for max_turns, roles in ((None, ["user", "assistant", "user", "assistant"]), (1, ["user", "assistant"])):
+        cfg = RegenConfig(max_new_tokens=5, max_len=256, max_turns=max_turns)
+        backend = EngineBackend(t, cfg, batch_size=2, device="cpu", dtype=torch.float32)
+        backend.eos = [stop]
+        out = tmp_path / f"r{max_turns}.jsonl"
+        regenerate(tmp_path / "c.jsonl", out, backend, cfg)
+        (_, row), = read_jsonl(out)
+        msgs = row["messages"]
+        assert [m["role"] for m in msgs] == roles
+        assert [m["content"] for m in msgs[::2]] == ["first question", "second one"][:len(roles) // 2]
+        for k in range(1, len(msgs), 2):  # each answer is HF's greedy reply to the chat up to its turn
+            ids = t.tokenizer.apply_chat_template(msgs[:k], add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"]
+            new = t.model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=backend.eos)[0, ids.shape[1]:]
+            new = new.tolist()
+            assert msgs[k]["content"] == t.tokenizer.decode(new[:-1] if new and new[-1] in backend.eos else new)

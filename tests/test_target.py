@@ -24,6 +24,7 @@ from fledge.core.target import (
     BUILTINS,
     Builtin,
     capture,
+    check_chat_template,
     check_hf_dir,
     convert_gguf,
     encode_chat,
@@ -143,14 +144,19 @@ def test_hf_dir_missing_parts(tmp_path, missing):
             f.unlink()
         (tmp_path / "tokenizer_config.json").write_text('{"chat_template": ')
         with pytest.raises(FledgeError, match=r"tokenizer_config\.json: not a JSON object"):
-            check_hf_dir(tmp_path)
+            check_chat_template(str(tmp_path), None)
         return
-    if missing == "chat_template":
+    if missing == "chat_template":  # a base model's: loadable, refused only where chats are rendered
         for f in tmp_path.glob("chat_template.*"):
             f.unlink()
         cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
         cfg.pop("chat_template", None)
         (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+        assert check_hf_dir(tmp_path) == tmp_path
+        with pytest.raises(FledgeError, match="has no chat template"):
+            check_chat_template(str(tmp_path), None)
+        check_chat_template(str(tmp_path), "plain")
+        return
     else:
         (tmp_path / missing).unlink()
     with pytest.raises(FledgeError, match="config.json|tokenizer|chat_template"):

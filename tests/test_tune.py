@@ -321,15 +321,19 @@ def test_no_import_cycle_between_bench_and_tune():
 
 
 @pytest.mark.slow  # the real target and drafter on the CPU: about a minute on a loaded 2-core machine
-def test_measured_tune_validates_on_the_shipped_engine_path(tmp_path):
+def test_measured_tune_validates_on_the_shipped_engine_path(tmp_path, capsys):
     """The command that checks the model against the engine on a GPU, at CPU sizes: it predicts,
-    then runs the shapes asked for through the same path (fused rounds) and reports both."""
+    then runs the shapes asked for through the same path (fused rounds) and reports both. Before
+    its long timing runs it says what comes next and how long, and counts those runs as they end."""
     out = tmp_path / "v.json"
     drafter = str(Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m")
     rc = main(["tune", "engine", "--target", "smollm2-135m", "--drafter", drafter, "--device", "cpu", "--num-prompts", "1",
                "--max-new-tokens", "12", "--max-depth", "3", "--probe-topk", "2", "--validate",
                "--shapes", "1,1,2;3,2,6", "--json", str(out)])
     assert rc == 0
+    err = capsys.readouterr().err
+    assert "tune: plain decoding takes" in err and "decode 140 tokens next" in err  # 4 runs of 12 + 8, probe 20, 2 shapes x 20
+    assert "draft timing (runs of 2 and 6 steps per topk): 100%" in err and "4/4" in err
     data = json.loads(out.read_text())
     rows = data["validation"]
     assert [(r["num_steps"], r["topk"], r["num_draft_tokens"]) for r in rows] == [(1, 1, 2), (3, 2, 6)]

@@ -1,15 +1,24 @@
 """Load a target model (HF directory, GGUF file, built-in name) and capture its features.
 
-Every spec resolves to a plain HF directory (safetensors, config, tokenizer with a chat
-template) so that fledge, vLLM and SGLang all read the same weights. A GGUF is dequantized
-once into the cache; later loads read the cached directory in seconds.
+Every spec resolves to a plain HF directory (safetensors, config, tokenizer) so that fledge,
+vLLM and SGLang all read the same weights. A GGUF is dequantized once into the cache; later
+loads read the cached directory in seconds.
+
+Chat templates: a step that renders conversations (regen, tokenize, generate, bench, ...) uses
+the target's own template, or `--chat-template FILE` (a Jinja template, as `chat_template.jinja`
+holds), or `--chat-template plain` for a base model (the texts one after another, each answer
+ended by the end-of-text token). A target with none of these is refused before anything is
+converted (`check_chat_template`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
+import struct
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +35,7 @@ from fledge.core.conventions import (
 )
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_dir, atomic_write_json, cache_dir, sha256_file
+from fledge.core.report import ticking
 from fledge.core.wheels import wheel_member
 
 
@@ -81,23 +91,107 @@ def check_remote_code(path: Path) -> None:
 
 
 def check_hf_dir(path: Path) -> Path:
-    """An HF directory must carry config, tokenizer and chat template: regen and serving need all
-    three; one naming code of its own is refused (`check_remote_code`)."""
+    """An HF directory must carry config and tokenizer (its chat template: `check_chat_template`);
+    one naming code of its own is refused (`check_remote_code`)."""
     check_remote_code(path)
     if not (path / "config.json").is_file():
         raise FledgeError(f"{path / 'config.json'}: missing; not an HF model directory")
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise FledgeError(f"{path}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
-    tok_cfg = path / "tokenizer_config.json"
-    has_template = (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file()
-    if not has_template and tok_cfg.is_file():
-        try:
-            has_template = bool(json.loads(tok_cfg.read_text()).get("chat_template"))
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:  # AttributeError: not an object
-            raise FledgeError(f"{tok_cfg}: not a JSON object ({e})") from None
-    if not has_template:
-        raise FledgeError(f"{tok_cfg}: no chat_template (nor chat_template.jinja); fledge renders conversations with it")
     return path
+
+
+def _dir_has_template(path: Path) -> bool:
+    tok_cfg = path / "tokenizer_config.json"
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    if not tok_cfg.is_file():
+        return False
+    try:
+        return bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:  # AttributeError: not an object
+        raise FledgeError(f"{tok_cfg}: not a JSON object ({e})") from None
+
+
+# GGUF metadata value types: fixed sizes by type id; 8 is a string, 9 an array.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_chat_template(path: Path) -> str | None:
+    """The `tokenizer.chat_template` of a GGUF's metadata, read from its header alone. Written
+    here rather than through gguf.GGUFReader, which parses every vocabulary entry into arrays
+    (about a minute for SmolLM2's 49K tokens on a 2-core CPU) before any field can be read."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise FledgeError(f"{path}: not a GGUF file (no GGUF magic bytes)")
+        at, (n_kv,) = 24, struct.unpack_from("<Q", m, 16)
+
+        def string(at):
+            (n,) = struct.unpack_from("<Q", m, at)
+            return m[at + 8:at + 8 + n], at + 8 + n
+
+        def skip(kind, at):
+            if kind == 8:
+                return string(at)[1]
+            if kind != 9:
+                return at + _GGUF_SIZES[kind]
+            item, n = struct.unpack_from("<IQ", m, at)
+            if item in _GGUF_SIZES:
+                return at + 12 + n * _GGUF_SIZES[item]
+            at += 12
+            for _ in range(n):
+                at = skip(item, at)
+            return at
+
+        try:
+            for _ in range(n_kv):
+                key, at = string(at)
+                (kind,) = struct.unpack_from("<I", m, at)
+                if key == b"tokenizer.chat_template" and kind == 8:
+                    return string(at + 4)[0].decode("utf-8")
+                at = skip(kind, at + 4)
+        except (struct.error, KeyError) as e:
+            raise FledgeError(f"{path}: GGUF metadata unreadable ({e})") from None
+    return None
+
+
+PLAIN = "plain"
+# A base model's "template": the texts one after another, as a completion endpoint takes them;
+# each answer ends at the end-of-text token, where the model itself stops.
+PLAIN_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['content'] }}"
+                  "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def read_chat_template(chat_template: str | None) -> str | None:
+    """The Jinja text `--chat-template` names: None (the target's own), `plain`, or a file."""
+    if chat_template is None:
+        return None
+    if chat_template == PLAIN:
+        return PLAIN_TEMPLATE
+    path = Path(chat_template).expanduser()
+    if not path.is_file():
+        raise FledgeError(f"--chat-template {chat_template}: no such file (a Jinja chat template, or 'plain')")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":  # chat_template.json: {"chat_template": "..."}
+        try:
+            text = json.loads(text)["chat_template"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise FledgeError(f"{path}: not a chat_template.json ({{\"chat_template\": \"...\"}})") from None
+    if not text.strip():
+        raise FledgeError(f"{path}: empty chat template")
+    return text
+
+
+def check_chat_template(spec: str, chat_template: str | None) -> None:
+    """Refuse, before any conversion, a target that has no chat template when none is given:
+    a GGUF's is read from its header, a directory's from its tokenizer files."""
+    if chat_template is not None or spec in BUILTINS:
+        return
+    path = Path(spec).expanduser()
+    has = gguf_chat_template(path) is not None if path.is_file() else not path.is_dir() or _dir_has_template(path)
+    if not has:
+        raise FledgeError(f"{spec}: has no chat template (a base model?); pass --chat-template FILE (Jinja), "
+                          f"or --chat-template plain for plain text in, text out")
 
 
 def builtin_dir(b: Builtin) -> Path:
@@ -137,6 +231,8 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, sha256: str | 
     with FileLock(out.with_name(f".{out.name}.lock")):
         if out.is_dir():
             return out
+        print(f"fledge: converting {gguf.name} once into {out} (a large vocabulary takes minutes to read)",
+              file=sys.stderr, flush=True)
         model, tokenizer = _load_gguf(gguf)
         with atomic_dir(out) as tmp:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; servers may run as another user
@@ -151,8 +247,10 @@ def _load_gguf(gguf: Path):
     # lets save_pretrained write the model (a packed GGUF model is not serializable).
     quant = transformers.GgufConfig(dequantize=True)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                               trust_remote_code=False)
+        # transformers parses every vocabulary entry in Python, silently: minutes for 262K entries
+        with ticking(f"fledge: reading {gguf.name}'s tokenizer"):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                                   trust_remote_code=False)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=quant, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:
@@ -171,13 +269,22 @@ def _load_gguf(gguf: Path):
 
 
 # --------------------------------------------------------------------------- loading
-def load_target(spec: str, dtype=torch.float32, device="cpu") -> Target:
+def load_target(spec: str, dtype=torch.float32, device="cpu", chat_template: str | None = None,
+                chat: bool = False) -> Target:
+    """The target of a spec. `chat`: the caller renders conversations, so the target must have a
+    chat template or be given one (`chat_template`: a file or "plain"), checked before a GGUF is
+    converted; the tokenizer then renders with it."""
+    template = read_chat_template(chat_template)
+    if chat:
+        check_chat_template(spec, chat_template)
     path = resolve_target(spec)
     check_remote_code(path)  # also where $FLEDGE_<NAME>_DIR or the cache holds the built-in's files
     trust = remote_code_allowed()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust)
     model = model.to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    if template is not None:
+        tokenizer.chat_template = template
     return Target(model=model, tokenizer=tokenizer, name=spec, path=path)
 
 

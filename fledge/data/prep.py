@@ -1,7 +1,8 @@
 """`fledge prep`: ingest prompt and conversation sets; with `--tokenizer`, tokenize them too.
 
 Ingest reads ShareGPT (JSON array or JSONL), OpenAI `messages` JSONL, Alpaca JSONL, MT-Bench
-`question.jsonl` and plain text (one prompt a line); normalises roles; drops unusable
+`question.jsonl` (its turns stored as consecutive user turns, which `fledge regen` answers turn
+by turn) and plain text (one prompt a line); normalises roles; drops unusable
 conversations, counting each reason; deduplicates; and splits off a held-out set by a stable
 hash of the id, so the same conversation is held out whatever the input order. Tokenizing
 (ids and loss mask from the target's own chat template) is `fledge.data.tokenize`'s.
@@ -139,7 +140,7 @@ def _pairs(rec: dict, fmt: str):
         prompt = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input") else "")
         pairs = [("system", rec["system"])] if rec.get("system") else []
         return pairs + [("user", prompt)] + ([("assistant", rec["output"])] if rec.get("output") else [])
-    if fmt == "mtbench":
+    if fmt == "mtbench":  # the turns as consecutive user turns: regen answers them one by one
         return [("user", t) for t in rec["turns"]]
     return [("user", rec["text"])]
 
@@ -337,7 +338,7 @@ def run_prep(args) -> int:
         print("note: every conversation is held out (fine for an eval prompt set like MT-Bench)", file=sys.stderr)
     if not args.tokenizer:
         return 0
-    tok = load_tokenizer(args.tokenizer)
+    tok = load_tokenizer(args.tokenizer, args.chat_template)
     if out:
         for name in SETS:
             summary[f"tokenized_{name}"] = build_training_set(

@@ -27,7 +27,14 @@ from fledge.core.config import RegenConfig
 from fledge.core.conversations import read_conversations
 from fledge.core.devices import parse_dtype
 from fledge.core.errors import FledgeError
-from fledge.core.files import append_jsonl, appending, atomic_write_json, check_jsonl_output, keeping, output_lock
+from fledge.core.files import (
+    append_jsonl,
+    appending,
+    atomic_write_json,
+    check_jsonl_output,
+    keeping,
+    output_lock,
+)
 from fledge.data.regen import EngineBackend, answer_seed, repair_tail
 
 SOURCE = "self"

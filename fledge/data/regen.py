@@ -3,7 +3,9 @@
 Training a drafter on what the target itself says, in the template it is served with, is
 the largest single lever on acceptance. User (and system) turns are kept; assistant turn k
 is regenerated from the conversation as regenerated so far, so later turns follow the
-target's own earlier answers.
+target's own earlier answers. Every user turn gets its own answer: consecutive user turns (a
+multi-turn prompt set such as MT-Bench, whose turns `prep` stores one after another) are
+answered turn by turn, and `--max-turns 1` keeps the first turn and its answer only.
 
 Two back-ends answer a batch of chats: fledge's batched engine on a local device, or any
 OpenAI-compatible servers (SGLang, vLLM; several URLs share the load).
@@ -228,8 +230,13 @@ class ServerBackend:
 
 # ----------------------------------------------------------------------------- the loop
 def _next_chat(s: Sample, max_turns):
-    """Advance past user/system turns; return the chat to answer, or None when finished."""
+    """Advance past system turns and one user turn; return the chat to answer (ending at that
+    user turn), or None when finished. A user turn that another user turn follows is answered
+    before the next one is read, so a multi-turn prompt set (MT-Bench's turns) is answered turn
+    by turn: turn 1, its answer, turn 2, its answer."""
     while s.todo and s.todo[0]["role"] != "assistant":
+        if s.todo[0]["role"] == "user" and s.done and s.done[-1]["role"] == "user":
+            break
         s.done.append(s.todo.pop(0))
     if max_turns is not None and s.turns >= max_turns:
         return None
@@ -237,10 +244,9 @@ def _next_chat(s: Sample, max_turns):
 
 
 def answers_ahead(s: Sample, max_turns) -> int:
-    """Upper bound of the answers a sample still needs: one per user turn that an assistant
-    turn (or the end) follows, capped by max_turns."""
-    roles = [m["role"] for m in s.done[-1:] + s.todo if m["role"] != "system"]
-    n = sum(r == "user" and (k + 1 == len(roles) or roles[k + 1] == "assistant") for k, r in enumerate(roles))
+    """Upper bound of the answers a sample still needs: one per user turn not yet answered,
+    capped by max_turns."""
+    n = sum(m["role"] == "user" for m in s.done[-1:] + s.todo)
     return n if max_turns is None else max(0, min(n, max_turns - s.turns))
 
 
@@ -391,7 +397,8 @@ def run_regen(args):
         else:
             from fledge.core.target import load_target
             dtype = parse_dtype(args.dtype)
-            target = load_target(args.target, dtype=dtype, device=args.device)
+            target = load_target(args.target, dtype=dtype, device=args.device, chat_template=args.chat_template,
+                                     chat=True)
             backend = EngineBackend(target, cfg, args.device, dtype, args.compile)
         counts = regenerate(args.conversations, args.out, backend, cfg, args.limit)
     print(json.dumps(counts, indent=2))

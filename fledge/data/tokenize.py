@@ -26,6 +26,10 @@ drafts run past the end of every answer; special tokens the model itself writes 
 content (harmony-style channel headers) are trained too. Template scaffolding after the
 marker (ChatML's trailing newline) is not trained: the target never generates it.
 
+Every sample records the tokenizer that made it (`tokenizer_record`: its name and a hash of its
+vocabulary and chat template); `vocab build`, `train`, `features` and `adapt` refuse samples
+another tokenizer made than their target's (`check_tokenized`).
+
 Truncation to max_len keeps whole leading turns: the sequence is cut after the last
 assistant turn that fits. If not even the first assistant turn fits, it is cut at max_len
 (the trained tokens kept are still valid next-token targets); if no trained token fits, the
@@ -147,6 +151,39 @@ def tokenize_with_status(tokenizer, messages, max_len: int) -> tuple[dict | None
     return {"input_ids": ids[:cut], "loss_mask": mask[:cut]}, status
 
 
+# --------------------------------------------------------------------------- which tokenizer
+def tokenizer_record(tokenizer) -> str:
+    """`name#vocab.template`, what every tokenized record carries: the tokenizer's directory name,
+    16 hex digits of a sha256 over its vocabulary (token → id) and 8 over the chat template it
+    rendered with. Two tokenizers that give the same ids have the same vocabulary hash, wherever
+    they live."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    v = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+    t = hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:8]
+    return f"{Path(str(tokenizer.name_or_path)).name}#{v}.{t}"
+
+
+def check_tokenized(path, tokenizer, what: str) -> None:
+    """Refuse tokenized data (`path`, its first record) whose ids another vocabulary made than
+    the target's (`what` names the target), or that another chat template rendered than the
+    target's own (a target without one, a base model given `--chat-template`, is not held to
+    it). A file tokenized before fledge recorded the tokenizer passes with a warning; a target
+    without a tokenizer at hand (an in-memory model) is not checked."""
+    if tokenizer is None:
+        return
+    first = next((r for _, r in read_jsonl(path)), {})
+    theirs = first.get("tokenizer") if isinstance(first, dict) else None
+    if not isinstance(theirs, str):
+        print(f"warning: {path}: records no tokenizer; not checked against {what}'s", file=sys.stderr)
+        return
+    mine = tokenizer_record(tokenizer)
+    (v, _, t), (mv, _, mt) = theirs.split("#")[-1].partition("."), mine.split("#")[-1].partition(".")
+    if v != mv or (tokenizer.chat_template and t != mt):
+        part = "vocabulary" if v != mv else "chat template"
+        raise FledgeError(f"{path}: tokenized with {theirs}, but {what}'s tokenizer is {mine} (another {part}); "
+                          f"tokenize again with --tokenizer {what}")
+
+
 def resolve_tokenizer(spec: str) -> str:
     """A directory holding a tokenizer, as given, or the converted directory of any target spec
     (built-in name, GGUF)."""
@@ -155,19 +192,33 @@ def resolve_tokenizer(spec: str) -> str:
     return spec if Path(spec).is_dir() else str(resolve_target(spec))
 
 
-def load_tokenizer(spec: str):
+def load_tokenizer(spec: str, chat_template: str | None = None, template_needed: bool = True):
+    """The tokenizer of a target spec, rendering with `chat_template` (a file or "plain") when
+    given, else with its own; one without any is refused when `template_needed`, before a GGUF
+    is converted."""
     from transformers import AutoTokenizer
 
-    from fledge.core.target import check_remote_code, remote_code_allowed
+    from fledge.core.target import (
+        check_chat_template,
+        check_remote_code,
+        read_chat_template,
+        remote_code_allowed,
+    )
+
+    template = read_chat_template(chat_template)
+    if template_needed:
+        check_chat_template(spec, chat_template)
     path = resolve_tokenizer(spec)
     check_remote_code(Path(path))
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=remote_code_allowed())
     except (OSError, ValueError) as e:
         raise FledgeError(f"{spec}: no tokenizer could be loaded ({str(e).splitlines()[0][:200]})") from None
-    if not tok.chat_template:
-        raise FledgeError(f"{spec}: the tokenizer has no chat template; prep tokenizes conversations with "
-                          f"the target's own template (add chat_template.jinja, or pick the instruct model)")
+    if template is not None:
+        tok.chat_template = template
+    if template_needed and not tok.chat_template:
+        raise FledgeError(f"{spec}: the tokenizer has no chat template; pass --chat-template FILE (Jinja), "
+                          f"or --chat-template plain for a base model")
     return tok
 
 
@@ -199,13 +250,15 @@ def _build_training_set(tokenizer, conversations_path, out_path: Path, max_len) 
                 line["truncated"] = status
             f.write(json.dumps(line, ensure_ascii=False) + "\n")  # no fsync per line: a torn tail is redone
     stats, sizes = Counter(conversations=len(convs)), Counter(samples=0, tokens=0, trained_tokens=0)
+    made_by = tokenizer_record(tokenizer)
 
     def samples():
         for _, r in read_jsonl(partial):
             stats[r.get("dropped") or r.get("truncated") or "ok"] += 1
             if "dropped" not in r:
                 sizes.update(samples=1, tokens=len(r["input_ids"]), trained_tokens=sum(r["loss_mask"]))
-                yield (json.dumps({"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}) + "\n").encode()
+                yield (json.dumps({"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"],
+                                   "tokenizer": made_by}) + "\n").encode()
 
     atomic_write_bytes(out_path, samples())
     partial.unlink()
@@ -250,8 +303,8 @@ def _start_worker(parent_pid: int) -> None:
     os.environ["TQDM_DISABLE"] = "1"
 
 
-def _tokenize_shard(tokenizer_dir: str, conv: str, out: str, max_len: int) -> dict:
-    return build_training_set(load_tokenizer(tokenizer_dir), conv, out, max_len)
+def _tokenize_shard(tokenizer_dir: str, conv: str, out: str, max_len: int, chat_template: str | None) -> dict:
+    return build_training_set(load_tokenizer(tokenizer_dir, chat_template), conv, out, max_len)
 
 
 def _plan_shards(sets: dict[str, list[str]], work: Path, key: dict, shards_per_set: int) -> list[dict]:
@@ -274,7 +327,7 @@ def _plan_shards(sets: dict[str, list[str]], work: Path, key: dict, shards_per_s
     return shards
 
 
-def _run_shards(shards: list[dict], tokenizer_dir: str, max_len: int, workers: int) -> None:
+def _run_shards(shards: list[dict], tokenizer_dir: str, max_len: int, workers: int, chat_template: str | None) -> None:
     todo = [s for s in shards if not Path(f"{s['dst']}.stats.json").exists()]
     # One process: build_training_set's own bar shows; workers: theirs are off, this one shows.
     bar = tqdm(total=sum(s["size"] for s in shards), initial=sum(s["size"] for s in shards if s not in todo),
@@ -287,13 +340,13 @@ def _run_shards(shards: list[dict], tokenizer_dir: str, max_len: int, workers: i
     with bar:
         if workers == 1:  # no process start-up for a small job
             for s in todo:
-                done(s, _tokenize_shard(tokenizer_dir, str(s["src"]), str(s["dst"]), max_len))
+                done(s, _tokenize_shard(tokenizer_dir, str(s["src"]), str(s["dst"]), max_len, chat_template))
             return
         # spawn: each worker loads its own tokenizer, no fork of a used Rust tokenizer
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
                                                     initargs=(os.getpid(),)) as pool:
-            futures = {pool.submit(_tokenize_shard, tokenizer_dir, str(s["src"]), str(s["dst"]), max_len): s
+            futures = {pool.submit(_tokenize_shard, tokenizer_dir, str(s["src"]), str(s["dst"]), max_len, chat_template): s
                        for s in todo}
             for f in concurrent.futures.as_completed(futures):
                 done(futures[f], f.result())
@@ -311,7 +364,7 @@ def _merge_stats(parts: list[dict], max_len: int) -> dict:
 
 
 def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048, workers: int = 1,
-             heldout: list[Path] = (), overwrite: bool = False) -> dict:
+             heldout: list[Path] = (), overwrite: bool = False, chat_template: str | None = None) -> dict:
     """Tokenize `inputs` (+ `heldout` files) into `out`/{train,heldout}.tok.jsonl; returns the summary."""
     for path in [*inputs, *heldout]:  # --overwrite would delete an input inside the output
         check_no_overlap(out, {"conversations": path})
@@ -322,17 +375,18 @@ def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048,
         sets = split_sets(list(inputs), list(heldout))
         if not any(sets.values()):
             raise FledgeError(f"{', '.join(map(str, inputs))}: no conversations to tokenize")
+        made_by = tokenizer_record(load_tokenizer(tokenizer, chat_template))  # fail here, once, not in every worker
         tokenizer_dir = resolve_tokenizer(tokenizer)
-        load_tokenizer(tokenizer_dir)  # fail here, once, rather than in every worker
         t0 = time.time()
         key = {"sha256": hashlib.sha256(json.dumps(sets).encode()).hexdigest(), "workers": workers,
-               "max_len": max_len, "tokenizer": tokenizer_dir}
+               "max_len": max_len, "tokenizer": made_by}
         work = out.with_name(f".{out.name}.shards")
         # A few shards per worker, so the progress bar moves and a slow shard does not hold the rest.
         shards = _plan_shards(sets, work, key, shards_per_set=1 if workers == 1 else 4 * workers)
-        _run_shards(shards, tokenizer_dir, max_len, workers)
+        _run_shards(shards, tokenizer_dir, max_len, workers, chat_template)
         summary = {"inputs": [str(p) for p in inputs], "heldout_inputs": [str(p) for p in heldout],
-                   "tokenizer": tokenizer_dir, "workers": workers}
+                   "tokenizer": tokenizer_dir, "tokenizer_record": made_by,
+                   "workers": workers}
         for name in SETS:
             mine = [s for s in shards if s["set"] == name]
             with open(tmp / f"{name}.tok.jsonl", "wb") as dst:  # shard order is fine: training shuffles
@@ -351,7 +405,7 @@ def tokenize(inputs: list[Path], out: Path, tokenizer: str, max_len: int = 2048,
 
 def run_tokenize(args) -> int:
     summary = tokenize([Path(p) for p in args.conversations], Path(args.out), args.tokenizer, args.max_len,
-                       args.workers, [Path(p) for p in args.heldout], args.overwrite)
+                       args.workers, [Path(p) for p in args.heldout], args.overwrite, args.chat_template)
     keys = ("conversations", "samples", "tokens", "trained_tokens", "mean_len", "share_truncated")
     print_table([["", *SETS], *([k, *(summary[name].get(k, 0) for name in SETS)] for k in keys)])
     print(f"wrote {args.out}/train.tok.jsonl, heldout.tok.jsonl in {summary['wall_s']} s", file=sys.stderr)

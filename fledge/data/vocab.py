@@ -29,8 +29,8 @@ from fledge.core.files import (
     atomic_write_bytes,
     atomic_write_json,
     check_no_overlap,
-    output_lock,
     keeping,
+    output_lock,
     read_jsonl,
 )
 from fledge.core.report import print_table
@@ -214,6 +214,9 @@ def run_build(args) -> int:
 
 def _build(args) -> int:
     target_vocab = _target_vocab(args)
+    if args.target:
+        from fledge.data.tokenize import check_tokenized, load_tokenizer
+        check_tokenized(args.dataset, load_tokenizer(args.target, template_needed=False), args.target)
     empty: list[int] = []
     counts = count_masked_tokens(args.dataset, target_vocab, empty)
     total = int(counts.sum())

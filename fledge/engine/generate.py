@@ -51,7 +51,7 @@ def run_generate(args) -> int:
     if args.oracle:
         OracleDrafter.check(spec)  # before the target loads and its AR run
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, args.seed)
-    t = load_target(args.target, dtype=dtype, device=device)
+    t = load_target(args.target, dtype=dtype, device=device, chat_template=args.chat_template, chat=True)
     target = build_engine_target(t.model, dtype, device, compile=args.compile)
     prompt = encode_chat(t.tokenizer, _messages(args))
     eos = eos_ids(t.tokenizer, t.model.generation_config)
@@ -72,6 +72,10 @@ def run_generate(args) -> int:
     else:
         out, stats = generate_spec(target, drafter, prompt, params, eos, phased=args.phased)
         summary, report = stats.summary(), stats.report()
+        if params.temperature == 0:  # greedy: speculation must give plain decoding's tokens exactly
+            summary["equal_to_plain"] = out == generate_ar(target, [prompt], params, eos)[0][0]
+            report += (f"\noutput equal to plain decoding: {int(summary['equal_to_plain'])}/1"
+                       + ("" if summary["equal_to_plain"] else " (fp32 keeps them equal; bf16 may differ at ties)"))
     print(t.tokenizer.decode(out, skip_special_tokens=False))
     print("-" * 60)
     print(report)

@@ -1,17 +1,19 @@
 """HF model -> engine: a transformers causal LM as the engine runs it. For the families with a
 compact implementation, its config and weights become fledge.engine.model's Transformer
-(`args_from_hf_config`, `engine_state_dict`, `transformer_from_hf`); any other supported family
-runs through transformers itself behind the same forward (`HFTarget`). `build_engine_target`
-picks between them.
+(`args_from_hf_config`, `engine_state_dict`, `transformer_from_hf`); any other causal LM runs
+through transformers' own layers, with a KV cache, behind the same forward (`HFTarget`).
+`build_engine_target` picks between them.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import Cache
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from fledge.core.errors import FledgeError
@@ -20,7 +22,6 @@ from fledge.engine.layers import LayerFns
 from fledge.engine.model import ModelArgs, Transformer
 
 COMPACT_FAMILIES = ("llama", "qwen2", "qwen3")
-HF_FAMILIES = ("gemma3", "gemma3_text", "deepseek_v3", "kimi_k2")
 # Rope types whose frequencies do not change with sequence length (dynamic/longrope do).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -111,30 +112,62 @@ def transformer_from_hf(hf_model, dtype, device, compile: bool | str = False,
 # --------------------------------------------------------------------------- generic HF path
 @dataclass
 class HFCache:
-    """What HFTarget keeps per slot instead of K/V: the token, its rope position, and the mask
-    row it was written with. A forward recomputes every written slot from these, so each
-    token's K/V is exactly what an incremental forward would have cached."""
+    """HFTarget's cache: per layer, the two tensors the model's attention hands its cache
+    ([B, heads, slots, dim]; DeepSeek-V3 keeps its compressed latents there), allocated at the
+    first write, and each slot's rope position (sliding-window masks are measured in them)."""
 
-    ids: torch.Tensor  # [B, max_len] long
+    keys: list  # per layer: [B, h, max_len, d] or None before the first write
+    values: list
     positions: torch.Tensor  # [B, max_len] long
-    mask: torch.Tensor  # [B, max_len, max_len] bool; unwritten slots attend to themselves (no NaN rows)
     used: int = 0  # slots [0, used) have been written in some row
 
     @property
     def max_len(self) -> int:
-        return self.ids.shape[1]
+        return self.positions.shape[1]
 
     @classmethod
-    def allocate(cls, batch: int, max_len: int, device) -> "HFCache":
-        eye = torch.eye(max_len, dtype=torch.bool, device=device).expand(batch, -1, -1).clone()
-        zeros = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        return cls(zeros, zeros.clone(), eye)
+    def allocate(cls, layers: int, batch: int, max_len: int, device) -> HFCache:
+        return cls([None] * layers, [None] * layers, torch.zeros(batch, max_len, dtype=torch.long, device=device))
+
+    def write(self, layer: int, k, v, slots, n: int):
+        """Layer `layer`'s new K and V [B, h, T, d] at the rows' `slots` [B, T]; what the layer
+        attends over: the first n slots."""
+        for store, new in ((self.keys, k), (self.values, v)):
+            if store[layer] is None:
+                store[layer] = new.new_zeros(new.shape[0], new.shape[1], self.max_len, new.shape[3])
+            store[layer][torch.arange(new.shape[0], device=slots.device)[:, None], :, slots] = new.transpose(1, 2)
+        return self.keys[layer][:, :, :n], self.values[layer][:, :, :n]
+
+    def move(self, src, dst) -> None:
+        """Slots src [B, D] → dst (rounds.compact: the accepted path into place)."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        for t in (*self.keys, *self.values):
+            if t is not None:
+                t[rows, :, dst] = t[rows, :, src]
+        self.positions[rows, dst] = self.positions[rows, src]
+
+
+class _SlotWrites(Cache):
+    """The transformers Cache one HFTarget forward hands the model: every layer's new K and V
+    go into the HFCache at each row's own slots (a tree's nodes, a padded batch's rows), and
+    the layer attends over the cache's first n slots under fledge's mask."""
+
+    def __init__(self, store: HFCache, slots, n: int):
+        super().__init__(layers=[])
+        self.store, self.slots, self.n = store, slots, n
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.store.write(layer_idx, key_states, value_states, self.slots, self.n)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.n
 
 
 class HFTarget(nn.Module):
-    """Any HF causal LM behind the engine's forward. Slow (every call recomputes all written
-    slots) but exact: it is the reference path for families without a compact implementation
-    (DeepSeek-V3/Kimi-K2, Gemma3). Not CUDA-graph capturable."""
+    """Any HF causal LM behind the engine's forward, through transformers' own layers with a KV
+    cache of fledge's slots (HFCache): a decode step computes only its new tokens, at HF's own
+    cached speed, and it is exact (the reference path for families without a compact
+    implementation: Gemma3, DeepSeek-V3/Kimi-K2, ...). Not CUDA-graph capturable."""
 
     # The capability flags every engine target declares (Transformer has the other values).
     compact = False  # no ModelArgs, no resident prefill
@@ -154,12 +187,16 @@ class HFTarget(nn.Module):
         impl = self.config._attn_implementation
         if impl not in ("eager", "sdpa"):
             raise FledgeError(f"attn_implementation {impl!r}: HFTarget needs 'eager' or 'sdpa' (custom 4D masks)")
+        kinds = set(getattr(self.config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+        if kinds:
+            raise FledgeError(f"{self.config.model_type}: layers of type {', '.join(sorted(kinds))} keep no "
+                              f"K/V cache; fledge's engine runs attention-only models")
 
     def new_cache(self, batch: int, max_len: int) -> HFCache:
-        return HFCache.allocate(batch, max_len, self.hf.device)
+        return HFCache.allocate(self.config.num_hidden_layers, batch, max_len, self.hf.device)
 
-    def _hf_mask(self, mask, positions):
-        """bool [B, 1, n, n] → what the model's layers take: eager adds a float mask, sdpa takes
+    def _hf_mask(self, mask, q_pos, k_pos):
+        """bool [B, 1, T, n] → what the model's layers take: eager adds a float mask, sdpa takes
         bool; sliding-window layers get their own mask (window measured in rope positions)."""
 
         def convert(m):
@@ -170,14 +207,14 @@ class HFTarget(nn.Module):
         layer_types = set(getattr(self.config, "layer_types", None) or ())
         if "sliding_attention" not in layer_types:
             return convert(mask)
-        near = (positions[:, :, None] - positions[:, None, :]) < self.config.sliding_window
+        near = (q_pos[:, :, None] - k_pos[:, None, :]) < self.config.sliding_window
         return {"full_attention": convert(mask), "sliding_attention": convert(mask & near[:, None])}
 
     def prefill(self, input_ids, cache: HFCache, aux_ids=None, logits_idx=None, rows=None):
         """A fresh batch at slots and positions 0..T-1, causal (as Transformer.prefill; whole
         batches only: `rows`, if given, must be all of the cache's)."""
         B, T = input_ids.shape
-        if rows is not None and tuple(rows) != (0, cache.ids.shape[0]):
+        if rows is not None and tuple(rows) != (0, cache.positions.shape[0]):
             raise FledgeError("HFTarget prefills whole batches (row_groups_ok is False)")
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
         cols = torch.arange(cache.max_len, device=input_ids.device)
@@ -186,40 +223,32 @@ class HFTarget(nn.Module):
 
     def forward(self, input_ids, positions, slots, mask, cache: HFCache, aux_ids=None, logits_idx=None):
         B = input_ids.shape[0]
-        if isinstance(mask, Prefix):
-            mask = mask.dense(cache.max_len)
-        elif mask.shape[-1] < cache.max_len:  # a decode step's span, the cache's first S slots: none past it
-            mask = F.pad(mask, (0, cache.max_len - mask.shape[-1]))
         rows = torch.arange(B, device=input_ids.device)[:, None]
-        cache.ids[rows, slots] = input_ids
         cache.positions[rows, slots] = positions
-        cache.mask[rows, slots] = mask[:, 0]
-        cache.used = max(cache.used, int(slots.max()) + 1)
-        n = cache.used
-        pos = cache.positions[:, :n]
-        out = self.hf(input_ids=cache.ids[:, :n], position_ids=pos,
-                      attention_mask=self._hf_mask(cache.mask[:, None, :n, :n], pos),
-                      output_hidden_states=aux_ids is not None, use_cache=False)
-
-        def at(t, idx):  # rows of t [B, n, X] at slots idx [B, K]
-            return t.gather(1, idx[..., None].expand(-1, -1, t.shape[-1]))
-
-        out_slots = slots if logits_idx is None else slots.gather(1, logits_idx)
-        logits = at(out.logits, out_slots).float()
-        aux = None
-        if aux_ids is not None:
-            aux = torch.cat([at(out.hidden_states[i], slots) for i in aux_ids], dim=-1)
+        cache.used = n = max(cache.used, int(slots.max()) + 1)
+        mask = mask.dense(n) if isinstance(mask, Prefix) else mask[..., :n]
+        if mask.shape[-1] < n:  # a decode step's span, the cache's first S slots: none past it
+            mask = F.pad(mask, (0, n - mask.shape[-1]))
+        # Only the rows' asked-for logits go through the head (a 262K vocabulary is most of a step).
+        keep = None if logits_idx is None else logits_idx.flatten().unique()
+        out = self.hf(input_ids=input_ids, position_ids=positions, past_key_values=_SlotWrites(cache, slots, n),
+                      attention_mask=self._hf_mask(mask, positions, cache.positions[:, :n]), use_cache=True,
+                      output_hidden_states=aux_ids is not None, logits_to_keep=0 if keep is None else keep)
+        logits = out.logits.float()
+        if keep is not None:
+            at = torch.searchsorted(keep, logits_idx)
+            logits = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
+        aux = None if aux_ids is None else torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)
         return logits, aux
 
 
 def build_engine_target(hf_model, dtype, device, compile: bool | str = False, fns: LayerFns | None = None):
     """The engine's view of a loaded HF model: the compact Transformer where fledge has one
     (`compile`, `fns`: see `transformer_from_hf`), else HFTarget (which moves `hf_model` itself
-    to dtype/device)."""
+    to dtype/device), saying so in one line."""
     family = hf_model.config.get_text_config().model_type
     if family in COMPACT_FAMILIES:
         return transformer_from_hf(hf_model, dtype, device, compile, fns)
-    if family in HF_FAMILIES or hf_model.config.model_type in HF_FAMILIES:
-        return HFTarget(hf_model.to(device=device, dtype=dtype))
-    raise FledgeError(f"model_type {family!r}: no engine implementation "
-                      f"(compact: {', '.join(COMPACT_FAMILIES)}; via transformers: {', '.join(HF_FAMILIES)})")
+    print(f"fledge: {family} runs through transformers' own layers with a KV cache (fledge's compact engine, "
+          f"faster and compilable, covers {', '.join(COMPACT_FAMILIES)})", file=sys.stderr)
+    return HFTarget(hf_model.to(device=device, dtype=dtype))

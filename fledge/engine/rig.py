@@ -94,7 +94,8 @@ class EngineRig:
                              compile=self.compiled)
 
 
-def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -> EngineRig:
+def load_rig(target: str, drafter: str, device: str | None, dtype: str | None,
+             chat_template: str | None = None) -> EngineRig:
     """The engine as `fledge generate --compile` and `bench/bench_engine.py --compile` run it on
     CUDA (CUDA graphs, fused rounds, fused reductions up to GEMV_ROWS rows, the few-rows kernel
     for verify-sized forwards); eager on the CPU."""
@@ -106,7 +107,7 @@ def load_rig(target: str, drafter: str, device: str | None, dtype: str | None) -
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     compile = dev.type == "cuda"
-    t = load_target(target, dtype=dt, device=dev)
+    t = load_target(target, dtype=dt, device=dev, chat_template=chat_template, chat=True)
     draft = load_checkpoint(drafter, embed_from=t.model).eval().cast(dev, dt)
     fns = LayerFns.compiled(gemv_rows=GEMV_ROWS, few_rows=16) if compile else LayerFns()
     return EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev, fns=fns), draft,
@@ -119,30 +120,37 @@ def engine_path(rig: EngineRig) -> str:
             "fused greedy rounds")
 
 
-def run_ar(rig: EngineRig, prompts, max_new_tokens: int) -> dict:
-    """Plain decoding on the engine, batch 1: ms per decode step and decode tok/s."""
+def run_ar(rig: EngineRig, prompts, max_new_tokens: int, outputs: list | None = None) -> dict:
+    """Plain decoding on the engine, batch 1: ms per decode step and decode tok/s (each prompt's
+    tokens appended to `outputs`, if given)."""
     from fledge.engine.decode import generate_ar
     from fledge.engine.sampling import SamplingParams
 
     generate_ar(rig.target, [prompts[0]], SamplingParams(max_new_tokens=8), rig.eos)  # warm-up/capture
     ms = steps = 0
     for p in tqdm(prompts, desc="plain decoding", leave=False):
-        _, st = generate_ar(rig.target, [p], SamplingParams(max_new_tokens=max_new_tokens), rig.eos)
+        rows, st = generate_ar(rig.target, [p], SamplingParams(max_new_tokens=max_new_tokens), rig.eos)
         ms, steps = ms + st["decode_ms"], steps + st["decode_steps"]
+        if outputs is not None:
+            outputs.append(rows[0])
     return {"ar_ms": ms / max(steps, 1), "tok_s": 1e3 * steps / max(ms, 1e-9)}
 
 
-def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str):
+def run_shape(rig: EngineRig, drafter, prompts, max_new_tokens: int, desc: str, outputs: list | None = None):
     """Every prompt through the engine's speculative decoding as shipped (greedy: fused rounds,
     one graph each on CUDA), the timing path of `fledge bench` and `fledge tune`: merged
-    SpecStats and decode tok/s (prefill excluded: the cost model predicts decode rounds)."""
+    SpecStats and decode tok/s (prefill excluded: the cost model predicts decode rounds); each
+    prompt's tokens appended to `outputs`, if given."""
     from fledge.engine.sampling import SamplingParams
     from fledge.engine.spec import generate_spec
     from fledge.engine.stats import SpecStats
 
     generate_spec(rig.target, drafter, prompts[0], SamplingParams(max_new_tokens=8), rig.eos)  # compile, capture
-    runs = [generate_spec(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos)[1]
+    done = [generate_spec(rig.target, drafter, p, SamplingParams(max_new_tokens=max_new_tokens), rig.eos)
             for p in tqdm(prompts, desc=desc, leave=False)]
+    if outputs is not None:
+        outputs.extend(out for out, _ in done)
+    runs = [st for _, st in done]
     stats = SpecStats.merge(runs)
     decode_tok_s = 1e3 * (stats.generated_tokens - len(runs)) / max(stats.wall_ms - stats.prefill_ms, 1e-9)
     return stats, decode_tok_s
@@ -189,16 +197,21 @@ def measure_draft_ms(rig: EngineRig, prompts, topks, max_new_tokens: int, contex
     (`measure_verify_ms`), and round - verify is fitted as a + b * num_steps from runs at 2 and
     6 steps: b is the draft step, a the rest."""
     draft, fixed = {}, []
+    # One bar over the runs: each is minutes on a large target, and the inner bars restart per run.
+    runs = tqdm(total=2 * len(topks), desc="draft timing (runs of 2 and 6 steps per topk)", unit="run")
     for k in topks:
         rest = {}
         for s in (2, 6):
             shape = Shape(s, k, min(16, max_nodes(s, k)))
-            st, _ = run_shape(rig, rig.drafter(shape), prompts, max_new_tokens, f"draft timing s{s} k{k}")
+            runs.set_postfix_str(shape.label)
+            st, _ = run_shape(rig, rig.drafter(shape), prompts, max_new_tokens, f"draft timing {shape.label}")
             verify = measure_verify_ms(rig, [shape.num_draft_tokens], context, iters)[shape.num_draft_tokens]
             rest[s] = st.summary()["round_ms_per_step"] - verify
+            runs.update()
         b = max((rest[6] - rest[2]) / 4, 0.0)
         draft[k] = b
         fixed += [max(rest[2] - 2 * b, 0.0), max(rest[6] - 6 * b, 0.0)]
+    runs.close()
     return draft, statistics.median(fixed)
 
 

@@ -99,12 +99,7 @@ def compact(cache, cache_len: torch.Tensor, path: torch.Tensor, use_kernel: bool
             shape = (nl, B, nkv, D, hd)
             t.scatter_(3, dst[None, :, None, :, None].expand(shape), t.gather(3, src[None, :, None, :, None].expand(shape)))
         return
-    # HFTarget recomputes every slot from (token, position, mask row): move the first two,
-    # and give each moved slot the causal row it would have had if decoded one at a time.
-    for t in (cache.ids, cache.positions):
-        t.scatter_(1, dst, t.gather(1, src))
-    cols = torch.arange(cache.mask.shape[2], device=path.device)
-    cache.mask.scatter_(1, dst[..., None].expand(B, D, cols.numel()), cols <= dst[..., None])
+    cache.move(src, dst)  # HFTarget's cache: its layers' tensors and the slots' positions
 
 
 def path_of(tree: Tree, best, aux, length: int):

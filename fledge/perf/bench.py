@@ -61,21 +61,28 @@ def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
 
 # --------------------------------------------------------------------------- CLI
 def _engine_bench(args) -> dict:
-    rig = load_rig(args.target, args.drafter, args.device, args.dtype)
+    rig = load_rig(args.target, args.drafter, args.device, args.dtype, args.chat_template)
     prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
-    ar = run_ar(rig, prompts, args.max_new_tokens)
+    plain: list[list[int]] = []
+    ar = run_ar(rig, prompts, args.max_new_tokens, plain)
     results = []
     for shape in parse_shapes(args.shapes):
-        stats, tok_s = run_shape(rig, rig.drafter(shape), prompts, args.max_new_tokens, f"shape {shape.label}")
+        outs: list[list[int]] = []
+        stats, tok_s = run_shape(rig, rig.drafter(shape), prompts, args.max_new_tokens, f"shape {shape.label}", outs)
         s = stats.summary()
-        results.append({"shape": shape.label, "tok_s": tok_s, "speedup": tok_s / ar["tok_s"], **{k: s[k] for k in (
+        results.append({"shape": shape.label, "tok_s": tok_s, "speedup": tok_s / ar["tok_s"],
+                        "equal_to_plain": sum(a == b for a, b in zip(outs, plain)), "prompts": len(prompts),
+                        **{k: s[k] for k in (
             "accept_length", "accept_rate", "round_ms_per_step", "depth_acceptance", "histogram", "ended_outside_vocab")}})
     print(f"plain decoding {ar['tok_s']:.1f} tok/s ({ar['ar_ms']:.2f} ms/step); accept length = SGLang's (bonus incl.); "
           f"{engine_path(rig)}")
-    print(f"{'shape':<14}{'accept':>7}{'tok/s':>9}{'speedup':>9}{'round ms':>9}  rounds ended outside the draft vocab")
+    print(f"{'shape':<14}{'accept':>7}{'tok/s':>9}{'speedup':>9}{'round ms':>9}{'= plain':>9}"
+          f"  rounds ended outside the draft vocab")
     for r in results:
         print(f"{r['shape']:<14}{r['accept_length']:>7.2f}{r['tok_s']:>9.1f}{r['speedup']:>8.2f}x{r['round_ms_per_step']:>9.2f}"
-              f"  {100 * r['ended_outside_vocab']:.1f}%")
+              f"{str(r['equal_to_plain']) + '/' + str(r['prompts']):>9}  {100 * r['ended_outside_vocab']:.1f}%")
+    print("= plain: outputs equal to plain decoding's, token for token (greedy; fp32 keeps them equal, bf16 may "
+          "differ where two logits tie within rounding)")
     out = {"ar": ar, "results": results}
     if args.probe:
         out["profile"] = probe_profile(rig, prompts, args.probe_steps, args.probe_topk, args.max_new_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import sys
 from dataclasses import asdict
 
 from fledge.core.shape import Shape, parse_shapes
@@ -36,8 +37,10 @@ def run_engine(args) -> int:
     # so verify time is not smooth in n.
     sizes = sorted({s.num_draft_tokens for s in shapes})
     iters = 20 if rig.device.type == "cuda" else 3  # CPU forwards are slow and steady
+    draft_tokens = min(64, args.max_new_tokens)
+    print(time_left(args, ar["ar_ms"], len(prompts), len(topks), draft_tokens), file=sys.stderr, flush=True)
     verify_ms = engine_rig.measure_verify_ms(rig, sizes, context, iters)
-    draft_ms, overhead = engine_rig.measure_draft_ms(rig, prompts[:2], topks, min(64, args.max_new_tokens), context, iters)
+    draft_ms, overhead = engine_rig.measure_draft_ms(rig, prompts[:2], topks, draft_tokens, context, iters)
     timings = Timings(ar["ar_ms"], verify_ms, draft_ms, overhead, batch=1)
     if args.accept_json:
         profile = profile_from_json(args.accept_json)
@@ -53,6 +56,18 @@ def run_engine(args) -> int:
                                       ar["tok_s"])
         text += "\n" + validation_table(data["validation"])
     return finish(args, (text, data, preds))
+
+
+def time_left(args, ar_ms: float, n_prompts: int, n_topks: int, draft_tokens: int) -> str:
+    """What comes next and how long, in one line, before minutes without a result: the tokens
+    run_engine's runs decode (each run also decodes 8 to warm up), at plain decoding's pace."""
+    per_run = n_prompts * args.max_new_tokens + 8
+    tokens = 2 * n_topks * (min(n_prompts, 2) * draft_tokens + 8) + (0 if args.accept_json else per_run)
+    if args.validate:
+        tokens += (len(parse_shapes(args.shapes)) if args.shapes else 8) * per_run  # 8: validation_shapes' count
+    return (f"tune: plain decoding takes {ar_ms:.1f} ms a token on this target; the timing runs and the acceptance "
+            f"probe decode {tokens} tokens next: about {tokens * ar_ms / 60e3:.1f} min at that pace (more while the "
+            "drafter misses, less while it hits)")
 
 
 def validation_shapes(preds: list[Prediction], want: int = 8) -> list[Shape]:

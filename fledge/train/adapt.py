@@ -40,6 +40,7 @@ from fledge.core.conventions import diff_vocab, validate_aux_layer_ids
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json, check_no_overlap, output_lock
 from fledge.core.report import print_table
+from fledge.data.tokenize import check_tokenized
 from fledge.data.vocab import count_masked_tokens, top_target_ids
 from fledge.drafter.checkpoint import export_checkpoint, load_checkpoint, verifier_of
 from fledge.drafter.eagle3 import Eagle3Draft
@@ -191,6 +192,7 @@ def adapt(cfg: AdaptConfig, target) -> dict:
     if previous.exists() and json.loads(previous.read_text()).get("args") != args:
         raise FledgeError(f"{out}: holds an adapt run with other arguments; use a new --out")
     model, tcfg = target.model, target.model.config.get_text_config()
+    check_tokenized(cfg.data, target.tokenizer, target.name)
     old = load_old(cfg.drafter, tcfg.num_hidden_layers)
     new_config(old.cfg, tcfg, cfg.draft_vocab or old.cfg.draft_vocab_size)  # refuses before the pass over the data
     ids, vocab_note, warnings = choose_vocab(cfg, old, count_masked_tokens(cfg.data, tcfg.vocab_size))

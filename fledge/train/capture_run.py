@@ -17,6 +17,7 @@ from fledge.core.devices import pick_device
 from fledge.core.errors import FledgeError
 from fledge.core.files import output_lock
 from fledge.core.target import load_target, resolve_target
+from fledge.data.tokenize import check_tokenized, load_tokenizer
 from fledge.train.capture import FinalNorm, VllmCapture, launch_args, launch_line
 from fledge.train.features import (
     FeatureOptions,
@@ -71,6 +72,7 @@ def run_features(args) -> int:
         device = pick_device(args.device)  # before a load of minutes
         target = load_target(args.target, device=device)
         model = target.model
+        check_tokenized(args.data, target.tokenizer, args.target)
         samples = load_samples(args.data, args.max_len, model.config.get_text_config().vocab_size)
         aux_ids = aux_layer_ids_for(model, args.aux_layers)
         summary = write_features(model, aux_ids, samples, args.out,
@@ -87,6 +89,7 @@ def run_capture(args, opts: FeatureOptions) -> int:
         storage = Path(args.storage or "/tmp/fledge-hidden-states")
         print(launch_line(launch_args(shape.path, name, aux_ids, shape.num_layers, storage, args.max_len + 1)))
         return 0
+    check_tokenized(args.data, load_tokenizer(args.target, template_needed=False), args.target)
     samples = load_samples(args.data, args.max_len, shape.vocab_size)
     capture = make_capture(args.engine, args.server, name, shape, aux_ids, timeout=args.timeout,
                            retries=args.retries, concurrency=args.concurrency)

@@ -23,6 +23,7 @@ from torch import nn
 from fledge.core.config import DraftConfig, TrainConfig, is_url
 from fledge.core.devices import pick_device
 from fledge.core.errors import FledgeError
+from fledge.data.tokenize import check_tokenized
 from fledge.data.vocab import load_vocab_ids
 from fledge.drafter.checkpoint import load_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
@@ -163,6 +164,8 @@ def setup(cfg: TrainConfig, target) -> Run:
     if device.type == "cuda" and cfg.bf16:
         model = model.to(torch.bfloat16)  # the served target runs bf16: train on the features it produces
     tcfg = model.config.get_text_config()
+    for path in filter(None, (cfg.data, cfg.eval_data)):
+        check_tokenized(path, target.tokenizer, target.name)
     samples = load_samples(cfg.data, cfg.max_len, tcfg.vocab_size)
     store = None
     if cfg.features and not is_url(cfg.features):
