@@ -114,21 +114,21 @@ def test_eagle31_export_passes_and_says_what_it_needs(target, tmp_path):
     assert keys.status == FAIL and "fc_norm.1.weight" in keys.why
 
 
-def test_untrained_drafter_fails_without_a_probe(target, tmp_path):
-    """A drafter at its random init, or a few optimizer steps from it, FAILs `trained` from the
+def test_untrained_drafter_is_flagged_without_a_probe(target, tmp_path):
+    """A drafter at its random init, or a few optimizer steps from it, WARNs `trained` from the
     files alone (it drafts noise); the norms say "never trained" beside it. The shipped drafter
     passes."""
     model, tpath = target
     results = doctor.doctor(_export(model, tmp_path / "d", trained=False), str(tpath))
     assert {c.name for c in results if c.status != PASS} == {"norms", "trained"}
-    assert _statuses(results)["norms"] == WARN and _statuses(results)["trained"] == FAIL and exit_code(results) == 2
+    assert _statuses(results)["norms"] == WARN and _statuses(results)["trained"] == WARN and exit_code(results) == 1
     assert "never trained" in next(c for c in results if c.name == "norms").why
     draft, g = _draft(model, trained=False), torch.Generator().manual_seed(1)
     for p in draft.parameters():  # eight Adam steps of lr 3e-4 move each weight by at most ~2.4e-3
         if p.requires_grad:
             p.data += 2.4e-3 * torch.sign(torch.randn(p.shape, generator=g))
     few = export_checkpoint(draft, tmp_path / "few", dtype=torch.float32)
-    assert _statuses(doctor.doctor(few, str(tpath)))["trained"] == FAIL
+    assert _statuses(doctor.doctor(few, str(tpath)))["trained"] == WARN
     shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m"
     assert _statuses(doctor.doctor(shipped))["trained"] == PASS
 

@@ -100,9 +100,9 @@ def test_bad_features_input_is_one_line(tmp_path, target_dir, capsys, case):
         (tmp_path / "feats" / "meta.json").write_text("{not json" if case == "meta_not_json" else "[1, 2]")
         match = "meta.json is not JSON" if case == "meta_not_json" else "must be a JSON object, not a list"
     elif case == "shard_size_0":
-        extra, match = ("--shard-size", "0"), "--shard-size 0"
+        extra, match = ("--shard-size", "0"), "--shard-size: 0"
     elif case == "batch_size_0":
-        extra, match = ("--batch-size", "0"), "--batch-size 0"
+        extra, match = ("--batch-size", "0"), "--batch-size: 0"
     else:
         lines = Path(data).read_text().splitlines()
         rec = json.loads(lines[2])

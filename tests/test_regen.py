@@ -381,8 +381,8 @@ def test_mtbench_turns_are_answered_turn_by_turn(tmp_path, tiny_chat_target):
     # The random model's third greedy token ends its turn: a cut-off answer would end the conversation.
     stop = t.model.generate(first, max_new_tokens=3, do_sample=False)[0, -1].item()
     for max_turns, roles in ((None, ["user", "assistant", "user", "assistant"]), (1, ["user", "assistant"])):
-        cfg = RegenConfig(max_new_tokens=5, max_len=256, max_turns=max_turns)
-        backend = EngineBackend(t, cfg, batch_size=2, device="cpu", dtype=torch.float32)
+        cfg = RegenConfig(max_new_tokens=5, max_len=256, max_turns=max_turns, batch_size=2)
+        backend = EngineBackend(t, cfg, device="cpu", dtype=torch.float32)
         backend.eos = [stop]
         out = tmp_path / f"r{max_turns}.jsonl"
         regenerate(tmp_path / "c.jsonl", out, backend, cfg)

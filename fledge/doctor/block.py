@@ -10,6 +10,7 @@ from pathlib import Path
 from fledge.core.errors import FledgeError
 from fledge.doctor.checks import Check, fail, ok
 from fledge.doctor.lint import parse_launch
+from fledge.drafter.layout import is_dflash
 
 
 def dflash_checks(drafter, target: str | None = None, launch: str | None = None) -> list[Check]:
@@ -63,5 +64,4 @@ def launch_check(c, launch: str) -> Check:
 
 
 def is_block_drafter(drafter) -> bool:
-    from fledge.drafter.dflash_checkpoint import is_dflash
     return Path(drafter).is_dir() and is_dflash(drafter)

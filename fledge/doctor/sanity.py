@@ -70,7 +70,9 @@ def check_trained(w: Weights) -> Check | None:
         beyond[k] = out / math.prod(w.shapes[k])
     most = max(beyond.values())
     if most < MOVED_FLOOR:
-        return fail("trained", f"draft layer at its random init: at most {100 * most:.1f}% of any weight lies beyond "
+        # A WARN, not a FAIL: such a drafter loads and serves exactly, it only pays nothing, and a
+        # smoke run of a few steps (the README's quick start) is expected to look like this.
+        return warn("trained", f"draft layer at or near its random init: at most {100 * most:.1f}% of any weight lies beyond "
                     f"nn.Linear's init bound 1/sqrt(fan_in) (trained drafters: 20-60%), so it drafts noise the "
                     f"target rejects", "export the trained checkpoint (or train longer); `doctor --probe N` measures it")
     return ok("trained", f"draft weights moved from init: {100 * min(beyond.values()):.0f}-{100 * most:.0f}% beyond "

@@ -46,8 +46,6 @@ from fledge.core.conventions import (
 from fledge.core.errors import FledgeError
 from fledge.drafter.eagle3 import rope_config
 
-DFLASH_ARCH = "DFlashDraftModel"
-
 
 @dataclass
 class DFlashConfig:

@@ -27,7 +27,8 @@ from fledge.core.conventions import (
 )
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_dir, write_file
-from fledge.drafter.dflash import DFLASH_ARCH, DFlashConfig, DFlashDraft
+from fledge.drafter.dflash import DFlashConfig, DFlashDraft
+from fledge.drafter.layout import DFLASH_ARCH
 
 WEIGHTS = "model.safetensors"
 
@@ -92,15 +93,6 @@ def export_dflash(draft: DFlashDraft, out_dir, dtype=torch.bfloat16, verifier: s
         write_file(tmp / WEIGHTS, st_save(tensors, metadata={"format": "pt"}))
         load_dflash(tmp)  # refuses what it cannot read back
     return out_dir
-
-
-def is_dflash(path) -> bool:
-    """Whether the checkpoint dir `path` holds a DFlash drafter (by its config.json)."""
-    p = Path(path) / "config.json"
-    try:
-        return DFLASH_ARCH in (json.loads(p.read_text()).get("architectures") or [])
-    except (OSError, json.JSONDecodeError):
-        return False
 
 
 def load_dflash(path, embed_from=None) -> DFlashDraft:

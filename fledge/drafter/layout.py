@@ -10,7 +10,9 @@ and numpy to check a checkpoint; `fledge.drafter.checkpoint` writes and loads wi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from fledge.core.config import DraftConfig
 from fledge.core.conventions import (
@@ -21,6 +23,7 @@ from fledge.core.conventions import (
 from fledge.core.errors import FledgeError
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+DFLASH_ARCH = "DFlashDraftModel"  # vLLM's name for a DFlash block drafter
 
 
 # --------------------------------------------------------------------------- tensor names
@@ -175,3 +178,13 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
         torch_dtype=f.dtype or "bfloat16", fc_norm=f.fc_norm, norm_output=f.norm_output,
         extra={k: v for k, v in extra.items() if v is not None},
     )
+
+
+def is_dflash(path) -> bool:
+    """Whether the checkpoint dir `path` holds a DFlash drafter (by its config.json); torch-free,
+    so doctor and tune tell the methods apart without loading torch."""
+    p = Path(path) / "config.json"
+    try:
+        return DFLASH_ARCH in (json.loads(p.read_text()).get("architectures") or [])
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False

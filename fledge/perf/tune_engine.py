@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict
 
 from fledge.core.shape import Shape, parse_shapes
-from fledge.drafter.dflash_checkpoint import is_dflash
+from fledge.drafter.layout import is_dflash
 from fledge.engine import rig as engine_rig
 from fledge.perf import bench
 from fledge.perf.acceptance import Profile, profile_from_json
