@@ -24,10 +24,10 @@ from pathlib import Path
 
 from fledge.cli import main as fledge
 from fledge.core.files import atomic_write_json
-from fledge.core.report import print_table
 from fledge.core.openai_client import Client
+from fledge.core.report import print_table
 from fledge.core.target import resolve_target
-from fledge.perf import calibrate, hwmodel
+from fledge.perf import calibrate, hwmodel, modelspec
 from fledge.perf.serving import PROMPTS, ServerBench, bench_server, parse_levels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def run(ks: list[int], levels: str, max_new_tokens: int, requests: int, out_dir:
             server.stop()
 
     prof = json.loads(profile_path.read_text())
-    tgt, drf = hwmodel.load_specs(str(target), str(DRAFTER), "fp32", None, None)
+    tgt, drf = modelspec.load_specs(str(target), str(DRAFTER), "fp32", None, None)
     hw = hwmodel.hardware("cpu", 1, "nvlink", cuda_graphs=False, **prof["hardware"]["overrides"])
     table = calibrate.plain_table(prof["points"])
     preds = calibrate.predict_chains(table, tgt, drf, hw, prof["context"], ks, accept.get)

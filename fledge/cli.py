@@ -22,9 +22,14 @@ import errno
 import os
 import sys
 
-from fledge.cli_args import COMMANDS
+from fledge import cli_args, cli_perf
 from fledge.core.errors import FledgeError
 
+# Subcommands in pipeline order, each a function adding its parser(s).
+COMMANDS = [cli_args.add_target, cli_args.add_prep, cli_args.add_prompts, cli_args.add_regen, cli_args.add_tokenize,
+            cli_args.add_vocab, cli_args.add_features, cli_args.add_train, cli_args.add_checkpoint, cli_args.add_doctor,
+            cli_args.add_demo, cli_args.add_generate, cli_perf.add_bench, cli_perf.add_serve_sweep, cli_perf.add_tune,
+            cli_args.add_adapt]
 
 class Parser(argparse.ArgumentParser):
     """argparse with its usage errors (a missing argument, a number out of range) raised as a

@@ -14,7 +14,11 @@ from fledge.cli import main as cli_main
 from fledge.core.config import DraftConfig
 from fledge.core.errors import FledgeError
 from fledge.core.target import Target
-from fledge.drafter.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
+from fledge.drafter.checkpoint import (
+    export_checkpoint,
+    load_checkpoint,
+    validate_checkpoint,
+)
 from fledge.drafter.eagle3 import Eagle3Draft
 from fledge.train.adapt import AdaptConfig, adapt, adapt_draft
 

@@ -15,7 +15,7 @@ import pytest
 
 from fledge.cli import main
 from fledge.core.shape import Shape
-from fledge.perf import calibrate, hwmodel
+from fledge.perf import calibrate, hwmodel, modelspec
 from fledge.perf.acceptance import profile_from_json
 from fledge.perf.tune import predict
 
@@ -30,7 +30,7 @@ def truth_hw():
 
 
 def specs():
-    return hwmodel.load_specs(str(TARGET), None, "bf16", None, None)
+    return modelspec.load_specs(str(TARGET), None, "bf16", None, None)
 
 
 class Fake:

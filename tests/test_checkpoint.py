@@ -21,7 +21,11 @@ from fledge.core.conventions import (
     default_aux_layer_ids,
 )
 from fledge.core.errors import FledgeError
-from fledge.drafter.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
+from fledge.drafter.checkpoint import (
+    export_checkpoint,
+    load_checkpoint,
+    validate_checkpoint,
+)
 from fledge.drafter.eagle3 import Eagle3Draft
 from fledge.drafter.layout import checkpoint_keys
 

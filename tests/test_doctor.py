@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from fledge import cli
 from fledge.core.config import DraftConfig
 from fledge.core.shape import max_nodes
-from fledge.doctor.checks import FAIL, PASS, WARN, Check, exit_code, report
 from fledge.doctor import doctor
+from fledge.doctor.checks import FAIL, PASS, WARN, Check, exit_code, report
 from fledge.doctor.lint import launch_checks, parse_launch
 from fledge.drafter import weights
 from fledge.drafter.checkpoint import export_checkpoint

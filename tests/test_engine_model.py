@@ -9,7 +9,16 @@ import transformers
 from conftest import ENGINE_FAMILIES, FAMILIES, make_tiny
 
 from fledge.core.errors import FledgeError
-from fledge.engine import (HFTarget, SamplingParams, Transformer, build_engine_target, generate_ar, logits_to_probs, make_causal_mask, sample_token)
+from fledge.engine import (
+    HFTarget,
+    SamplingParams,
+    Transformer,
+    build_engine_target,
+    generate_ar,
+    logits_to_probs,
+    make_causal_mask,
+    sample_token,
+)
 
 AUX = (2, 3, 5)
 

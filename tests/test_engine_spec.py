@@ -11,7 +11,14 @@ from fledge.core.config import DraftConfig
 from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
 from fledge.drafter.eagle3 import Eagle3Draft
-from fledge.engine import (HFTarget, SamplingParams, build_engine_target, generate_ar, logits_to_probs, make_causal_mask)
+from fledge.engine import (
+    HFTarget,
+    SamplingParams,
+    build_engine_target,
+    generate_ar,
+    logits_to_probs,
+    make_causal_mask,
+)
 from fledge.engine.attention import Prefix
 from fledge.engine.drafters import Eagle3Drafter, NgramDrafter, OracleDrafter
 from fledge.engine.protocols import DraftInput

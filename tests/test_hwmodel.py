@@ -14,6 +14,7 @@ from conftest import make_tiny
 
 from fledge.cli import main
 from fledge.perf import hwmodel as H
+from fledge.perf import modelspec as M
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tune"
 UNIT = H.Hardware(H.Gpu(1.0, {"fp32": 1.0}), bw_efficiency=1.0, flops_efficiency=1.0)  # 1 GB/s, 1 TFLOP/s
@@ -29,7 +30,7 @@ def _linear_params(hf) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_bytes_and_flops_match_hf_parameters(family):
     hf = make_tiny(family)
-    m = H.spec_from_config(hf.config.to_dict(), "tiny", dtype="fp32")
+    m = M.spec_from_config(hf.config.to_dict(), "tiny", dtype="fp32")
     params = _linear_params(hf)
     total = sum(n for _, n in params)
     # Enough rows that every expert is touched: the forward reads every weight once.
@@ -50,7 +51,7 @@ def test_drafter_bytes_match_fledge_drafter(tmp_path):
     hf = make_tiny("llama")
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config, draft_vocab_size=97), hf)
     out = export_checkpoint(draft, tmp_path / "d", layout="eagle3")
-    m = H.spec_from_config(json.loads((out / "config.json").read_text()), "draft", dtype="fp32")
+    m = M.spec_from_config(json.loads((out / "config.json").read_text()), "draft", dtype="fp32")
     want = sum(p.numel() for n, p in draft.named_parameters()
                if n.startswith(("midlayer.self_attn", "midlayer.mlp", "lm_head")))
     assert m.draft and m.vocab == 97
@@ -59,9 +60,9 @@ def test_drafter_bytes_match_fledge_drafter(tmp_path):
 
 def test_a_drafter_the_model_cannot_read_is_said(tmp_path, capsys):
     fixture = str(Path(__file__).parent / "fixtures" / "tune" / "llama31_8b_config.json")
-    target, drafter = H.load_specs(fixture, str(tmp_path / "typo"), "bf16", None, None)
-    assert drafter == H.default_drafter(target) and "typo: no local directory" in capsys.readouterr().err
-    H.load_specs(fixture, None, "bf16", None, None)
+    target, drafter = M.load_specs(fixture, str(tmp_path / "typo"), "bf16", None, None)
+    assert drafter == M.default_drafter(target) and "typo: no local directory" in capsys.readouterr().err
+    M.load_specs(fixture, None, "bf16", None, None)
     assert capsys.readouterr().err == ""
 
 
@@ -71,12 +72,12 @@ def test_expert_union_matches_uniform_routing_simulation():
         trials = [len(set().union(*(rng.sample(range(experts), k) for _ in range(rows)))) for _ in range(3000)]
         mean = sum(trials) / len(trials)
         sd = (sum((x - mean) ** 2 for x in trials) / (len(trials) - 1)) ** 0.5
-        assert abs(mean - H.distinct_experts(experts, k, rows)) < 5 * sd / len(trials) ** 0.5 + 1e-9
+        assert abs(mean - M.distinct_experts(experts, k, rows)) < 5 * sd / len(trials) ** 0.5 + 1e-9
 
 
 def test_roofline_and_all_reduces():
     cfg = json.loads((FIXTURES / "kimi_k25_config.json").read_text())
-    kimi = H.spec_from_config(cfg, "kimi")
+    kimi = M.spec_from_config(cfg, "kimi")
     assert kimi.quant == "int4" and kimi.mla == (1536, 512, 128, 64, 128) and kimi.vocab == 163840
     # Latency-bound link: exactly two all-reduces per layer (122 for 61 layers, as logged).
     hw = H.hardware("rtx-pro-6000", 8, "pcie", bus_gbs=1e12)
@@ -92,8 +93,8 @@ def test_roofline_and_all_reduces():
 
 def kimi_times():
     cfg = json.loads((FIXTURES / "kimi_k25_config.json").read_text())
-    kimi = H.spec_from_config(cfg, "kimi")
-    return H.step_times(kimi, H.default_drafter(kimi), H.hardware("rtx-pro-6000", 8, "pcie"), 1, 2048)
+    kimi = M.spec_from_config(cfg, "kimi")
+    return H.step_times(kimi, M.default_drafter(kimi), H.hardware("rtx-pro-6000", 8, "pcie"), 1, 2048)
 
 
 def test_kimi_k25_on_8_rtx_pro_6000_pcie(tmp_path):
@@ -124,9 +125,9 @@ def specbundle_predictions(gpu: str = "h200", output_len: int = 512):
     out = []
     for model, cfg_file, tp in [("Llama-3.1-8B-Instruct", "llama31_8b_config.json", 1),
                                 ("Llama-3.3-70B-Instruct", "llama33_70b_config.json", 4)]:
-        m = H.spec_from_config(json.loads((FIXTURES / cfg_file).read_text()), cfg_file)
+        m = M.spec_from_config(json.loads((FIXTURES / cfg_file).read_text()), cfg_file)
         mine = [r for r in rows if r["model"] == model]
-        t = H.step_times(m, H.default_drafter(m), H.hardware(gpu, tp, "nvlink"), mine[0]["batch_size"], 1024, output_len)
+        t = H.step_times(m, M.default_drafter(m), H.hardware(gpu, tp, "nvlink"), mine[0]["batch_size"], 1024, output_len)
         for r in mine:
             it = r["steps"] * t.draft(1) + t.verify(r["num_draft_tokens"]) + t.overhead_ms
             out.append({**r, "predicted": t.plain_ms / t.spec_ms(r["accept_length"], it),
@@ -212,8 +213,8 @@ KIMI = dict(family="kimi", params_b=1040, active_params_b=32.9, layers=61, hidde
 
 
 def test_corpus_arch_matches_the_configs():
-    llama = H.spec_from_config(json.loads((FIXTURES / "llama31_8b_config.json").read_text()), "l")
-    kimi = H.spec_from_config(json.loads((FIXTURES / "kimi_k25_config.json").read_text()), "k")
+    llama = M.spec_from_config(json.loads((FIXTURES / "llama31_8b_config.json").read_text()), "l")
+    kimi = M.spec_from_config(json.loads((FIXTURES / "kimi_k25_config.json").read_text()), "k")
     a, b = C.spec_from_arch(LLAMA8, None), C.spec_from_arch(KIMI, "int4")
     assert a.intermediate == llama.intermediate and a.attn_params() == llama.attn_params()
     assert (b.experts, b.active, b.moe_intermediate, b.shared_experts, b.mla) == (384, 8, 2048, 1, kimi.mla)
@@ -225,13 +226,13 @@ def test_vllm_drafts_one_forward_fewer_than_sglang():
     for steps in (1, 3, 5):
         rounds = {}
         for engine in ("vllm", "sglang"):
-            d = S.Deployment(target, H.default_drafter(target), H.GPUS["h100"], 1, H.LINKS["nvlink"], engine)
+            d = S.Deployment(target, M.default_drafter(target), H.GPUS["h100"], 1, H.LINKS["nvlink"], engine)
             rounds[engine] = S.round_ms(d, c, Shape(steps, 1, steps + 1), 4, 1024)
         one = c["draft_fixed"] + S.forward_ms(d.drafter, d, c, 1, 4, 1024)
         assert rounds["sglang"] - rounds["vllm"] == pytest.approx(one)
         assert S.draft_forwards("vllm", Shape(steps, 1, steps + 1)) == steps
     # a tree pays SGLang's host-side build; n-gram lookup drafts nothing
-    d = S.Deployment(target, H.default_drafter(target), H.GPUS["h100"], 1, H.LINKS["nvlink"], "sglang")
+    d = S.Deployment(target, M.default_drafter(target), H.GPUS["h100"], 1, H.LINKS["nvlink"], "sglang")
     assert S.round_ms(d, {**c, "tree_host": 2.0}, Shape(3, 4, 16), 1, 1024) - S.round_ms(d, c, Shape(3, 4, 16), 1, 1024) \
         == pytest.approx(2.0 - c["tree_host"])
     assert S.draft_forwards("vllm", Shape(3, 1, 4), "ngram") == 0

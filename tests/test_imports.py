@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parent.parent / "fledge"
 # pipeline's stages are ordered too (perf measures what train made from data's files; doctor
 # probes with perf's prompts), so no two stages import each other.
 LAYERS = [
-    ("cli", {"fledge.cli", "fledge.cli_args", "fledge.cli_checks", "fledge.demo"}),
+    ("cli", {"fledge.cli", "fledge.cli_args", "fledge.cli_checks", "fledge.cli_perf", "fledge.demo"}),
     ("doctor", {"fledge.doctor"}),
     ("perf", {"fledge.perf"}),
     ("train", {"fledge.train"}),

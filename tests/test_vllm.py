@@ -25,7 +25,11 @@ from fledge.core.errors import FledgeError
 from fledge.core.target import resolve_target
 from fledge.doctor.checks import PASS
 from fledge.doctor.doctor import doctor
-from fledge.drafter.checkpoint import export_checkpoint, load_checkpoint, validate_checkpoint
+from fledge.drafter.checkpoint import (
+    export_checkpoint,
+    load_checkpoint,
+    validate_checkpoint,
+)
 from fledge.drafter.eagle3 import Eagle3Draft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

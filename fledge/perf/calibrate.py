@@ -51,7 +51,7 @@ from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
 from fledge.core.openai_client import Client, api_url, metrics_url
 from fledge.core.shape import Shape
-from fledge.perf import hwmodel
+from fledge.perf import hwmodel, modelspec
 from fledge.perf.acceptance import chain_profile
 from fledge.perf.serving import PROMPTS, ServerBench, parse_levels, run_level
 
@@ -282,7 +282,7 @@ def cmd_calibrate(args) -> int:
     metrics = args.metrics_url or [metrics_url(u) for u in args.url]
     if len(metrics) != len(args.url):
         raise FledgeError("--metrics-url: give one per --url, in the same order (or none)")
-    target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
+    target, drafter = modelspec.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
     levels = parse_levels(args.levels, "--levels")
     ks = parse_levels(args.predict_ks, "--predict-ks")
     points = load_profile(args.merge, "--merge")["points"] if args.merge else []  # servers measured one at a time

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
-from fledge.perf import hwmodel
+from fledge.perf import hwmodel, modelspec
 from fledge.perf import servemodel as S
 
 REFERENCE = "h100"  # the device a row that names none is scaled from (Case.device_from_plain)
@@ -109,7 +109,7 @@ def load_rows(folder) -> list[dict]:
 MLA = (1536, 512, 128, 64, 128)
 
 
-def spec_from_arch(arch: dict, quant: str | None) -> hwmodel.ModelSpec:
+def spec_from_arch(arch: dict, quant: str | None) -> modelspec.ModelSpec:
     """A ModelSpec from the corpus's architecture summary. The MLP width is what the parameter
     count leaves after attention and the embeddings (input and output, untied); for MoE, the
     shared experts are what the active count leaves after the routed ones."""
@@ -118,17 +118,17 @@ def spec_from_arch(arch: dict, quant: str | None) -> hwmodel.ModelSpec:
     kv = int(arch.get("kv_heads") or heads)
     head_dim = int(arch.get("head_dim") or h // heads)
     mla = MLA if arch.get("attention") == "mla" else None
-    base = hwmodel.ModelSpec(layers, h, heads, kv, head_dim, 4 * h, vocab, mla=mla)
+    base = modelspec.ModelSpec(layers, h, heads, kv, head_dim, 4 * h, vocab, mla=mla)
     fixed = layers * base.attn_params() + 2 * vocab * h
     moe = arch.get("moe")
     if moe:
         e, a, ei = int(moe["experts"]), int(moe["active"]), int(moe["expert_intermediate"])
         active = float(arch.get("active_params_b") or 0) * 1e9
         shared = max(0, round((active - fixed) / (layers * 3 * h * ei) - a)) if active else 0
-        return hwmodel.ModelSpec(layers, h, heads, kv, head_dim, round(2.6 * h), vocab, e, a, ei, shared, 0, mla,
+        return modelspec.ModelSpec(layers, h, heads, kv, head_dim, round(2.6 * h), vocab, e, a, ei, shared, 0, mla,
                                  quant=quant or "bf16")
     inter = max(h, round((float(arch["params_b"]) * 1e9 - fixed) / (layers * 3 * h)))
-    return hwmodel.ModelSpec(layers, h, heads, kv, head_dim, inter, vocab, mla=mla, quant=quant or "bf16")
+    return modelspec.ModelSpec(layers, h, heads, kv, head_dim, inter, vocab, mla=mla, quant=quant or "bf16")
 
 
 def _quant(q) -> str | None:
@@ -180,7 +180,7 @@ def case(row: dict) -> Case:
         raise FledgeError("several nodes without their TP/EP split (one tensor-parallel group is what the model prices)")
     tp = int(row.get("tp") or row.get("gpu_count") or 1)
     link = "pcie" if "pcie" in str(row.get("interconnect") or "").lower() else "nvlink"
-    d = S.Deployment(target, hwmodel.default_drafter(target), hwmodel.GPUS[gpu or REFERENCE], tp, hwmodel.LINKS[link],
+    d = S.Deployment(target, modelspec.default_drafter(target), hwmodel.GPUS[gpu or REFERENCE], tp, hwmodel.LINKS[link],
                      S.family(str(row.get("engine") or "")), _drafting(row.get("method")),
                      row.get("cuda_graphs") is not False)
     try:

@@ -32,7 +32,7 @@ The terms, and why each is there:
   * `tree_host` (ms): SGLang builds a topk > 1 tree's mask and positions on the host each round.
   * `round_extra` (ms): a round prepares three batches (draft, verify, extend) where a plain
     step prepares one.
-  * MoE: rows spread over the experts a batch touches (uniform routing, hwmodel.distinct_experts);
+  * MoE: rows spread over the experts a batch touches (uniform routing, modelspec.distinct_experts);
     a grouped GEMM reads each touched expert once but stops being free once its rows grow:
     `moe_rows` is the rows per expert at which an expert's time has doubled over its bytes.
   * `dequant`: quantised (INT4 / FP8) MLP and expert weights cost more than their bytes
@@ -62,7 +62,7 @@ from pathlib import Path
 from fledge.core.errors import FledgeError
 from fledge.core.shape import Shape
 from fledge.perf import hwmodel
-from fledge.perf.hwmodel import BYTES, ModelSpec
+from fledge.perf.modelspec import BYTES, ModelSpec, distinct_experts
 
 # name: (default, low, high): the range is the physically plausible one, the default its middle.
 CONSTANTS = {
@@ -144,7 +144,7 @@ def forward_ms(m: ModelSpec, d: Deployment, c: dict, tokens: int, batch: int, co
     active = m.layers * m.attn_params() + dense_layers * 3 * m.hidden * m.intermediate + m.vocab * m.hidden
     expert_s = 0.0
     if m.experts:
-        touched = hwmodel.distinct_experts(m.experts, m.active, rows)
+        touched = distinct_experts(m.experts, m.active, rows)
         attn += m.moe_layers * (m.shared_experts * m.expert_params() * wb + m.experts * m.hidden * wb)
         active += m.moe_layers * (m.shared_experts * m.expert_params() + m.experts * m.hidden)
         per_expert = rows * m.active / touched

@@ -27,7 +27,7 @@ from fledge.core.catalog import BUILTINS
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
 from fledge.core.report import print_table, save_figure, subplots
-from fledge.perf import calibrate, hwmodel
+from fledge.perf import calibrate, modelspec
 from fledge.perf.bench import measure_interleaved, served
 from fledge.perf.launch import Serve, cpu_vllm, free_port, shell_line, start
 from fledge.perf.serving import ServerBench, first_user_turns, parse_levels
@@ -50,7 +50,7 @@ def make_serves(args, target: str, ks: list[int]) -> dict[int, Serve]:
 def predict(rows: list[dict], plain: dict[int, float], args, target: str) -> dict:
     """tune's calibrated model: fit on the plain server's ms per token at each concurrency, then
     each row's tok/s per request from its k and the accept length the server reported."""
-    tgt, drf = hwmodel.load_specs(target, args.drafter, args.dtype, None, None)
+    tgt, drf = modelspec.load_specs(target, args.drafter, args.dtype, None, None)
     graphs = args.cuda_graphs
     points = [{"k": 0, "accept_length": 1.0, "concurrency": c, "ms_per_token": 1e3 / tok_s} for c, tok_s in plain.items()]
     x = calibrate.fit(points, tgt, drf, args.gpu, 1, "nvlink", graphs, args.context)

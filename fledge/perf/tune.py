@@ -26,7 +26,7 @@ from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
 from fledge.core.report import save_figure, subplots
 from fledge.core.shape import Shape, max_nodes
-from fledge.perf import hwmodel, servemodel
+from fledge.perf import hwmodel, modelspec, servemodel
 from fledge.perf.acceptance import (
     Prediction,
     Profile,
@@ -285,7 +285,7 @@ def run_what_if(args) -> int:
         draft = parse_ms_table(args.draft_ms, "--draft-ms")
     elif args.model:
         cpu_defaults(args)
-        target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
+        target, drafter = modelspec.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
         draft = hwmodel.step_times(target, drafter, machine(args)[0], args.batch, args.context).draft_ms
         notes.append("draft step predicted from the drafter's config (--model/--drafter, --gpu): "
                      + ", ".join(f"topk {k}: {v:.3f} ms" for k, v in draft.items()))
@@ -304,7 +304,7 @@ def run_model(args) -> int:
     as given or calibrated on your server (no range)."""
     check_args(args)
     cpu_defaults(args)
-    target, drafter = hwmodel.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
+    target, drafter = modelspec.load_specs(args.model, args.drafter, args.dtype, args.quant, args.draft_vocab)
     profile, ref_shape, note = profile_from_args(args)
     # The engine the user serves leads the verdict: named, or the one the calibrated server ran.
     engine = (args.engine or (load_profile(args.hardware_profile, "--hardware-profile")["engine"] if args.hardware_profile
