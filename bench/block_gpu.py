@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from machine import machine_name, result_path
+from machine import machine_name, result_path, run_logged
 
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json, atomic_write_text, read_jsonl
@@ -48,21 +48,9 @@ QUICK = {"max_convs": 24, "max_len": 128, "draft_vocab": 2048, "batch_size": 2, 
 
 
 def run(cmd: list, log: Path) -> float:
-    """`cmd` with this checkout's fledge first on the path, its output shown and kept in `log`; wall seconds."""
-    cmd = [str(c) for c in cmd]
+    """`cmd` with this checkout's fledge first on the path (`run_logged`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print("$ " + " ".join(cmd), flush=True)
-    t0 = time.perf_counter()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        while chunk := proc.stdout.read1(1 << 14):
-            f.write(chunk)
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
-        if proc.wait():
-            raise FledgeError(f"{cmd[2:4]} exited {proc.returncode} (log: {log}):\n{log.read_text(errors='replace')[-3000:]}")
-    return time.perf_counter() - t0
+    return run_logged(cmd, log, env)
 
 
 def fledge(*args) -> list:

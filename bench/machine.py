@@ -1,9 +1,13 @@
 """Where a bench script writes its results: one file per benchmark and machine,
-bench/results/<bench>_<machine>.json, rewritten by each run (history lives in git)."""
+bench/results/<bench>_<machine>.json, rewritten by each run (history lives in git); and how it
+runs a step of the pipeline as a command (`run_logged`)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,3 +27,25 @@ def machine_name(device: torch.device | str, gpus: int = 1) -> str:
 def result_path(bench: str, machine: str, variant: str = "") -> Path:
     """bench/results/<bench>_<machine>[_<variant>].json (machine: from machine_name)."""
     return RESULTS / f"{bench}_{machine}{'_' + variant if variant else ''}.json"
+
+
+def run_logged(cmd: list, log: Path, env: dict | None = None) -> float:
+    """Run `cmd` with its output shown and kept in `log`; its wall seconds. A failure raises
+    with the log's tail."""
+    from fledge.core.errors import FledgeError
+
+    cmd = [str(c) for c in cmd]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        while chunk := proc.stdout.read1(1 << 14):
+            f.write(chunk)
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        rc = proc.wait()
+    if rc:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise FledgeError(f"{cmd[0]} {' '.join(cmd[1:4])} ... exited {rc} (full log: {log}):\n{tail}")
+    return time.perf_counter() - t0

@@ -35,12 +35,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import RESULTS, machine_name, result_path
+from machine import RESULTS, machine_name, result_path, run_logged
 
 from fledge.core.config import HEADS, TrainConfig
 from fledge.core.errors import FledgeError
@@ -88,24 +87,6 @@ class Plan:
         if not path.is_file():
             raise FledgeError(f"{path}: missing; run `prepare` first")
         return cls(**json.loads(path.read_text()))
-
-
-def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
-    """Run `cmd` with its output shown and kept in `log`; its wall seconds. A failure raises with the log's tail."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print("$ " + " ".join(cmd), flush=True)
-    t0 = time.perf_counter()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        while chunk := proc.stdout.read1(1 << 14):
-            f.write(chunk)
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
-        rc = proc.wait()
-    if rc:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise FledgeError(f"{cmd[0]} {' '.join(cmd[1:3])} ... exited {rc} (full log: {log}):\n{tail}")
-    return time.perf_counter() - t0
 
 
 def fledge_env() -> dict:
@@ -184,16 +165,16 @@ def prepare(args, w: Path) -> Plan:
     first = Path(args.data[0])  # prompts for `measure`: the held-out first turns of one set, in its order
     write_jsonl(w / "data" / "heldout_prompts.jsonl",
                 [r for _, r in read_lines(first) if r.get("source") == "sharegpt-heldout"])
-    run(fledge_cmd("tokenize", w / "data" / "subset.jsonl", "-o", w / "tok", "--tokenizer", target_dir,
+    run_logged(fledge_cmd("tokenize", w / "data" / "subset.jsonl", "-o", w / "tok", "--tokenizer", target_dir,
                    "--max-len", plan.max_len, "--workers", args.workers), w / "logs" / "tokenize.log", fledge_env())
     plan.samples = {name: write_samples(w / "tok" / f"{name}.tok.jsonl", w / "tok" / f"{name}.used.jsonl", plan.max_len,
                                         tcfg.vocab_size, plan.batch_size if name == "train" else 1)
                     for name in ("train", "heldout")}
     train_file, held_file = w / "tok" / "train.used.jsonl", w / "tok" / "heldout.used.jsonl"
-    run(fledge_cmd("vocab", "build", train_file, "--size", plan.draft_vocab, "--target", target_dir,
+    run_logged(fledge_cmd("vocab", "build", train_file, "--size", plan.draft_vocab, "--target", target_dir,
                    "--heldout", held_file, "-o", w / "vocab" / "vocab.safetensors"), w / "logs" / "vocab.log", fledge_env())
     write_vocab_npy(w / "vocab" / "vocab.safetensors", w / "vocab", plan.draft_vocab)
-    run([args.peer_python, str(PEER / "dataset.py"), str(train_file), str(held_file), str(w / "spec_data")],
+    run_logged([args.peer_python, str(PEER / "dataset.py"), str(train_file), str(held_file), str(w / "spec_data")],
         w / "logs" / "dataset.log")
     counts = json.loads((w / "logs" / "dataset.log").read_text().strip().splitlines()[-1])
     if (counts["train"], counts["heldout"]) != (plan.samples["train"]["samples"], plan.samples["heldout"]["samples"]):
@@ -232,7 +213,7 @@ def train_fledge(args, plan: Plan, w: Path) -> None:
                          "--max-len", plan.max_len, "--lr", plan.lr, "--seed", plan.seed, "--log-every", 1,
                          "--eval-every", never, "--save-every", never,
                          "--head", head, *(["--device", args.device] if args.device else []))
-        wall = run(cmd, w / "logs" / f"train-{name}.log", fledge_env())
+        wall = run_logged(cmd, w / "logs" / f"train-{name}.log", fledge_env())
         recs = [r for _, r in read_jsonl(out / "metrics.jsonl")]
         steps = [(r["target_tokens"], r["seconds"]) for r in recs if r["kind"] == "train"]
         ev = [r for r in recs if r["kind"] == "eval"][-1]
@@ -281,7 +262,7 @@ def train_peer(args, plan: Plan, w: Path) -> None:
     metrics = out / "metrics.jsonl"
     cmd = [args.peer_python, str(PEER / "train.py"), "--metrics", str(metrics),
            *peer_flags(plan, w, args.peer_workers, torch.cuda.is_available())]
-    wall = run(cmd, w / "logs" / "train-peer.log")
+    wall = run_logged(cmd, w / "logs" / "train-peer.log")
     recs = [r for _, r in read_jsonl(metrics)]
     steps = [(r["profile"]["tokens_per_s"] * r["profile"]["step_ms"] / 1e3, r["profile"]["step_ms"] / 1e3)
              for r in recs if "train" in r]
@@ -289,7 +270,7 @@ def train_peer(args, plan: Plan, w: Path) -> None:
     k = plan.ttt_steps
     cond = [val[f"cond_acc_{j}_epoch"] for j in range(k)]
     draft = out / "draft"
-    run(fledge_cmd("import", out / "checkpoints" / "0", draft, "--target", plan.target_dir),
+    run_logged(fledge_cmd("import", out / "checkpoints" / "0", draft, "--target", plan.target_dir),
         w / "logs" / "import-peer.log", fledge_env())
     res = {"trainer": "speculators", "name": "speculators", "wall_s": wall, "steps": len(steps), "target_tokens": round(sum(t for t, _ in steps)),
            **step_times(steps, args.skip_steps, wall), "drafter": str(draft),
@@ -367,7 +348,7 @@ def vllm(args, plan: Plan, w: Path) -> None:
     for who, r in trained(w).items():
         d = r["drafter"]
         res = w / f"vllm-{who}.json"
-        run([sys.executable, str(REPO / "bench" / "bench_vllm_accept.py"), "--drafter", str(d), "--target",
+        run_logged([sys.executable, str(REPO / "bench" / "bench_vllm_accept.py"), "--drafter", str(d), "--target",
              plan.target_dir, "--num-prompts", str(args.num_prompts or 80), "--max-tokens", str(args.max_new_tokens),
              "--k", "3", "--out", str(res)], w / "logs" / f"vllm-{who}.log", fledge_env())
         r = json.loads(res.read_text())

@@ -106,14 +106,16 @@ def launch_line(args: list[str]) -> str:
 
 # --------------------------------------------------------------------------- capturing
 @dataclass
-class VllmCapture:
-    """Features of token-id sequences from one vLLM capture server (`launch_args`)."""
+class ServerCapture:
+    """What every engine's capture client holds: the server, the target's shape and the limits
+    of its requests. A subclass gives `engine` (what meta.json records of the server, after
+    checking it serves `model`) and `one` (the aux and final states of one sequence)."""
     url: str
     model: str              # the served model name
     aux_ids: tuple          # canonical
     num_layers: int
     hidden_size: int
-    norm: FinalNorm
+    norm: FinalNorm         # applied where the engine returns the pre-norm state
     timeout: float = 600.0
     retries: int = 3
     concurrency: int = 4
@@ -122,6 +124,15 @@ class VllmCapture:
         if self.concurrency < 1 or self.retries < 0 or self.timeout <= 0:
             raise FledgeError("capture needs --concurrency >= 1, --retries >= 0 and --timeout > 0")
         self.client = Client(self.url, self.timeout)
+
+    def many(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`one` for each sequence, `concurrency` in flight, results in order."""
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(self.one, seqs))
+
+
+class VllmCapture(ServerCapture):
+    """Features of token-id sequences from one vLLM capture server (`launch_args`)."""
 
     def engine(self) -> dict:
         """What meta.json records of the engine; also checks the server serves `model`."""
@@ -177,12 +188,6 @@ class VllmCapture:
                               "with --no-enable-prefix-caching and --no-enable-chunked-prefill")
         aux = states[:, :-1].reshape(len(ids), -1)
         return aux, self.norm(states[:, -1])
-
-    def many(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`one` for each sequence, `concurrency` in flight, results in order."""
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(self.one, seqs))
-
 
 def read_and_remove(path: Path) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
     """(hidden_states [T, layers, H], token_ids [T], layer ids or None) of a connector's file,

@@ -13,33 +13,17 @@ canonical k+1 (core.conventions.aux_ids_to_sglang), recorded in meta.json in bot
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-
 import torch
 
 from fledge.core.conventions import aux_ids_to_sglang
 from fledge.core.errors import FledgeError
-from fledge.core.openai_client import Client, ServerError, with_retries
-from fledge.train.capture import FinalNorm
+from fledge.core.openai_client import ServerError, with_retries
+from fledge.train.capture import ServerCapture
 
 
-@dataclass
-class SglangCapture:
-    url: str
-    model: str
-    aux_ids: tuple          # canonical
-    num_layers: int
-    hidden_size: int
-    norm: FinalNorm         # unused: SGLang's rows hold the state after the final norm
-    timeout: float = 600.0
-    retries: int = 3
-    concurrency: int = 4
-
-    def __post_init__(self):
-        if self.concurrency < 1 or self.retries < 0 or self.timeout <= 0:
-            raise FledgeError("capture needs --concurrency >= 1, --retries >= 0 and --timeout > 0")
-        self.client = Client(self.url, self.timeout)
+class SglangCapture(ServerCapture):
+    """Features from an SGLang server's /generate with return_hidden_states; its rows hold the
+    state after the final norm, so `norm` goes unused."""
 
     def engine(self) -> dict:
         try:
@@ -80,7 +64,3 @@ class SglangCapture:
             raise FledgeError(f"{self.url}: states for {rows.shape[0]} tokens, the sample has {len(ids)}: disable the "
                               "radix cache (--disable-radix-cache) and chunked prefill (--chunked-prefill-size -1)")
         return rows[:, :3 * h], rows[:, 3 * h:]
-
-    def many(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(self.one, seqs))
