@@ -7,6 +7,7 @@ matters: GQA (heads != kv heads), 8 layers (default aux ids (2, 4, 5) are distin
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # The prefix attention kernel is Triton: on this GPU-less machine its tests run it under Triton's
 # interpreter, which must be chosen before the first import of triton (kernels are decorated then).
@@ -82,3 +83,42 @@ def vllm_venv():
             pytest.fail(f"{venv_dir()}: no vLLM venv but FLEDGE_REQUIRE_VLLM is set; run scripts/setup_vllm.sh")
         pytest.skip(f"{venv_dir()}: no vLLM venv; run scripts/setup_vllm.sh (or set FLEDGE_REQUIRE_VLLM to fail)")
     return venv_python(), venv_env()
+
+
+def session_processes(sid: int) -> list[str]:
+    """Live (not zombie) processes of session `sid`, read from /proc: a killed run's workers
+    keep its session after they lose their parent."""
+    found = []
+    for d in os.listdir("/proc"):
+        try:
+            name, fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)
+        except (OSError, ValueError):
+            continue
+        state, session = fields.split()[0], int(fields.split()[3])
+        if session == sid and state not in "ZX":
+            found.append(f"{d}{name})")
+    return found
+
+
+@pytest.mark.slow  # six CLI runs, each starting two worker processes (~2 min on 2 loaded cores)
+
+
+def kill_at(cmd: list, env: dict, points, settle: float = 0.0) -> int:
+    """Start `cmd` once per point, kill -9 it when that point is `reached()` (or let it end),
+    and check that nothing of its session lives `settle` seconds later: how many kills landed
+    on a running process."""
+    import subprocess
+    import time
+
+    landed = 0
+    for reached in points:
+        p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        while p.poll() is None and not reached():
+            time.sleep(0.01)
+        landed += p.poll() is None
+        p.kill()
+        p.wait()
+        time.sleep(settle)
+        assert session_processes(p.pid) == [], "processes of the killed run still alive"
+    return landed

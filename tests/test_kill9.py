@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import kill_at
 from test_target import save_tiny_dir
-from test_tokenize import session_processes
 from test_train import write_data
 
 from fledge import cli
@@ -36,18 +35,8 @@ def test_features_killed_at_five_points_then_rerun_equals_an_uninterrupted_run(t
         return len(list(out.glob("shard_*.safetensors")))
     points = [lambda: (out / "meta.json").exists(), lambda: shards() >= 1, lambda: shards() >= 12,
               lambda: shards() >= 24, lambda: shards() >= 47]
-    landed = 0
-    for reached in points:
-        p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-        while p.poll() is None and not reached():
-            time.sleep(0.01)
-        landed += p.poll() is None
-        p.kill()
-        p.wait()
-        # the target runs in-process: nothing of the run may outlive it even for the 2 s allowed
-        assert session_processes(p.pid) == [], "processes of the killed run still alive"
-    assert landed >= 1
+    # the target runs in-process: nothing of the run may outlive it even for the 2 s allowed
+    assert kill_at(cmd, env, points) >= 1
     assert subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode == 0
     assert cli.main([*args, "--out", str(tmp_path / "whole")]) == 0
     whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
