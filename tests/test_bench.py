@@ -244,7 +244,8 @@ def test_engine_measurements_run_on_cpu():
     from fledge.drafter.eagle3 import Eagle3Draft
     from fledge.engine import build_engine_target
     from fledge.perf.acceptance import Profile
-    from fledge.perf.tune import Timings, grid, rank_all, validate, validation_shapes
+    from fledge.perf.tune import Timings, grid, rank_all
+    from fledge.perf.tune_engine import validate, validation_shapes
 
     hf = make_tiny("llama")
     draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config), hf).eval()

@@ -91,14 +91,15 @@ def test_user_error_is_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.slow  # the whole loop on SmolLM2, scaled down (~1 minute)
 def test_demo_runs_the_loop_and_its_outputs_match_ar(tmp_path):
-    """The README's first command, scaled down: every step runs, doctor passes the miniature
-    drafter, and the shipped drafter, as shipped and with the CPU's smaller head, writes AR's
+    """The README's first command, scaled down: every step runs, doctor finds nothing broken in the
+    miniature drafter, and the shipped drafter, as shipped and with the CPU's smaller head, writes AR's
     tokens on every prompt."""
     from fledge.cli import main
     assert main(["demo", "--workdir", str(tmp_path), "--prompts", "4", "--eval-prompts", "1",
                  "--new-tokens", "12", "--train-steps", "4", "--repeats", "1", "--cpu-head-rows", "1024"]) == 0
     report = json.loads((tmp_path / "demo.json").read_text())
-    assert report["equal_to_plain"] == report["outputs"] == 2 and report["doctor_exit"] == 0
+    # doctor: a 4-step miniature passes every check but WARNs 'trained' (it is near its init)
+    assert report["equal_to_plain"] == report["outputs"] == 2 and report["doctor_exit"] == 1
     assert report["drafter"].endswith("drafters/smollm2-135m")
     rows = report["compare"]
     assert set(rows) == {"AR", "eagle3 chain 3, head 24576", "eagle3 chain 3, head 1024"}

@@ -199,7 +199,7 @@ def test_build_training_set_resumes_after_a_torn_line(base_tokenizer, tmp_path):
     assert resumed == fresh and (tmp_path / "b.jsonl").read_text() == (tmp_path / "a.jsonl").read_text()
     assert not partial.exists()
     rec = json.loads(lines[0])
-    assert set(rec) == {"id", "input_ids", "loss_mask"}
+    assert set(rec) == {"id", "input_ids", "loss_mask", "tokenizer"}
     shown = render_sample(tok, rec, color=False)
     assert f"[[{convs[0]['messages'][-1]['content']}<|im_end|>]]" in shown
 

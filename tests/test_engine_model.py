@@ -98,10 +98,20 @@ def test_llama_with_attention_and_mlp_biases_matches_hf():
     assert (aux - ref_aux).abs().max() < 1e-4
 
 
-def test_unknown_family_is_a_fledge_error():
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)
-    with pytest.raises(FledgeError, match="gpt2"):
-        build_engine_target(transformers.GPT2LMHeadModel(cfg), torch.float32, "cpu")
+def test_a_family_without_a_compact_engine_decodes_as_hf_does(capsys):
+    """gpt2 (learned positions, no compact engine): the fallback says in one line which path
+    runs, and its greedy decoding is HF's own."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    model = build_engine_target(hf, torch.float32, "cpu")
+    assert not isinstance(model, Transformer)
+    assert "gpt2 runs through transformers' own layers" in capsys.readouterr().err
+    prompt = torch.randint(1, 50, (7,)).tolist()
+    got, _ = generate_ar(model, [prompt], SamplingParams(max_new_tokens=10), [49])
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=49,
+                      pad_token_id=0)[0, len(prompt):].tolist()
+    assert got[0] == ref
 
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES + ["gemma3"])

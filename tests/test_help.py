@@ -38,4 +38,4 @@ def test_defaults_are_shown():
         for name, _, _ in options:
             default = defaults[name.replace("-", "_")]
             if default is not None:
-                assert helps[name.replace("-", "_")].endswith(f"(default {default})"), (cmd, name)
+                assert helps[name.replace("-", "_")].endswith(f"(default: {default})"), (cmd, name)
