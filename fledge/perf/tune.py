@@ -262,10 +262,6 @@ def check_args(args) -> None:
         raise FledgeError(f"--max-depth {args.max_depth}: draft steps from 1 to 16")
     if not 0 <= args.margin < 1:
         raise FledgeError(f"--margin {args.margin}: a fraction in [0, 1), e.g. 0.05")
-    for name in ("batch", "tp", "context", "output_len"):
-        v = getattr(args, name, None)
-        if v is not None and v < (0 if name in ("context", "output_len") else 1):
-            raise FledgeError(f"--{name.replace('_', '-')} {v}: must be {'>= 0' if name in ('context', 'output_len') else '>= 1'}")
 
 
 def ranked(args, profile: Profile, timings: Timings, shapes, ref_shape: Shape | None, notes, conc=None, spread=None,
@@ -309,11 +305,12 @@ def run_model(args) -> int:
     # The engine the user serves leads the verdict: named, or the one the calibrated server ran.
     engine = (args.engine or (load_profile(args.hardware_profile, "--hardware-profile")["engine"] if args.hardware_profile
                               else None) or "sglang")
-    overrides = [args.hbm_gbs, args.tflops, args.allreduce_us, args.allreduce_gbs, args.host_ms, args.bw_efficiency,
-                 args.flops_efficiency]
+    overrides = {"hbm_gbs": args.hbm_gbs, "latency_us": args.allreduce_us, "bus_gbs": args.allreduce_gbs,
+                 "host_ms": args.host_ms, "bw_efficiency": args.bw_efficiency, "flops_efficiency": args.flops_efficiency,
+                 "tflops": {k: args.tflops for k in ("bf16", "fp16", "fp8", "fp32")} if args.tflops else None}
     # The published measurements are of GPU servers: a CPU server gets the roofline (calibrate it).
-    if args.hardware_profile or any(v is not None for v in overrides) or args.gpu in (None, "cpu"):
-        hw, label = machine(args)
+    if args.hardware_profile or any(v is not None for v in overrides.values()) or args.gpu in (None, "cpu"):
+        hw, label = machine(args, args.hardware_profile, overrides)
         spread = None
 
         def timings_at(batch: int) -> Timings:

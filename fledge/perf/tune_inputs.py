@@ -21,24 +21,17 @@ def cpu_defaults(args) -> None:
         args.dtype = "fp32"
 
 
-def machine(args) -> tuple[hwmodel.Hardware, str]:
-    """The roofline Hardware from --hardware-profile (a `tune calibrate` output), then the
-    CLI's table names and overrides."""
-    path = getattr(args, "hardware_profile", None)
-    base = load_profile(path, "--hardware-profile")["hardware"] if path else {}
+def machine(args, profile: str | None = None, overrides: dict | None = None) -> tuple[hwmodel.Hardware, str]:
+    """The roofline Hardware from `profile` (a `tune calibrate` output), then the device named
+    by --gpu/--tp/--interconnect and `overrides` (hwmodel.hardware's keyword names; None: unset)."""
+    base = load_profile(profile, "--hardware-profile")["hardware"] if profile else {}
     gpu = args.gpu or base.get("gpu")
     if not gpu:
         raise FledgeError(f"--model needs --gpu NAME (one of {', '.join(hwmodel.GPUS)}) or --hardware-profile FILE")
-    cli = {k: getattr(args, a, None) for k, a in (("hbm_gbs", "hbm_gbs"), ("latency_us", "allreduce_us"),
-                                                  ("bus_gbs", "allreduce_gbs"), ("host_ms", "host_ms"),
-                                                  ("bw_efficiency", "bw_efficiency"),
-                                                  ("flops_efficiency", "flops_efficiency"))}
-    if getattr(args, "tflops", None):
-        cli["tflops"] = {k: args.tflops for k in ("bf16", "fp16", "fp8", "fp32")}
-    over = {**base.get("overrides", {}), **{k: v for k, v in cli.items() if v is not None}}
+    over = {**base.get("overrides", {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
     tp, link = args.tp or base.get("tp", 1), args.interconnect or base.get("interconnect", "nvlink")
     hw = hwmodel.hardware(gpu, tp, link, cuda_graphs=not args.no_cuda_graphs and base.get("cuda_graphs", True), **over)
-    label = f"{tp} x {gpu}" + (f" over {link}" if tp > 1 else "") + (f", calibrated by {path}" if path else "")
+    label = f"{tp} x {gpu}" + (f" over {link}" if tp > 1 else "") + (f", calibrated by {profile}" if profile else "")
     return hw, label
 
 
