@@ -36,11 +36,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from fledge.core.config import DraftConfig
 from fledge.core.conventions import (
     ROPE_THETA_DEFAULT,
     d2t_from_target_ids,
-    default_aux_layer_ids,
-    rope_fields,
     t2d_from_target_ids,
 )
 from fledge.core.errors import FledgeError
@@ -96,19 +95,15 @@ class DFlashConfig:
                     num_layers: int = 2, block_size: int = 8, intermediate_size: int | None = None) -> DFlashConfig:
         """Attention geometry and widths follow the target (one draft layer costs one target
         layer); the aux ids default to EAGLE-3's, so both methods train on one feature store."""
-        tcfg = getattr(tcfg, "text_config", None) or tcfg
-        h, heads = tcfg.hidden_size, tcfg.num_attention_heads
-        theta, scaling = rope_fields(tcfg.to_dict())
-        return cls(hidden_size=h, intermediate_size=intermediate_size or tcfg.intermediate_size,
-                   num_hidden_layers=num_layers, num_attention_heads=heads,
-                   num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(tcfg, "head_dim", None) or h // heads, vocab_size=tcfg.vocab_size,
-                   draft_vocab_size=draft_vocab_size or tcfg.vocab_size, target_hidden_size=h,
-                   target_num_layers=tcfg.num_hidden_layers,
-                   aux_layer_ids=tuple(aux_layer_ids or default_aux_layer_ids(tcfg.num_hidden_layers)),
-                   block_size=block_size, mask_token_id=mask_token_id,
-                   max_position_embeddings=tcfg.max_position_embeddings,
-                   rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling)
+        # the target's geometry read once, as the EAGLE-3 drafter's config reads it
+        g = DraftConfig.from_target(tcfg, draft_vocab_size, aux_layer_ids, intermediate_size)
+        return cls(hidden_size=g.hidden_size, intermediate_size=g.intermediate_size, num_hidden_layers=num_layers,
+                   num_attention_heads=g.num_attention_heads, num_key_value_heads=g.num_key_value_heads,
+                   head_dim=g.head_dim, vocab_size=g.vocab_size, draft_vocab_size=g.draft_vocab_size,
+                   target_hidden_size=g.target_hidden_size, target_num_layers=g.target_num_layers,
+                   aux_layer_ids=tuple(g.aux_layer_ids), block_size=block_size, mask_token_id=mask_token_id,
+                   max_position_embeddings=g.max_position_embeddings, rms_norm_eps=g.rms_norm_eps,
+                   rope_theta=g.rope_theta, rope_scaling=g.rope_scaling)
 
     def replace(self, **kw) -> DFlashConfig:
         return dataclasses.replace(self, **kw)
