@@ -17,7 +17,7 @@ Steps, each skipped when its output is already in --workdir (a rerun continues w
             round is drafting), decode tok/s, speedups in the same process. A drafter that fails
             is recorded with its error and the next one runs; no row starts after --deadline
             seconds from the start.
-Writes bench/results/block_gpu_<machine>.json (`_quick` with --quick) and, when $OUT is set,
+Writes bench/results/block_gpu_<machine>[_<variant>].json (`_quick` with --quick) and, when $OUT is set,
 $OUT/block_gpu.json, after every measured row; prints a table at the end. --quick: tiny sizes
 for a CPU (a few minutes), the pipeline end to end.
 """
@@ -248,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="mtbench", help="prompt set measured: built-in name or file (MT-Bench's "
                                                          "question.jsonl, conversations JSONL, ...)")
     p.add_argument("--workdir", default="runs/block_gpu")
+    p.add_argument("--variant", default="", help="suffix of the result file, one per prompt set measured "
+                                                "(e.g. sharegpt_heldout; default: none, MT-Bench)")
     p.add_argument("--eagle", default=str(SHIPPED), help="the EAGLE-3 drafter to measure beside (default: shipped)")
     p.add_argument("--eagle-shape", type=int, nargs=3, default=[5, 4, 16], metavar=("STEPS", "TOPK", "TOKENS"))
     p.add_argument("--block-steps", type=int, nargs="+",
@@ -293,7 +295,8 @@ def main(argv=None) -> int:
     def save(part: dict) -> list[Path]:
         report.update(part)
         report["measure_s"] = round(time.perf_counter() - t1, 1)
-        paths = [result_path("block_gpu", report["machine"], "quick" if args.quick else "")]
+        variant = "_".join(filter(None, ["quick" if args.quick else "", args.variant]))
+        paths = [result_path("block_gpu", report["machine"], variant)]
         if os.environ.get("OUT"):
             paths.append(Path(os.environ["OUT"]) / "block_gpu.json")
         for path in paths:
