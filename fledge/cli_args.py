@@ -360,10 +360,12 @@ def add_demo(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="target model: built-in name, GGUF file or HF directory")
     p.add_argument("--workdir", default="runs/demo", help="where every step writes its files and demo.json")
-    p.add_argument("--prompts", type=positive_int, default=8, help="MT-Bench questions the target answers for training")
+    p.add_argument("--prompts", type=positive_int, default=8, help="MT-Bench questions the target answers for training; "
+                   "a target larger than the built-in 135M one gets fewer (fledge.demo.demo_sizes)")
     p.add_argument("--eval-prompts", type=positive_int, default=2, help="held-out questions for the eval and the speed check")
     p.add_argument("--new-tokens", type=positive_int, default=48,
-                   help="tokens the target writes per answer, and per prompt in the speed check")
+                   help="tokens the target writes per answer, and per prompt in the speed check; fewer for a "
+                        "larger target, as --prompts")
     p.add_argument("--draft-vocab", type=positive_int, default=2048, help="draft vocabulary size of the miniature drafter")
     p.add_argument("--train-steps", type=positive_int, default=20,
                    help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")

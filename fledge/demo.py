@@ -13,6 +13,7 @@ head cut to its first rows and a short chain. Every output is checked against pl
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import statistics
@@ -42,6 +43,18 @@ from fledge.engine.spec import generate_spec
 from fledge.train.loop import train
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafters"
+SIZED_FOR = 135e6  # parameters of the built-in target, which the demo's default sizes are set for
+
+
+def demo_sizes(prompts: int, new_tokens: int, params: int) -> tuple[int, int]:
+    """The demo's prompt count and tokens per answer for a target of `params` parameters.
+
+    On a CPU a decode step reads every weight once, so answering and the speed check cost about
+    params x prompts x tokens: for a target larger than the built-in one both shrink by the
+    square root of the size ratio, which keeps the demo's wall time (0.5B: 8 prompts of 48
+    tokens become 4 of 25). Never below 2 prompts and 16 tokens."""
+    s = max(1.0, params / SIZED_FOR) ** 0.5
+    return max(2, round(prompts / s)), max(16, round(new_tokens / s))
 
 
 def _step(rows: list, name: str, t0: float, what: str) -> float:
@@ -150,7 +163,14 @@ def run_demo(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rows, t0 = [], time.perf_counter()
     target = load_target(args.target, chat_template=args.chat_template, chat=True)
-    t0 = _step(rows, "target", t0, f"{args.target}: {target.num_layers} layers, hidden {target.hidden_size}")
+    params = sum(p.numel() for p in target.model.parameters())
+    prompts, new_tokens = demo_sizes(args.prompts, args.new_tokens, params)
+    if (prompts, new_tokens) != (args.prompts, args.new_tokens):
+        print(f"[demo] a {params / 1e9:.2f}B target: {prompts} prompts x {new_tokens} tokens instead of "
+              f"{args.prompts} x {args.new_tokens}, to keep the demo's minutes (fledge.demo.demo_sizes)")
+        args = argparse.Namespace(**{**vars(args), "prompts": prompts, "new_tokens": new_tokens})
+    t0 = _step(rows, "target", t0, f"{args.target}: {target.num_layers} layers, hidden {target.hidden_size}, "
+                                   f"{params / 1e6:.0f}M parameters")
 
     convs, _ = load_conversations("mtbench")
     if len(convs) < args.prompts + args.eval_prompts:

@@ -123,3 +123,18 @@ def test_a_step_runs_through_its_lazy_handler(tmp_path):
     assert store.meta["num_samples"] == 3
     aux, h = store.get(2)
     assert aux.shape[-1] == 3 * hidden and h.shape[-1] == hidden and len(aux) == len(h) > 0
+
+
+def test_demo_sizes_shrink_with_the_target_and_keep_its_cost():
+    """The built-in target keeps the given sizes; a larger one gets fewer prompts and tokens, so
+    params x prompts x tokens (a CPU's decode cost) stays within rounding of the built-in's."""
+    from fledge.demo import SIZED_FOR, demo_sizes
+
+    assert demo_sizes(8, 48, int(SIZED_FOR)) == (8, 48)
+    assert demo_sizes(8, 48, 1000) == (8, 48)  # a tiny test model
+    for params in (5e8, 1.5e9, 7e9):
+        p, t = demo_sizes(8, 48, int(params))
+        assert p < 8 and t < 48 and p >= 2 and t >= 16
+        if p > 2 and t > 16:
+            assert 0.7 < params * p * t / (SIZED_FOR * 8 * 48) < 1.4
+    assert demo_sizes(8, 48, int(5e8)) == (4, 25)
