@@ -21,8 +21,9 @@ def add_bench(sub) -> None:
     src.add_argument("--url", help="OpenAI-compatible server, e.g. http://127.0.0.1:30000/v1")
     src.add_argument("--log", help="SGLang or vLLM server log to summarise")
     src.add_argument("--target", help="engine: target (built-in name, GGUF, HF dir)")
-    p.add_argument("--drafter", help="engine: EAGLE-3 checkpoint directory")
-    p.add_argument("--shapes", default="3,1,4;7,1,8;5,4,16", help="engine: STEPS,TOPK,TOKENS;... to run")
+    p.add_argument("--drafter", help="engine: EAGLE-3 or DFlash checkpoint directory")
+    p.add_argument("--shapes", help="engine: STEPS,TOPK,TOKENS;... to run (default: 3,1,4;7,1,8;5,4,16 for EAGLE-3; "
+                                    "for DFlash chains K,1,K+1 of the longest its block allows, 3/4 and 1/2 of it)")
     p.add_argument("--probe", action="store_true", help="engine: also measure acceptance by depth and rank (for tune)")
     p.add_argument("--probe-steps", type=positive_int, default=6)
     p.add_argument("--probe-topk", type=positive_int, default=4)

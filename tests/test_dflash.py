@@ -162,3 +162,30 @@ def test_tune_predicts_chains_from_one_forward_and_a_verify():
     for k, p in preds.items():
         assert p.iter_ms - m["verify_ms"][k + 1] == pytest.approx(m["block_ms"])
         assert p.tok_s == pytest.approx(1e3 * p.accept_length / p.iter_ms)
+
+
+def test_bench_runs_a_dflash_drafter_as_chains_equal_to_plain(tmp_path, capsys):
+    """`fledge bench --target T --drafter DFLASH_DIR` on a tiny target: the default chains are
+    the block's longest, 3/4 and 1/2 of it; every output equals plain decoding's (fp32); --probe
+    (ranks) is refused in one line before anything loads."""
+    from test_target import tiny_tokenizer
+
+    from fledge.cli import main
+    from fledge.perf.bench import block_shapes
+
+    assert [s.num_steps for s in block_shapes(7)] == [7, 5, 3] and [s.num_steps for s in block_shapes(1)] == [1]
+    hf, _, draft = tiny_dflash(block=5)
+    hf.save_pretrained(tmp_path / "t")
+    tiny_tokenizer(hf.config.vocab_size).save_pretrained(tmp_path / "t")
+    out = export_dflash(draft, tmp_path / "d", dtype=torch.float32)
+    args = ["bench", "--target", str(tmp_path / "t"), "--drafter", str(out), "--num-prompts", "3",
+            "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float32"]
+    assert main([*args, "--json", str(tmp_path / "b.json")]) == 0
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["method"] == "dflash" and [r["shape"] for r in res["results"]] == ["s4 k1 n5", "s3 k1 n4", "s2 k1 n3"]
+    for r in res["results"]:
+        assert r["equal_to_plain"] == r["prompts"] == 3 and r["accept_length"] >= 1 and r["tok_s"] > 0
+    assert main([*args, "--shapes", "5,1,6"]) == 2
+    assert "chain of 1..4" in capsys.readouterr().err
+    assert main([*args, "--probe"]) == 2
+    assert "DFlash drafter" in capsys.readouterr().err

@@ -109,7 +109,8 @@ def load_block_drafter(path: str, spec: Shape, hf_model, engine_target, device, 
     return BlockDrafter(draft, spec, engine_target, compile)
 
 
-def load_block_rig(target: str, drafter: str, device: str | None, dtype: str | None):
+def load_block_rig(target: str, drafter: str, device: str | None, dtype: str | None,
+                   chat_template: str | None = None):
     """(EngineRig, DFlashDraft): the target as `load_rig` builds it (compiled layers and CUDA
     graphs on CUDA, eager on the CPU) and the DFlash drafter of `drafter` beside it. The rig's
     `draft` is the DFlash drafter: timing helpers read only its aux layer ids."""
@@ -122,7 +123,7 @@ def load_block_rig(target: str, drafter: str, device: str | None, dtype: str | N
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     compile = dev.type == "cuda"
-    t = load_target(target, dtype=dt, device=dev)
+    t = load_target(target, dtype=dt, device=dev, chat_template=chat_template, chat=True)
     draft = load_dflash(drafter, embed_from=t.model).eval().cast(dev, dt)
     fns = LayerFns.compiled(gemv_rows=GEMV_ROWS, few_rows=16) if compile else LayerFns()
     rig = EngineRig(t.model, t.tokenizer, build_engine_target(t.model, dt, dev, fns=fns), draft,

@@ -8,7 +8,8 @@ Three sources, one command:
              reads both.
   --target   fledge's engine (with --drafter): plain decoding, then each --shapes shape through
              the engine's speculative decoding, an acceptance profile by depth and sibling rank
-             (the input `fledge tune` needs), a table, JSON and PNG plots.
+             (the input `fledge tune` needs), a table, JSON and PNG plots. A DFlash drafter
+             (block drafting) runs chains, one drafter forward a round.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json
 from fledge.core.openai_client import Client, ServerError, metrics_url
 from fledge.core.report import save_figure, subplots
-from fledge.core.shape import parse_shapes
+from fledge.core.shape import Shape, parse_shapes
+from fledge.drafter.layout import is_dflash
+from fledge.engine.block import BlockDrafter, load_block_rig
 from fledge.engine.rig import engine_path, load_rig, probe_profile, run_ar, run_shape
 from fledge.perf import serving
 from fledge.perf.calibrate import scrape, speculation
@@ -60,22 +63,57 @@ def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
 
 
 # --------------------------------------------------------------------------- CLI
-def _engine_bench(args) -> dict:
-    rig = load_rig(args.target, args.drafter, args.device, args.dtype, args.chat_template)
-    prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
+EAGLE_SHAPES = "3,1,4;7,1,8;5,4,16"
+
+
+def block_shapes(max_steps: int) -> list[Shape]:
+    """A block drafter's default chains: the longest its block allows, about three quarters and half of it."""
+    return [Shape(k, 1, k + 1) for k in sorted({max_steps, max(1, 3 * max_steps // 4), max(1, max_steps // 2)},
+                                                 reverse=True)]
+
+
+def engine_rows(rig, make_drafter, prompts, shapes, max_new_tokens: int) -> tuple[dict, list[dict]]:
+    """Plain decoding, then each shape's drafter (`make_drafter(shape)`) on the same prompts in
+    this process: one row per shape with its speed-up over plain decoding and how many outputs
+    equal plain decoding's."""
     plain: list[list[int]] = []
-    ar = run_ar(rig, prompts, args.max_new_tokens, plain)
+    ar = run_ar(rig, prompts, max_new_tokens, plain)
     results = []
-    for shape in parse_shapes(args.shapes):
+    for shape in shapes:
         outs: list[list[int]] = []
-        stats, tok_s = run_shape(rig, rig.drafter(shape), prompts, args.max_new_tokens, f"shape {shape.label}", outs)
+        stats, tok_s = run_shape(rig, make_drafter(shape), prompts, max_new_tokens, f"shape {shape.label}", outs)
         s = stats.summary()
         results.append({"shape": shape.label, "tok_s": tok_s, "speedup": tok_s / ar["tok_s"],
                         "equal_to_plain": sum(a == b for a, b in zip(outs, plain)), "prompts": len(prompts),
                         **{k: s[k] for k in (
             "accept_length", "accept_rate", "round_ms_per_step", "depth_acceptance", "histogram", "ended_outside_vocab")}})
-    print(f"plain decoding {ar['tok_s']:.1f} tok/s ({ar['ar_ms']:.2f} ms/step); accept length = SGLang's (bonus incl.); "
-          f"{engine_path(rig)}")
+    return ar, results
+
+
+def _load_engine(args):
+    """(rig, shapes, make_drafter, method key, method label) for the drafter at --drafter, every
+    shape checked against it before anything runs."""
+    if not is_dflash(args.drafter):
+        rig = load_rig(args.target, args.drafter, args.device, args.dtype, args.chat_template)
+        return rig, parse_shapes(args.shapes or EAGLE_SHAPES), rig.drafter, "eagle3", "EAGLE-3"
+    if args.probe:
+        raise FledgeError(f"--probe: {args.drafter} is a DFlash drafter, which drafts chains only (no ranks to probe)")
+    rig, draft = load_block_rig(args.target, args.drafter, args.device, args.dtype, args.chat_template)
+    shapes = parse_shapes(args.shapes) if args.shapes else block_shapes(draft.cfg.block_size - 1)
+    for shape in shapes:
+        BlockDrafter(draft, shape, rig.target)
+
+    def make_drafter(shape):
+        return BlockDrafter(draft, shape, rig.target, compile=rig.compiled)
+    return rig, shapes, make_drafter, "dflash", f"DFlash, block {draft.cfg.block_size}"
+
+
+def _engine_bench(args) -> dict:
+    rig, shapes, make_drafter, kind, method = _load_engine(args)
+    prompts = load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
+    ar, results = engine_rows(rig, make_drafter, prompts, shapes, args.max_new_tokens)
+    print(f"plain decoding {ar['tok_s']:.1f} tok/s ({ar['ar_ms']:.2f} ms/step); {method}; accept length = SGLang's "
+          f"(bonus incl.); {engine_path(rig)}")
     print(f"{'shape':<14}{'accept':>7}{'tok/s':>9}{'speedup':>9}{'round ms':>9}{'= plain':>9}"
           f"  rounds ended outside the draft vocab")
     for r in results:
@@ -83,7 +121,7 @@ def _engine_bench(args) -> dict:
               f"{str(r['equal_to_plain']) + '/' + str(r['prompts']):>9}  {100 * r['ended_outside_vocab']:.1f}%")
     print("= plain: outputs equal to plain decoding's, token for token (greedy; fp32 keeps them equal, bf16 may "
           "differ where two logits tie within rounding)")
-    out = {"ar": ar, "results": results}
+    out = {"method": kind, "ar": ar, "results": results}
     if args.probe:
         out["profile"] = probe_profile(rig, prompts, args.probe_steps, args.probe_topk, args.max_new_tokens)
         for name, key in (("on the spine", "spine"), ("off it", "ranks")):
