@@ -360,6 +360,8 @@ def add_demo(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="target model: built-in name, GGUF file or HF directory")
     p.add_argument("--workdir", default="runs/demo", help="where every step writes its files and demo.json")
+    p.add_argument("--method", choices=("eagle3", "dflash"), default="eagle3",
+                   help="drafter kind the miniature trains: EAGLE-3, or DFlash (a block drafted in one forward)")
     p.add_argument("--prompts", type=positive_int, default=8, help="MT-Bench questions the target answers for training; "
                    "a target larger than the built-in 135M one gets fewer (fledge.demo.demo_sizes)")
     p.add_argument("--eval-prompts", type=positive_int, default=2, help="held-out questions for the eval and the speed check")
@@ -370,9 +372,9 @@ def add_demo(sub) -> None:
     p.add_argument("--train-steps", type=positive_int, default=20,
                    help="optimizer steps of the miniature training run (batch 2, lr 1e-3)")
     p.add_argument("--cpu-head-rows", type=int, default=4096,
-                   help="speed check: the drafter's head cut to its first N rows, as a CPU favours")
+                   help="speed check: the EAGLE-3 drafter's head cut to its first N rows, as a CPU favours")
     p.add_argument("--cpu-steps", type=int, default=3, help="speed check: chain length (draft steps a round)")
-    p.add_argument("--repeats", type=int, default=2, help="speed check: interleaved repeats of AR and EAGLE-3")
+    p.add_argument("--repeats", type=int, default=2, help="speed check: interleaved repeats of AR and the drafter")
     add_chat_template(p)
     p.set_defaults(func=handler("fledge.demo:run_demo"))
 

@@ -9,6 +9,10 @@ the last step, twice: as shipped, and as a CPU favours it. On a GPU a draft step
 beside the target's forward; on a CPU the drafter's head (24K rows for the shipped one) is read
 at every step and costs a sizeable share of a target forward, so the demo also runs it with a
 head cut to its first rows and a short chain. Every output is checked against plain decoding.
+
+`--method dflash` trains the miniature as a DFlash block drafter instead (one drafter forward
+drafts the whole chain) and runs the same checks with it; no DFlash drafter is shipped, so the
+speed step measures the miniature.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from fledge.data.vocab import build_vocab, coverage, save_vocab
 from fledge.doctor.checks import exit_code, report
 from fledge.doctor.doctor import doctor
 from fledge.drafter.checkpoint import export_checkpoint, load_checkpoint
+from fledge.drafter.dflash_checkpoint import export_dflash, load_dflash
+from fledge.engine.block import BlockDrafter
 from fledge.engine.decode import generate_ar
 from fledge.engine.drafters import Eagle3Drafter
 from fledge.engine.hf import build_engine_target
@@ -115,23 +121,32 @@ def _compare(drafters: dict, prompts, engine, eos, new_tokens: int, repeats: int
     return out, equal
 
 
+def speed_drafters(method: str, drafter_dir: Path, target_model, engine, steps: int, head_rows: int) -> dict:
+    """The drafters the speed step runs, by name, each drafting a chain of `steps`: EAGLE-3 as
+    it is and with its head cut to `head_rows` (`cpu_head`); DFlash as it is (one forward a
+    round; its head is the miniature's draft vocabulary)."""
+    chain = Shape(steps, 1, steps + 1)
+    if method == "dflash":
+        draft = load_dflash(drafter_dir, embed_from=target_model).eval().cast("cpu", torch.float32)
+        return {f"dflash chain {steps}, head {draft.cfg.draft_vocab_size}": BlockDrafter(draft, chain, engine)}
+
+    def draft():
+        return load_checkpoint(str(drafter_dir), embed_from=target_model).eval().cast("cpu", torch.float32)
+
+    full, small = draft(), cpu_head(draft(), head_rows, target_model)
+    return {f"eagle3 chain {steps}, head {d.cfg.draft_vocab_size}": Eagle3Drafter(d, chain, engine) for d in (full, small)}
+
+
 def _speed_step(args, target, held, work) -> tuple[dict, bool]:
     """The last step: the shipped drafter (or the miniature one) against plain decoding on
     held-out prompts, as shipped and as the CPU favours (a head of `--cpu-head-rows` rows and a
     chain of `--cpu-steps`), with every output checked against plain decoding."""
     shipped = SHIPPED / args.target
-    drafter_dir = shipped if (shipped / "config.json").exists() else work / "export"
+    use_shipped = args.method == "eagle3" and (shipped / "config.json").exists()
+    drafter_dir = shipped if use_shipped else work / "export"
     engine = build_engine_target(target.model, torch.float32, "cpu")
     eos = eos_ids(target.tokenizer, target.model.generation_config)
-
-    def draft():
-        return load_checkpoint(str(drafter_dir), embed_from=target.model).eval().cast("cpu", torch.float32)
-
-    full = draft()
-    small = cpu_head(draft(), args.cpu_head_rows, target.model)
-    chain = Shape(args.cpu_steps, 1, args.cpu_steps + 1)
-    drafters = {f"eagle3 chain {args.cpu_steps}, head {full.cfg.draft_vocab_size}": Eagle3Drafter(full, chain, engine),
-                f"eagle3 chain {args.cpu_steps}, head {small.cfg.draft_vocab_size}": Eagle3Drafter(small, chain, engine)}
+    drafters = speed_drafters(args.method, drafter_dir, target.model, engine, args.cpu_steps, args.cpu_head_rows)
     cover = {n: coverage(d.draft.target_ids().cpu(), work / "heldout.tok.jsonl") for n, d in drafters.items()}
     prompts = [encode_chat(target.tokenizer, c["messages"]) for c in held]
     summary, equal = _compare(drafters, prompts, engine, eos, args.new_tokens, args.repeats)
@@ -149,12 +164,31 @@ def _speed_step(args, target, held, work) -> tuple[dict, bool]:
     best = max(drafters, key=lambda n: summary[n]["speedup"])
     if summary[best]["speedup"] < 1.3:
         r = summary[best]
-        print(f"below 1.3x here: a round ({args.cpu_steps} draft steps + a verify of {args.cpu_steps + 1} tokens) took "
+        drafting = "one drafter forward" if args.method == "dflash" else f"{args.cpu_steps} draft steps"
+        gpu = "a miniature trained for seconds drafts little" if args.method == "dflash" else _gpu_figure()
+        print(f"below 1.3x here: a round ({drafting} + a verify of {args.cpu_steps + 1} tokens) took "
               f"{r['round_ms']:.0f} ms against {ar['ms_per_token']:.0f} ms a plain token, for {r['accept_length']:.2f} "
-              f"tokens a round; {_gpu_figure()}")
+              f"tokens a round; {gpu}")
     for name in drafters:
         summary[name]["heldout_coverage"] = cover[name]
     return {"drafter": str(drafter_dir), "compare": summary, "equal_to_plain": equal, "outputs": n_out}, equal == n_out
+
+
+def train_miniature(method: str, target, data: Path, held: Path, vocab: Path, work: Path, steps: int) -> tuple[Path, dict]:
+    """The miniature drafter of `method` trained on `data` (batch 2, chains of 3) and exported
+    to `work`/export in the layout its server reads: (that directory, the held-out eval)."""
+    run = work / "train"
+    shutil.rmtree(run, ignore_errors=True)
+    tcfg = TrainConfig(data=str(data), out=str(run), target=target.name, vocab=str(vocab), method=method,
+                       max_steps=steps, batch_size=2, ttt_steps=3, eval_data=str(held), max_len=1024, lr=1e-3,
+                       log_every=5, eval_every=steps, save_every=steps, device="cpu")
+    result = train(tcfg, target)
+    if method == "dflash":
+        out = export_dflash(load_dflash(result["draft"], embed_from=target.model), work / "export", overwrite=True)
+    else:
+        out = export_checkpoint(load_checkpoint(result["draft"], embed_from=target.model), work / "export",
+                                layout="eagle3", overwrite=True)
+    return out, result["eval"] or {}
 
 
 def run_demo(args) -> int:
@@ -196,18 +230,11 @@ def run_demo(args) -> int:
     save_vocab(vocab_path, t2d.nonzero().flatten(), target.model.config.vocab_size, {"source": str(tok_path)})
     t0 = _step(rows, "data", t0, f"{stats['prompts']['samples']} samples, {stats['prompts']['trained_tokens']} trained tokens; draft vocab {args.draft_vocab}")
 
-    run = work / "train"
-    shutil.rmtree(run, ignore_errors=True)
-    tcfg = TrainConfig(data=str(tok_path), out=str(run), target=args.target, vocab=str(vocab_path),
-                       max_steps=args.train_steps, batch_size=2, ttt_steps=3, eval_data=str(work / "heldout.tok.jsonl"), max_len=1024,
-                       lr=1e-3, log_every=5, eval_every=args.train_steps, save_every=args.train_steps, device="cpu")
-    result = train(tcfg, target)
-    ev = result["eval"] or {}
+    exported, ev = train_miniature(args.method, target, tok_path, work / "heldout.tok.jsonl", vocab_path, work,
+                                   args.train_steps)
     acc = f"{ev['acc'][0]:.3f}" if ev else "n/a"
-    t0 = _step(rows, "train", t0, f"{args.train_steps} steps; held-out step-0 top-1 accuracy {acc}")
+    t0 = _step(rows, "train", t0, f"{args.method}, {args.train_steps} steps; held-out step-0 top-1 accuracy {acc}")
 
-    exported = export_checkpoint(load_checkpoint(result["draft"], embed_from=target.model), work / "export",
-                                 layout="eagle3", overwrite=True)
     checks = doctor(str(exported), target=args.target)
     code = exit_code(checks)
     report(checks)
@@ -215,7 +242,7 @@ def run_demo(args) -> int:
     t0 = _step(rows, "export", t0, f"{exported}: doctor exit {code} ({verdict})")
 
     speed, same = _speed_step(args, target, held, work)
-    _step(rows, "compare", t0, "AR vs EAGLE-3 (accept length = SGLang's, incl. the bonus token)")
+    _step(rows, "compare", t0, f"AR vs {args.method} (accept length = SGLang's, incl. the bonus token)")
     atomic_write_json(work / "demo.json", {"steps": rows, **speed, "doctor_exit": code,
                                            "wall_s": round(sum(float(r[1]) for r in rows), 1)})
     print(f"\nwrote {work / 'demo.json'}; the whole demo took {sum(float(r[1]) for r in rows):.0f} s")

@@ -120,3 +120,31 @@ def test_default_mask_token_is_an_unused_added_token():
     from fledge.core.target import resolve_target
     tok = AutoTokenizer.from_pretrained(resolve_target("smollm2-135m"))
     assert default_mask_token(tok, 49152) == 16 and 16 not in tok.all_special_ids
+
+
+def test_demo_trains_a_dflash_miniature_that_drafts_exactly(tmp_path):
+    """`fledge demo --method dflash`'s steps at toy sizes: the miniature trains and exports in
+    vLLM's DFlash layout, doctor passes it, and the speed step's drafter writes plain decoding's
+    tokens on every prompt."""
+    from test_target import tiny_tokenizer
+
+    from fledge.core.target import Target
+    from fledge.data.vocab import build_vocab, save_vocab
+    from fledge.demo import _compare, speed_drafters, train_miniature
+    from fledge.doctor.checks import exit_code
+    from fledge.doctor.doctor import doctor
+    from fledge.drafter.layout import is_dflash
+
+    target = Target(make_tiny("llama"), tiny_tokenizer(V - 1), "tiny", None)  # one id left for the mask
+    data, held = write_data(tmp_path / "d.jsonl", n=8), write_data(tmp_path / "h.jsonl", n=2, seed=1)
+    _, t2d = build_vocab(data, V, 64)
+    save_vocab(tmp_path / "v.safetensors", t2d.nonzero().flatten(), V, {})
+    out, ev = train_miniature("dflash", target, data, held, tmp_path / "v.safetensors", tmp_path, 2)
+    assert is_dflash(out) and len(ev["acc"]) == 3
+    assert exit_code(doctor(str(out))) < 2
+    engine = build_engine_target(target.model, torch.float32, "cpu")
+    drafters = speed_drafters("dflash", out, target.model, engine, 3, 0)
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
+    summary, equal = _compare(drafters, prompts, engine, [], 10, 1)
+    assert list(summary) == ["AR", "dflash chain 3, head 64"] and equal == len(prompts)
+    assert summary["dflash chain 3, head 64"]["accept_length"] >= 1
