@@ -257,12 +257,13 @@ def add_train(sub) -> None:
                         "gains them, their weights at its aux states' median RMS")
     p.add_argument("--norm-output", action="store_true", default=None,
                    help="EAGLE-3.1: the next draft step reads the final-norm state (also onto an --init)")
-    p.add_argument("--method", choices=METHODS, help=train_help("method", "the drafter kind: EAGLE-3, or a DFlash "
-                                                                  "block drafter (--ttt-steps masks a block)"))
+    p.add_argument("--method", choices=METHODS, help=train_help("method", "the drafter kind: EAGLE-3; P-EAGLE (EAGLE-3 "
+                                                                  "drafting a chain of --ttt-steps in one forward); or "
+                                                                  "a DFlash block drafter (--ttt-steps masks a block)"))
     p.add_argument("--draft-layers", type=int, help=train_help("draft_layers", "dflash: draft decoder layers"))
     p.add_argument("--blocks-per-sample", type=int, help=train_help("blocks_per_sample", "dflash: blocks (anchors) "
                                                                     "drawn per sample and step"))
-    p.add_argument("--mask-token-id", type=int, help="dflash: the target token whose embedding marks a slot to fill "
+    p.add_argument("--mask-token-id", type=int, help="dflash, peagle: the target token whose embedding marks a slot to fill "
                                                      "(default: the tokenizer's highest-id added token that is not "
                                                      "one of its own special tokens)")
     p.add_argument("--device")

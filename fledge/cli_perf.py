@@ -23,7 +23,8 @@ def add_bench(sub) -> None:
     src.add_argument("--target", help="engine: target (built-in name, GGUF, HF dir)")
     p.add_argument("--drafter", help="engine: EAGLE-3 or DFlash checkpoint directory")
     p.add_argument("--shapes", help="engine: STEPS,TOPK,TOKENS;... to run (default: 3,1,4;7,1,8;5,4,16 for EAGLE-3; "
-                                    "for DFlash chains K,1,K+1 of the longest its block allows, 3/4 and 1/2 of it)")
+                                    "for DFlash chains K,1,K+1 of the longest its block allows, 3/4 and 1/2 of it; "
+                                    "for P-EAGLE chains of 7, 5 and 3)")
     p.add_argument("--probe", action="store_true", help="engine: also measure acceptance by depth and rank (for tune)")
     p.add_argument("--probe-steps", type=positive_int, default=6)
     p.add_argument("--probe-topk", type=positive_int, default=4)

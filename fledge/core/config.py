@@ -42,7 +42,9 @@ class DraftConfig:
 
     `aux_layer_ids` are canonical (vLLM) ids: see `fledge.core.conventions`. `fc_norm` and
     `norm_output` are EAGLE-3.1's two changes to the layer (`fledge.drafter.eagle3` says what each does);
-    both off is the EAGLE-3 layer.
+    both off is the EAGLE-3 layer. `ptd_token_id` set makes it a P-EAGLE drafter (parallel
+    drafting: every draft after the first is a slot of this token with a learnt `mask_hidden`,
+    all in one forward; vLLM's `parallel_drafting` reads the id under this name).
     """
 
     hidden_size: int
@@ -63,6 +65,7 @@ class DraftConfig:
     torch_dtype: str = "bfloat16"
     fc_norm: bool = False
     norm_output: bool = False
+    ptd_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # target fields carried verbatim
 
     def __post_init__(self):
@@ -86,6 +89,13 @@ class DraftConfig:
             raise FledgeError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act != "silu":
             raise FledgeError(f"hidden_act {self.hidden_act!r}: the EAGLE-3 midlayer is a SiLU Llama layer")
+        if self.ptd_token_id is not None:
+            check_number("ptd_token_id", self.ptd_token_id, 0, self.vocab_size - 1, integer=True, what="draft config")
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the drafter drafts in parallel (P-EAGLE): see the class doc."""
+        return self.ptd_token_id is not None
 
     @classmethod
     def from_target(cls, tcfg, draft_vocab_size: int | None = None, aux_layer_ids=None,
@@ -126,9 +136,11 @@ PARALLEL = ("ddp", "fsdp")  # how `fledge train` spreads over torchrun's ranks (
 HEADS = ("fresh", "target", "frozen")
 # What `fledge train` minimises at each TTT step (fledge.train.loop.draft_loss says what each is).
 LOSSES = ("kl", "greedy", "lk")
-# The drafter kind `fledge train` trains: EAGLE-3 (one layer, drafted step by step) or DFlash (a
-# block drafted in one forward: fledge.drafter.dflash, fledge.train.dflash).
-METHODS = ("eagle3", "dflash")
+# The drafter kind `fledge train` trains: EAGLE-3 (one layer, drafted step by step), P-EAGLE (the
+# EAGLE-3 layer drafting a chain in one forward from mask slots: fledge.train.ttt,
+# fledge.engine.parallel) or DFlash (a block drafted in one forward: fledge.drafter.dflash,
+# fledge.train.dflash).
+METHODS = ("eagle3", "peagle", "dflash")
 
 # TrainConfig fields that `fledge train` sets with a plain `--name VALUE`: (option, type, what
 # it sets). The help adds the field's default.
@@ -176,7 +188,7 @@ class TrainConfig:
     method: str = "eagle3"            # one of METHODS
     draft_layers: int = 2             # dflash: draft decoder layers
     blocks_per_sample: int = 64       # dflash: anchors drawn per sample and step
-    mask_token_id: int | None = None  # dflash: None = fledge.train.dflash.default_mask_token
+    mask_token_id: int | None = None  # dflash, peagle: None = fledge.train.dflash.default_mask_token
     vocab: str | None = None          # d2t/t2d file (`fledge vocab`); None: draft vocab = target vocab
     init: str | None = None           # warm start from an exported drafter directory
     head: str = "fresh"               # a fresh draft's lm_head: one of HEADS
@@ -232,7 +244,7 @@ class TrainConfig:
                   (self.warmup < 1, "warmup is a share of steps in [0, 1)"),
                   (self.method in METHODS, f"method {self.method!r}: one of {', '.join(METHODS)}"),
                   (self.draft_layers >= 1 and self.blocks_per_sample >= 1, "draft_layers and blocks_per_sample must be >= 1"),
-                  (self.method == "eagle3" or not (self.fc_norm or self.norm_output),
+                  (self.method != "dflash" or not (self.fc_norm or self.norm_output),
                    "--fc-norm and --norm-output are EAGLE-3.1's; a dflash drafter has neither"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.head in HEADS, f"head {self.head!r}: one of {', '.join(HEADS)}"),

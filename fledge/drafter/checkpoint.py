@@ -66,7 +66,8 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
     ids are written twice: canonical at the top level, which vLLM reads first, and in SGLang's
     spelling in eagle_config, the only list SGLang reads, so both capture the same streams.
     EAGLE-3.1's `fc_norm` and `norm_output` go at the top level, where both engines (and vLLM's
-    speculators reader) look, and only when set: both default to false."""
+    speculators reader) look, and only when set: both default to false. So does P-EAGLE's
+    `ptd_token_id`, the mask token vLLM's `parallel_drafting` reads."""
     ver = dict(cfg.extra.get("verifier") or {})
     if verifier and verifier != ver.get("name_or_path"):
         ver = {"name_or_path": verifier, "architectures": []}
@@ -74,7 +75,8 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
     ids, n = list(cfg.aux_layer_ids), cfg.target_num_layers
     common = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
               "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids,
-              **{k: True for k, on in (("fc_norm", cfg.fc_norm), ("norm_output", cfg.norm_output)) if on}}
+              **{k: True for k, on in (("fc_norm", cfg.fc_norm), ("norm_output", cfg.norm_output)) if on},
+              **({"ptd_token_id": cfg.ptd_token_id} if cfg.parallel else {})}
     if layout == "eagle3":
         return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **common,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_ids_to_sglang(ids, n)),

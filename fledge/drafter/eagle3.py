@@ -98,6 +98,9 @@ class Eagle3Draft(nn.Module):
         # Until a vocabulary is built, the draft vocab is the first N target ids.
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", t2d_from_target_ids(torch.arange(cfg.draft_vocab_size), cfg.vocab_size))
+        # P-EAGLE: what a mask slot reads in place of the target's aux states (vLLM's shape)
+        self.register_parameter("mask_hidden", nn.Parameter(torch.randn(1, 3 * cfg.target_hidden_size) * 0.02)
+                                if cfg.parallel else None)
 
     def aux_norms(self) -> nn.ModuleList:
         return nn.ModuleList(LlamaRMSNorm(self.cfg.target_hidden_size, eps=self.cfg.rms_norm_eps) for _ in range(3))
@@ -188,6 +191,16 @@ class Eagle3Draft(nn.Module):
             norm.weight.fill_(scale)
 
     @torch.no_grad()
+    def add_mask_slots(self, ptd_token_id: int) -> None:
+        """Make a sequential drafter a P-EAGLE one: its first draft stays what it was, later
+        drafts come from mask slots of `ptd_token_id` and a fresh `mask_hidden`, to be trained."""
+        if self.cfg.parallel:
+            raise FledgeError("the drafter already drafts in parallel")
+        w = self.fc.weight
+        self.cfg = self.cfg.replace(ptd_token_id=ptd_token_id)
+        self.mask_hidden = nn.Parameter(torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype) * 0.02)
+
+    @torch.no_grad()
     def change_vocab(self, target_ids: torch.Tensor, target_model) -> dict:
         """Move to another draft vocabulary (ascending target ids): a token both vocabularies
         hold keeps its trained lm_head row; a new token's row is the target's output row for
@@ -232,6 +245,13 @@ class Eagle3Draft(nn.Module):
     def target_ids(self) -> torch.Tensor:
         """Target token id of every draft id: i + d2t[i]."""
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def mask_slots(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE's mask slots, (ids [b,t], aux-wide hidden [b,t,3H]): the token `ptd_token_id`
+        and `mask_hidden`, which `project` fuses through fc as it fuses the target's aux states."""
+        w = self.mask_hidden
+        ids = torch.full((b, t), self.cfg.ptd_token_id, dtype=torch.long, device=w.device)
+        return ids, w.expand(b, t, w.shape[-1])
 
     # ---------------------------------------------------------------- one draft step, in two halves
     def project(self, input_ids, hidden, positions):

@@ -32,7 +32,8 @@ def checkpoint_keys(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], bool]]
 
     The names and shapes are those of `Eagle3Draft(cfg).state_dict()` (tests/test_checkpoint.py
     holds the two equal); they are listed here so that reading a checkpoint needs no torch.
-    EAGLE-3.1's `fc_norm` adds `fc_norm.{0,1,2}.weight`. Everything is required except
+    EAGLE-3.1's `fc_norm` adds `fc_norm.{0,1,2}.weight`, P-EAGLE's `mask_hidden` (vLLM refuses a
+    parallel-drafting checkpoint without it). Everything is required except
     `embed_tokens.weight` (engines share the target's embeddings) and `t2d` (engines skip it;
     fledge rebuilds it from `d2t`). `d2t` and
     `midlayer.hidden_norm.weight` are required because vLLM would silently load zeros / ones —
@@ -46,7 +47,8 @@ def checkpoint_keys(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], bool]]
              "self_attn.v_proj.weight": (kv, 2 * h), "self_attn.o_proj.weight": (h, q),
              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
     fc_norm = {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(3)} if cfg.fc_norm else {}
-    shapes = {"d2t": (dv,), "t2d": (v,), "embed_tokens.weight": (v, h), **fc_norm,
+    mask = {"mask_hidden": (1, 3 * cfg.target_hidden_size)} if cfg.parallel else {}
+    shapes = {"d2t": (dv,), "t2d": (v,), "embed_tokens.weight": (v, h), **fc_norm, **mask,
               "fc.weight": (h, 3 * cfg.target_hidden_size), **{f"midlayer.{k}": s for k, s in layer.items()},
               "norm.weight": (h,), "lm_head.weight": (dv, h)}
     if dv == v:
@@ -94,6 +96,7 @@ class DraftFacts:
     norm_before_residual: bool  # vLLM defaults it to true in the speculators layout
     fc_norm: bool  # EAGLE-3.1 (fledge.drafter.eagle3); both engines default these two to false
     norm_output: bool
+    ptd_token_id: int | None  # P-EAGLE's mask token (the name vLLM's parallel drafting reads)
     verifier: str | None  # speculators layout: the target `vllm serve <dir>` loads
     speculative_tokens: int | None  # the trained depth; in the speculators layout, what `vllm serve <dir>` drafts
 
@@ -118,7 +121,7 @@ def draft_facts(cj: dict) -> DraftFacts:
         target_layers=fledge.get("target_num_hidden_layers"),
         norm_before_residual=bool(cj.get("norm_before_residual", spec)),
         fc_norm=bool(cj.get("fc_norm", False)), norm_output=bool(cj.get("norm_output", False)),
-        verifier=(sc.get("verifier") or {}).get("name_or_path"),
+        ptd_token_id=cj.get("ptd_token_id"), verifier=(sc.get("verifier") or {}).get("name_or_path"),
         speculative_tokens=(method if spec else fledge).get("speculative_tokens"))
 
 
@@ -175,7 +178,7 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
         aux_layer_ids=aux_ids_of(f.aux_top, f.aux_nested, n), max_position_embeddings=layer["max_position_embeddings"],
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         hidden_act=layer.get("hidden_act", "silu"),
-        torch_dtype=f.dtype or "bfloat16", fc_norm=f.fc_norm, norm_output=f.norm_output,
+        torch_dtype=f.dtype or "bfloat16", fc_norm=f.fc_norm, norm_output=f.norm_output, ptd_token_id=f.ptd_token_id,
         extra={k: v for k, v in extra.items() if v is not None},
     )
 

@@ -88,10 +88,13 @@ class EngineRig:
     compiled: bool = False  # the target's layer functions and the drafter's halves, torch.compile'd
 
     def drafter(self, shape):
+        """The engine's drafter of `shape`: EAGLE-3's step by step, or P-EAGLE's one forward
+        where the drafter was trained for parallel drafting."""
         from fledge.engine.drafters import Eagle3Drafter
+        from fledge.engine.parallel import ParallelDrafter
 
-        return Eagle3Drafter(self.draft, shape, self.target,
-                             compile=self.compiled)
+        kind = ParallelDrafter if self.draft.cfg.parallel else Eagle3Drafter
+        return kind(self.draft, shape, self.target, compile=self.compiled)
 
 
 def load_rig(target: str, drafter: str, device: str | None, dtype: str | None,

@@ -8,8 +8,8 @@ Three sources, one command:
              reads both.
   --target   fledge's engine (with --drafter): plain decoding, then each --shapes shape through
              the engine's speculative decoding, an acceptance profile by depth and sibling rank
-             (the input `fledge tune` needs), a table, JSON and PNG plots. A DFlash drafter
-             (block drafting) runs chains, one drafter forward a round.
+             (the input `fledge tune` needs), a table, JSON and PNG plots. A DFlash or
+             P-EAGLE drafter runs chains, one drafter forward a round.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def plot_engine(results: list[dict], ar_tok_s: float, path) -> None:
 
 # --------------------------------------------------------------------------- CLI
 EAGLE_SHAPES = "3,1,4;7,1,8;5,4,16"
+PARALLEL_CHAIN = 7  # a P-EAGLE drafter's longest default chain: its mask slots have no fixed count
 
 
 def block_shapes(max_steps: int) -> list[Shape]:
@@ -95,7 +96,14 @@ def _load_engine(args):
     shape checked against it before anything runs."""
     if not is_dflash(args.drafter):
         rig = load_rig(args.target, args.drafter, args.device, args.dtype, args.chat_template)
-        return rig, parse_shapes(args.shapes or EAGLE_SHAPES), rig.drafter, "eagle3", "EAGLE-3"
+        if not rig.draft.cfg.parallel:
+            return rig, parse_shapes(args.shapes or EAGLE_SHAPES), rig.drafter, "eagle3", "EAGLE-3"
+        if args.probe:
+            raise FledgeError(f"--probe: {args.drafter} is a P-EAGLE drafter, which drafts chains only (no ranks to probe)")
+        shapes = parse_shapes(args.shapes) if args.shapes else block_shapes(PARALLEL_CHAIN)
+        for shape in shapes:
+            rig.drafter(shape)
+        return rig, shapes, rig.drafter, "peagle", "P-EAGLE (parallel drafting)"
     if args.probe:
         raise FledgeError(f"--probe: {args.drafter} is a DFlash drafter, which drafts chains only (no ranks to probe)")
     rig, draft = load_block_rig(args.target, args.drafter, args.device, args.dtype, args.chat_template)

@@ -28,7 +28,7 @@ from fledge.data.vocab import load_vocab_ids
 from fledge.drafter.checkpoint import load_checkpoint
 from fledge.drafter.eagle3 import Eagle3Draft
 from fledge.train.capture_run import StreamedFeatures, open_stream
-from fledge.train.dflash import BlockTrain, build_block_draft
+from fledge.train.dflash import BlockTrain, build_block_draft, default_mask_token
 from fledge.train.features import (
     FeatureStore,
     Sample,
@@ -95,12 +95,9 @@ def draft_vocab_ids(path: str, vocab_size: int) -> torch.Tensor:
     return ids
 
 
-def build_draft(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
+def _build_eagle3(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
     model = target.model
     tcfg = model.config.get_text_config()
-    if cfg.method == "dflash":
-        return build_block_draft(cfg, target, draft_vocab_ids(cfg.vocab, tcfg.vocab_size) if cfg.vocab
-                                 else torch.arange(tcfg.vocab_size))
     if cfg.init:
         draft = load_checkpoint(cfg.init, embed_from=model)
         if (draft.cfg.hidden_size, draft.cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
@@ -132,6 +129,20 @@ def build_draft(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
     draft = Eagle3Draft.from_target(dcfg, model, ids)
     if cfg.head != "fresh":
         draft.init_head_from(model)
+    return draft
+
+
+def build_draft(cfg: TrainConfig, target, rank: int = 0):
+    """The drafter a run starts from, by method (DFlash: fledge.train.dflash). A P-EAGLE run
+    starts from EAGLE-3's (fresh or --init's) and gains mask slots, unless --init has them."""
+    tcfg = target.model.config.get_text_config()
+    if cfg.method == "dflash":
+        return build_block_draft(cfg, target, draft_vocab_ids(cfg.vocab, tcfg.vocab_size) if cfg.vocab
+                                 else torch.arange(tcfg.vocab_size))
+    draft = _build_eagle3(cfg, target, rank)
+    if cfg.method == "peagle" and not draft.cfg.parallel:
+        draft.add_mask_slots(cfg.mask_token_id if cfg.mask_token_id is not None
+                             else default_mask_token(target.tokenizer, tcfg.vocab_size))
     return draft
 
 

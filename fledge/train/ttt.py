@@ -10,6 +10,12 @@ Keys at step j are [step-0 keys | step-1 keys | ... | step-j keys]: causal over 
 context the target verified) and only the same row in later steps (the row's own earlier
 drafts). That is exactly what a draft sees at inference with a KV cache after context row t
 (tests/test_train.py checks the two against each other).
+
+P-EAGLE (a drafter with `ptd_token_id`): steps j >= 1 read a mask slot instead of (their own
+step j-1 output, embed(x_{t+1+j})): the token ptd_token_id and the learnt `mask_hidden`, fused
+by fc. Positions, keys, mask and targets stay as above, so step j is the mask slot the engine
+(`fledge.engine.parallel`) and vLLM's parallel drafting run at depth j+1; no step depends on
+the one before it, only the attention to its earlier keys ties them.
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ def unroll(draft: Eagle3Draft, ids, aux, steps: int) -> list[torch.Tensor]:
     """Per-step draft outputs [B,T,H] (`Eagle3Draft.finish`'s) of the training-time test; see module doc."""
     b, t = ids.shape
     hidden, keys, values, outs = aux, [], [], []
+    masks = draft.mask_slots(b, t) if draft.cfg.parallel else None
     for j in range(steps):
         pos = (torch.arange(t, device=ids.device) + j).expand(b, t)
-        q, k, v, residual = draft.project(shift(ids, 1 + j), hidden, pos)
+        step_ids, step_hidden = masks if j and masks is not None else (shift(ids, 1 + j), hidden)
+        q, k, v, residual = draft.project(step_ids, step_hidden, pos)
         keys.append(k)
         values.append(v)
         hidden = draft.attend(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(t, j, ids.device), residual)

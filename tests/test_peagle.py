@@ -1,0 +1,114 @@
+"""P-EAGLE (parallel drafting): the engine's one-forward chain equals plain decoding token for
+token (fp32), training's unrolled mask slots accept exactly what the engine accepts on the same
+text, the checkpoint carries what vLLM's parallel drafting reads, and `fledge train --method
+peagle` trains and exports one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_engine_spec import tiny_setup
+from test_train import V, config, write_data
+
+from fledge.core.conventions import chain_replay
+from fledge.core.errors import FledgeError
+from fledge.core.shape import Shape
+from fledge.core.target import Target
+from fledge.drafter.checkpoint import export_checkpoint, load_checkpoint
+from fledge.engine import SamplingParams, generate_ar
+from fledge.engine.drafters import Eagle3Drafter
+from fledge.engine.parallel import ParallelDrafter
+from fledge.engine.spec import generate_spec
+from fledge.train.features import TargetHead, feature_model, online_features
+from fledge.train.ttt import TTT
+
+VOCAB, MASK = 16, 15  # a small vocabulary: random mask slots are right often enough to test
+
+
+def parallel_setup(seed=0):
+    """tiny_setup's target and imitating drafter, with mask slots whose hidden is random."""
+    hf, target, draft = tiny_setup("llama", vocab=VOCAB, seed=seed, initializer_range=0.15)
+    draft.add_mask_slots(MASK)
+    with torch.no_grad():
+        draft.mask_hidden.normal_(0, 1)
+    return hf, target, draft.eval()
+
+
+def test_parallel_chain_equals_ar_and_training_replays_it():
+    """Chains of 1..5 drafted in one forward write AR's tokens; on that text, TTT's unroll with
+    mask slots (training) hits exactly where the engine's rounds accepted."""
+    hf, target, d = parallel_setup()
+    head, feats = TargetHead.from_model(hf, d.target_ids(), "cpu"), feature_model(hf)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    lengths = set()
+    for seed in range(3):
+        prompt = torch.randint(0, MASK, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
+        for k in (1, 3, 5):
+            out, _ = generate_spec(target, ParallelDrafter(d, Shape(k, 1, k + 1), target), prompt, params, eos_ids=[])
+            assert out == ar, (seed, k)
+        out, st = generate_spec(target, ParallelDrafter(d, Shape(4, 1, 5), target), prompt, params, eos_ids=[])
+        ids = torch.tensor([prompt + ar])
+        answer = torch.tensor([[i >= len(prompt) for i in range(ids.shape[1])]])
+        aux, hidden = online_features(feats, tuple(d.cfg.aux_layer_ids), ids, torch.ones_like(ids))
+        probs, top = head.view(hidden)
+        with torch.no_grad():
+            _, _, hit_map = TTT(d, 4, 0.8)(ids, aux, probs, top, answer, torch.ones(4), hit_map=True)
+        walked = chain_replay(hit_map.long().cumprod(0).sum(0)[0].tolist(), answer[0].tolist())
+        assert walked[:len(st.accepted) - 1] == st.accepted[:-1], (walked, st.accepted)
+        lengths |= set(st.accepted)
+    assert max(lengths) >= 2, lengths  # some mask slot's draft was accepted
+
+
+def test_checkpoint_carries_what_vllm_reads(tmp_path):
+    """config.json's ptd_token_id and the `mask_hidden` tensor [1, 3H] (vLLM's names); the
+    loaded drafter drafts in parallel and exactly; bad uses are one FledgeError."""
+    hf, target, d = parallel_setup()
+    out = export_checkpoint(d, tmp_path / "p", dtype=torch.float32)
+    cj = json.loads((out / "config.json").read_text())
+    assert cj["ptd_token_id"] == MASK and cj["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert load_file(out / "model.safetensors")["mask_hidden"].shape == (1, 3 * d.cfg.target_hidden_size)
+    back = load_checkpoint(out, embed_from=hf).eval()
+    assert back.cfg.ptd_token_id == MASK and torch.equal(back.mask_hidden, d.mask_hidden)
+    from fledge.doctor.checks import FAIL
+    from fledge.doctor.doctor import doctor
+    assert not [c for c in doctor(str(out)) if c.status == FAIL]
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    ar = generate_ar(target, [prompt], params, eos_ids=[])[0][0]
+    assert generate_spec(target, ParallelDrafter(back, Shape(3, 1, 4), target), prompt, params, eos_ids=[])[0] == ar
+    with pytest.raises(FledgeError, match="chain"):
+        ParallelDrafter(back, Shape(3, 2, 6), target)
+    _, _, plain = tiny_setup("llama", vocab=VOCAB)
+    with pytest.raises(FledgeError, match="P-EAGLE"):
+        ParallelDrafter(plain, Shape(3, 1, 4), target)
+    with pytest.raises(FledgeError, match="ptd_token_id"):
+        d.cfg.replace(ptd_token_id=VOCAB)
+    assert isinstance(Eagle3Drafter(plain, Shape(3, 1, 4), target), Eagle3Drafter)
+
+
+def test_train_method_peagle_trains_mask_slots_and_exports(tmp_path):
+    """`--method peagle`: a fresh drafter gains mask slots (the given token) and exports them; a
+    run from that drafter (--init) moves its mask_hidden; the result drafts exactly."""
+    from conftest import make_tiny
+
+    from fledge.engine import build_engine_target
+    from fledge.train.loop import train
+
+    write_data(tmp_path / "data.jsonl", n=24)
+    hf = make_tiny("llama")
+    target = Target(hf, None, "tiny", None)
+    first = train(config(tmp_path, method="peagle", mask_token_id=V - 1, max_steps=2, ttt_steps=3), target)
+    d0 = load_checkpoint(first["draft"], embed_from=hf)
+    assert d0.cfg.ptd_token_id == V - 1 and len(first["eval"]["acc"]) == 3
+    again = train(config(tmp_path, out="again", method="peagle", init=first["draft"], max_steps=3, ttt_steps=3), target)
+    d = load_checkpoint(again["draft"], embed_from=hf).eval()
+    assert d.cfg.ptd_token_id == V - 1 and not torch.equal(d.mask_hidden, d0.mask_hidden)
+    engine = build_engine_target(hf, torch.float32, "cpu")
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    ar = generate_ar(engine, [prompt], params, eos_ids=[])[0][0]
+    assert generate_spec(engine, ParallelDrafter(d, Shape(3, 1, 4), engine), prompt, params, eos_ids=[])[0] == ar
