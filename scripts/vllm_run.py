@@ -1,4 +1,4 @@
-"""Greedy generation in real vLLM (CPU), with or without a drafter (EAGLE-3 or DFlash); writes one JSON.
+"""Greedy generation in real vLLM (CPU), with or without a drafter (EAGLE-3, P-EAGLE or DFlash); writes one JSON.
 
 Runs INSIDE the venv built by scripts/setup_vllm.sh, started with the LD_PRELOAD from its
 vllm.env; it does not import fledge (that venv has vLLM's own torch, not fledge's).
@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--method", default="eagle3", choices=("eagle3", "dflash"), help="the drafter's kind")
     ap.add_argument("--prompts", required=True, help="JSON list of prompt strings")
     ap.add_argument("--out", required=True, help="where to write the result JSON")
+    ap.add_argument("--parallel-drafting", action="store_true",
+                    help="eagle3: draft every token in one forward (a P-EAGLE drafter: ptd_token_id, mask_hidden)")
     ap.add_argument("--num-spec-tokens", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="float32", help="float32 keeps greedy ties stable across batch shapes")
@@ -57,7 +59,8 @@ def main():
 
     spec = None
     if args.drafter:
-        spec = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.num_spec_tokens}
+        spec = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.num_spec_tokens,
+                **({"parallel_drafting": True} if args.parallel_drafting else {})}
     prompts = json.loads(Path(args.prompts).read_text())
 
     t0 = time.perf_counter()

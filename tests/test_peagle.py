@@ -112,3 +112,22 @@ def test_train_method_peagle_trains_mask_slots_and_exports(tmp_path):
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     ar = generate_ar(engine, [prompt], params, eos_ids=[])[0][0]
     assert generate_spec(engine, ParallelDrafter(d, Shape(3, 1, 4), engine), prompt, params, eos_ids=[])[0] == ar
+
+
+def test_doctor_wants_parallel_drafting_on_the_launch_line_of_a_peagle_drafter(tmp_path):
+    from fledge.doctor.checks import FAIL, PASS
+    from fledge.doctor.doctor import doctor
+
+    _, _, d = parallel_setup()
+    out = export_checkpoint(d, tmp_path / "p")
+    _, _, plain = tiny_setup("llama", vocab=VOCAB)
+    seq = export_checkpoint(plain, tmp_path / "s")
+    line = "vllm serve T --speculative-config '{\"method\": \"eagle3\", \"model\": \"%s\", \"num_speculative_tokens\": 3%s}'"
+
+    def status(drafter, extra):
+        return {c.name: c.status for c in doctor(str(drafter), launch=line % (drafter, extra))}.get("launch.parallel_drafting")
+
+    assert status(out, ', "parallel_drafting": true') == PASS
+    assert status(out, "") == FAIL
+    assert status(seq, ', "parallel_drafting": true') == FAIL
+    assert status(seq, "") is None

@@ -34,13 +34,14 @@ MAX_TOKENS = 32
 K = 3
 
 
-def run_vllm(python, env, tmp: Path, target: Path, drafter: Path | None = None) -> dict:
+def run_vllm(python, env, tmp: Path, target: Path, drafter: Path | None = None, method: str = "dflash",
+             extra: tuple = ()) -> dict:
     (tmp / "prompts.json").write_text(json.dumps(PROMPTS))
     out = tmp / ("spec.json" if drafter else "base.json")
     cmd = [str(python), str(RUNNER), "--target", str(target), "--prompts", str(tmp / "prompts.json"), "--out", str(out),
            "--max-tokens", str(MAX_TOKENS), "--num-spec-tokens", str(K)]
     if drafter:
-        cmd += ["--drafter", str(drafter), "--method", "dflash"]
+        cmd += ["--drafter", str(drafter), "--method", method, *extra]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, f"vLLM failed:\n{res.stderr[-4000:]}"
     return json.loads(out.read_text())

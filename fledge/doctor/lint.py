@@ -291,7 +291,7 @@ def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None, alone: bool) -
         return out + [fail("launch.spec_config", "no --speculative-config: vLLM serves without speculation",
                             f'--speculative-config \'{{"method": "eagle3", "model": "{drafter}", "num_speculative_tokens": 3}}\'')]
     out += [_vllm_method(sc), _path_check(sc.get("model"), drafter, 'speculative_config "model"'),
-            _vllm_depth(sc.get("num_speculative_tokens"))]
+            _vllm_depth(sc.get("num_speculative_tokens")), _vllm_parallel(sc.get("parallel_drafting"), f)]
     if "enforce-eager" in o and not lc.on_cpu():
         out.append(warn("launch.cuda_graph", "--enforce-eager: no CUDA graphs, kernel-launch overhead on every "
                          "draft and verify step", "drop --enforce-eager"))
@@ -309,6 +309,19 @@ def _vllm_method(sc: dict) -> Check:
     if not method and "eagle3" in str(sc.get("model", "")).lower():
         return warn("launch.algorithm", "no method: vLLM guesses eagle3 from the model name", '"method": "eagle3"')
     return fail("launch.algorithm", f"method {method or '(absent)'}: not eagle3", '"method": "eagle3"')
+
+
+def _vllm_parallel(on, f: DraftFacts | None) -> Check | None:
+    """A P-EAGLE drafter (ptd_token_id) is served with parallel_drafting, and only such a one."""
+    trained = f is not None and f.ptd_token_id is not None
+    if trained and on is not True:
+        return fail("launch.parallel_drafting", "a P-EAGLE drafter (ptd_token_id) served without parallel_drafting: "
+                    "vLLM drafts step by step, feeding it states it was not trained on", '"parallel_drafting": true')
+    if on and f is not None and not trained:
+        return fail("launch.parallel_drafting", "parallel_drafting with a drafter that has no ptd_token_id and "
+                    "mask_hidden: vLLM refuses to load it", "train it with fledge train --method peagle, or drop "
+                    "parallel_drafting")
+    return ok("launch.parallel_drafting", "parallel_drafting with a P-EAGLE drafter") if trained else None
 
 
 def _vllm_depth(value) -> Check:
