@@ -131,3 +131,21 @@ def test_doctor_wants_parallel_drafting_on_the_launch_line_of_a_peagle_drafter(t
     assert status(out, "") == FAIL
     assert status(seq, ', "parallel_drafting": true') == FAIL
     assert status(seq, "") is None
+
+
+def test_bench_runs_a_peagle_drafter_as_chains_equal_to_plain(tmp_path):
+    """`fledge bench --target T --drafter PEAGLE_DIR`: chains (by default 7, 5, 3), every output
+    equal to plain decoding's (fp32)."""
+    from test_target import tiny_tokenizer
+
+    from fledge.cli import main
+
+    hf, _, d = parallel_setup()
+    hf.save_pretrained(tmp_path / "t")
+    tiny_tokenizer(VOCAB).save_pretrained(tmp_path / "t")
+    out = export_checkpoint(d, tmp_path / "p", dtype=torch.float32)
+    assert main(["bench", "--target", str(tmp_path / "t"), "--drafter", str(out), "--num-prompts", "2",
+                 "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float32", "--json", str(tmp_path / "b.json")]) == 0
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["method"] == "peagle" and [r["shape"] for r in res["results"]] == ["s7 k1 n8", "s5 k1 n6", "s3 k1 n4"]
+    assert all(r["equal_to_plain"] == r["prompts"] == 2 for r in res["results"])
