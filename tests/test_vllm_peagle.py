@@ -4,10 +4,10 @@ equals plain decoding: tests/test_peagle.py), and vLLM accepts the same drafts a
 position as fledge's engine does on the same prompts (fp32, a chain of 3, no EOS). One vLLM
 start: the plain run is fledge's engine.
 
-The drafter is random but its head covers only the four tokens the target writes most on these
-prompts, so its drafts are accepted now and then, and which of the four it picks depends on
-every weight it has (fc, the layer, mask_hidden, the mask token, d2t): equal counts at every
-position check the one-forward chain, not only the loading."""
+The drafter's head covers only the four tokens the target writes most on these prompts and its
+first draft imitates the target, so rounds reach the mask slots; which of the four a slot picks
+depends on every weight it has (fc, the layer, mask_hidden, the mask token, d2t): equal counts
+at every position check the one-forward chain, not only the loading."""
 
 from __future__ import annotations
 
@@ -32,13 +32,22 @@ K, MAX_TOKENS, MASK = 3, 32, 16  # 16: SmolLM2's <empty_output>, what `fledge tr
 
 
 def frequent_token_drafter(hf, tokens: list[int]) -> Eagle3Draft:
+    """Random, but its first draft imitates the target (fc passes the highest aux state through,
+    the head is the target's rows of `tokens`, its norm the target's), so rounds reach the mask
+    slots, whose drafts (random mask_hidden) are then right now and then."""
+    ids = torch.tensor(sorted(tokens))
     cfg = DraftConfig.from_target(hf.config, draft_vocab_size=len(tokens)).replace(ptd_token_id=MASK)
     torch.manual_seed(0)
-    draft = Eagle3Draft.from_target(cfg, hf, torch.tensor(sorted(tokens)))
+    draft = Eagle3Draft.from_target(cfg, hf, ids)
+    H = cfg.hidden_size
     with torch.no_grad():
         for p in draft.parameters():  # norms start at ones: randomise so a misplaced one shows
             if p.requires_grad and p.ndim == 1:
                 p.uniform_(0.5, 1.5)
+        draft.fc.weight.zero_()[:, 2 * H:] = torch.eye(H)
+        draft.midlayer.self_attn.o_proj.weight.mul_(0.3)
+        draft.lm_head.weight.copy_(hf.lm_head.weight[ids])
+        draft.norm.weight.copy_(hf.model.norm.weight)
         draft.mask_hidden.normal_(0, 1)
     return draft
 
