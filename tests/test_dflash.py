@@ -153,7 +153,7 @@ def test_tune_predicts_chains_from_one_forward_and_a_verify():
     rig = EngineRig(hf, None, target, draft, [], torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 30, (n,), generator=g).tolist() for n in (6, 9)]
-    m = measure_block(rig, draft, prompts, 4, 16, iters=1)
+    m = measure_block(rig, lambda shape: BlockDrafter(draft, shape, target), prompts, 4, 16, iters=1)
     assert sorted(m["verify_ms"]) == [2, 3, 4, 5] and len(m["reach"]) == 4
     preds = {p.shape.num_steps: p for p in chain_predictions(m["reach"], m["block_ms"], m["verify_ms"], m["ar_ms"])}
     assert preds[4].accept_length == pytest.approx(m["accept_length"])

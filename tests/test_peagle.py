@@ -149,3 +149,19 @@ def test_bench_runs_a_peagle_drafter_as_chains_equal_to_plain(tmp_path):
     res = json.loads((tmp_path / "b.json").read_text())
     assert res["method"] == "peagle" and [r["shape"] for r in res["results"]] == ["s7 k1 n8", "s5 k1 n6", "s3 k1 n4"]
     assert all(r["equal_to_plain"] == r["prompts"] == 2 for r in res["results"])
+
+
+def test_tune_prices_a_peagle_chain_as_one_forward_and_a_verify():
+    """tune's block model on a P-EAGLE drafter: the longest chain's prediction is what was
+    measured, and vLLM's flag serves it with parallel_drafting."""
+    from fledge.engine.rig import EngineRig
+    from fledge.perf.tune_block import chain_predictions, measure_block, vllm_flags
+
+    hf, target, d = parallel_setup()
+    rig = EngineRig(hf, None, target, d, [], torch.device("cpu"))
+    prompts = [torch.randint(0, MASK, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 9)]
+    m = measure_block(rig, rig.drafter, prompts, 4, 16, iters=1)
+    preds = {p.shape.num_steps: p for p in chain_predictions(m["reach"], m["block_ms"], m["verify_ms"], m["ar_ms"])}
+    assert sorted(preds) == [1, 2, 3, 4] and preds[4].accept_length == pytest.approx(m["accept_length"])
+    spec = json.loads(vllm_flags("D", 4, "peagle").split("'")[1])
+    assert spec == {"method": "eagle3", "model": "D", "num_speculative_tokens": 4, "parallel_drafting": True}

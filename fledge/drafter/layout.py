@@ -191,3 +191,13 @@ def is_dflash(path) -> bool:
         return DFLASH_ARCH in (json.loads(p.read_text()).get("architectures") or [])
     except (OSError, json.JSONDecodeError, AttributeError):
         return False
+
+
+def is_parallel(path) -> bool:
+    """Whether the checkpoint dir `path` holds a P-EAGLE drafter (an EAGLE-3 config.json with
+    `ptd_token_id`); torch-free, as `is_dflash`."""
+    p = Path(path) / "config.json"
+    try:
+        return json.loads(p.read_text()).get("ptd_token_id") is not None
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False

@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict
 
 from fledge.core.shape import Shape, parse_shapes
-from fledge.drafter.layout import is_dflash
+from fledge.drafter.layout import is_dflash, is_parallel
 from fledge.engine import rig as engine_rig
 from fledge.perf import bench
 from fledge.perf.acceptance import Profile, profile_from_json
@@ -22,9 +22,9 @@ from fledge.perf.tune_block import block_tune
 def run_engine(args) -> int:
     """`fledge tune engine`: time the engine as `fledge generate` runs it, measure acceptance,
     predict every shape; with --validate, also run shapes for real and compare. A block
-    drafter's chains are predicted by fledge.perf.tune_block."""
+    drafter's chains (DFlash, P-EAGLE) are predicted by fledge.perf.tune_block."""
     check_args(args)
-    if is_dflash(args.drafter):
+    if is_dflash(args.drafter) or is_parallel(args.drafter):
         return finish(args, block_tune(args))
     rig = engine_rig.load_rig(args.target, args.drafter, args.device, args.dtype)
     prompts = bench.load_prompts(args.prompts, args.num_prompts, rig.tokenizer)
