@@ -361,8 +361,9 @@ def add_demo(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="target model: built-in name, GGUF file or HF directory")
     p.add_argument("--workdir", default="runs/demo", help="where every step writes its files and demo.json")
-    p.add_argument("--method", choices=("eagle3", "dflash"), default="eagle3",
-                   help="drafter kind the miniature trains: EAGLE-3, or DFlash (a block drafted in one forward)")
+    p.add_argument("--method", choices=METHODS, default="eagle3",
+                   help="drafter kind the miniature trains: EAGLE-3, P-EAGLE or DFlash (the last two draft a "
+                        "chain in one forward)")
     p.add_argument("--prompts", type=positive_int, default=8, help="MT-Bench questions the target answers for training; "
                    "a target larger than the built-in 135M one gets fewer (fledge.demo.demo_sizes)")
     p.add_argument("--eval-prompts", type=positive_int, default=2, help="held-out questions for the eval and the speed check")

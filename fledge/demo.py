@@ -10,9 +10,9 @@ beside the target's forward; on a CPU the drafter's head (24K rows for the shipp
 at every step and costs a sizeable share of a target forward, so the demo also runs it with a
 head cut to its first rows and a short chain. Every output is checked against plain decoding.
 
-`--method dflash` trains the miniature as a DFlash block drafter instead (one drafter forward
-drafts the whole chain) and runs the same checks with it; no DFlash drafter is shipped, so the
-speed step measures the miniature.
+`--method dflash` or `--method peagle` trains the miniature as a DFlash block drafter or a
+P-EAGLE one instead (one drafter forward drafts the whole chain) and runs the same checks with
+it; neither kind is shipped, so the speed step measures the miniature.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from fledge.engine.block import BlockDrafter
 from fledge.engine.decode import generate_ar
 from fledge.engine.drafters import Eagle3Drafter
 from fledge.engine.hf import build_engine_target
+from fledge.engine.parallel import ParallelDrafter
 from fledge.engine.sampling import SamplingParams
 from fledge.engine.spec import generate_spec
 from fledge.train.loop import train
@@ -124,7 +125,8 @@ def _compare(drafters: dict, prompts, engine, eos, new_tokens: int, repeats: int
 def speed_drafters(method: str, drafter_dir: Path, target_model, engine, steps: int, head_rows: int) -> dict:
     """The drafters the speed step runs, by name, each drafting a chain of `steps`: EAGLE-3 as
     it is and with its head cut to `head_rows` (`cpu_head`); DFlash as it is (one forward a
-    round; its head is the miniature's draft vocabulary)."""
+    round; its head is the miniature's draft vocabulary); P-EAGLE as EAGLE-3, each chain in one
+    forward."""
     chain = Shape(steps, 1, steps + 1)
     if method == "dflash":
         draft = load_dflash(drafter_dir, embed_from=target_model).eval().cast("cpu", torch.float32)
@@ -134,7 +136,8 @@ def speed_drafters(method: str, drafter_dir: Path, target_model, engine, steps: 
         return load_checkpoint(str(drafter_dir), embed_from=target_model).eval().cast("cpu", torch.float32)
 
     full, small = draft(), cpu_head(draft(), head_rows, target_model)
-    return {f"eagle3 chain {steps}, head {d.cfg.draft_vocab_size}": Eagle3Drafter(d, chain, engine) for d in (full, small)}
+    kind = ParallelDrafter if method == "peagle" else Eagle3Drafter
+    return {f"{method} chain {steps}, head {d.cfg.draft_vocab_size}": kind(d, chain, engine) for d in (full, small)}
 
 
 def _speed_step(args, target, held, work) -> tuple[dict, bool]:
@@ -164,8 +167,8 @@ def _speed_step(args, target, held, work) -> tuple[dict, bool]:
     best = max(drafters, key=lambda n: summary[n]["speedup"])
     if summary[best]["speedup"] < 1.3:
         r = summary[best]
-        drafting = "one drafter forward" if args.method == "dflash" else f"{args.cpu_steps} draft steps"
-        gpu = "a miniature trained for seconds drafts little" if args.method == "dflash" else _gpu_figure()
+        drafting = f"{args.cpu_steps} draft steps" if args.method == "eagle3" else "one drafter forward"
+        gpu = _gpu_figure() if args.method == "eagle3" else "a miniature trained for seconds drafts little"
         print(f"below 1.3x here: a round ({drafting} + a verify of {args.cpu_steps + 1} tokens) took "
               f"{r['round_ms']:.0f} ms against {ar['ms_per_token']:.0f} ms a plain token, for {r['accept_length']:.2f} "
               f"tokens a round; {gpu}")

@@ -165,3 +165,29 @@ def test_tune_prices_a_peagle_chain_as_one_forward_and_a_verify():
     assert sorted(preds) == [1, 2, 3, 4] and preds[4].accept_length == pytest.approx(m["accept_length"])
     spec = json.loads(vllm_flags("D", 4, "peagle").split("'")[1])
     assert spec == {"method": "eagle3", "model": "D", "num_speculative_tokens": 4, "parallel_drafting": True}
+
+
+def test_demo_trains_a_peagle_miniature_that_drafts_exactly(tmp_path):
+    """`fledge demo --method peagle`'s steps at toy sizes: the miniature trains and exports with
+    its mask slots, and the speed step's drafters (whole head and cut head, one forward a
+    chain) write plain decoding's tokens on every prompt."""
+    from conftest import make_tiny
+    from test_target import tiny_tokenizer
+
+    from fledge.data.vocab import build_vocab, save_vocab
+    from fledge.demo import _compare, speed_drafters, train_miniature
+    from fledge.engine import build_engine_target
+
+    target = Target(make_tiny("llama"), tiny_tokenizer(V - 1), "tiny", None)  # one id left for the mask
+    data, held = write_data(tmp_path / "d.jsonl", n=8), write_data(tmp_path / "h.jsonl", n=2, seed=1)
+    _, t2d = build_vocab(data, V, 64)
+    save_vocab(tmp_path / "v.safetensors", t2d.nonzero().flatten(), V, {})
+    out, ev = train_miniature("peagle", target, data, held, tmp_path / "v.safetensors", tmp_path, 2)
+    assert json.loads((out / "config.json").read_text())["ptd_token_id"] == V - 1 and len(ev["acc"]) == 3
+    engine = build_engine_target(target.model, torch.float32, "cpu")
+    drafters = speed_drafters("peagle", out, target.model, engine, 3, 32)
+    assert all(isinstance(d, ParallelDrafter) for d in drafters.values())
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
+    summary, equal = _compare(drafters, prompts, engine, [], 10, 1)
+    assert list(summary) == ["AR", "peagle chain 3, head 64", "peagle chain 3, head 32"]
+    assert equal == len(prompts) * 2
