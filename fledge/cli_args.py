@@ -313,7 +313,7 @@ def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate with the engine: AR, or speculative with a drafter / oracle / n-gram")
     p.add_argument("--target", required=True, help="built-in name, GGUF file or HF directory")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--drafter", help="EAGLE-3 checkpoint directory")
+    src.add_argument("--drafter", help="EAGLE-3 checkpoint directory (a P-EAGLE one drafts its chain in one forward)")
     src.add_argument("--oracle", action="store_true", help="draft the target's own greedy continuation (the ceiling)")
     src.add_argument("--ngram", type=positive_int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
     p.add_argument("--num-steps", type=positive_int, default=7, help="draft forwards per round (SGLang --speculative-num-steps)")

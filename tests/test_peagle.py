@@ -191,3 +191,22 @@ def test_demo_trains_a_peagle_miniature_that_drafts_exactly(tmp_path):
     summary, equal = _compare(drafters, prompts, engine, [], 10, 1)
     assert list(summary) == ["AR", "peagle chain 3, head 64", "peagle chain 3, head 32"]
     assert equal == len(prompts) * 2
+
+
+def test_generate_drafts_a_peagle_chain_in_one_forward(tmp_path, capsys):
+    """`fledge generate --drafter PEAGLE_DIR`: the chain equals plain decoding (fp32); a tree
+    shape is refused in one line, since the drafter runs as P-EAGLE, not step by step."""
+    from test_target import tiny_tokenizer
+
+    from fledge.cli import main
+
+    hf, _, d = parallel_setup()
+    hf.save_pretrained(tmp_path / "t")
+    tiny_tokenizer(VOCAB).save_pretrained(tmp_path / "t")
+    out = export_checkpoint(d, tmp_path / "p", dtype=torch.float32)
+    args = ["generate", "--target", str(tmp_path / "t"), "--drafter", str(out), "--prompt", "w3 w4 w5",
+            "--max-new-tokens", "16", "--device", "cpu", "--dtype", "float32"]
+    assert main([*args, "--num-steps", "3", "--json", str(tmp_path / "g.json")]) == 0
+    assert json.loads((tmp_path / "g.json").read_text())["equal_to_plain"] is True
+    assert main([*args, "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6"]) == 2
+    assert "P-EAGLE drafter proposes a chain" in capsys.readouterr().err

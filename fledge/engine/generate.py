@@ -14,6 +14,7 @@ from fledge.core.target import encode_chat, eos_ids, load_target
 from fledge.engine.decode import generate_ar
 from fledge.engine.drafters import NgramDrafter, OracleDrafter, load_drafter
 from fledge.engine.hf import build_engine_target
+from fledge.engine.parallel import ParallelDrafter
 from fledge.engine.sampling import SamplingParams
 from fledge.engine.spec import generate_spec, oracle_text
 
@@ -57,6 +58,8 @@ def run_generate(args) -> int:
     eos = eos_ids(t.tokenizer, t.model.generation_config)
     if args.drafter:
         drafter = load_drafter(args.drafter, spec, t.model, target, device, dtype, args.compile)
+        if drafter.draft.cfg.parallel:  # P-EAGLE: its chain in one forward, as it was trained
+            drafter = ParallelDrafter(drafter.draft, spec, target, args.compile)
     elif args.oracle:
         greedy = SamplingParams(0.0, 1.0, args.max_new_tokens, args.seed)
         own, _ = oracle_text(target, spec, prompt, generate_ar(target, [prompt], greedy, eos)[0][0], greedy, eos)
