@@ -335,6 +335,6 @@ def run_model(args) -> int:
     text, data, preds = ranked(args, profile, timings, shapes, ref_shape, (src, note), conc, spread, engine)
     if spread is not None:  # where the roofline puts the time (the table's device, unfitted)
         hw = hwmodel.hardware(args.gpu, args.tp or 1, args.interconnect or "nvlink", cuda_graphs=not args.no_cuda_graphs)
-        data.update(constants=fit.constants, range_quantiles=list(servemodel.QUANTILES), range_log=list(spread))
+        data.update(constants=fit.constants, range_coverage=servemodel.COVERAGE, range_log=list(spread))
     data.update(hardware=asdict(hw), breakdown=hwmodel.breakdown(target, drafter, hw, args.batch, args.context))
     return finish(args, (text, data, preds))
