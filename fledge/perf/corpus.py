@@ -29,8 +29,9 @@ PLAIN_WEIGHT = 0.5  # a plain tok/s residual counts half a speed-up residual in 
 # The pull of each constant towards its default, per unit of (value / default - 1); of the forms
 # tried (this, on the log, and weaker), the one with the lowest leave-one-source-out error.
 PRIOR_WEIGHT = 0.15
-# Each source weighs as much as sqrt(its rows): a source that measured one setup at 24 shapes
-# should not outvote ten sources of one row each, yet its rows still say more than one row does.
+# Each row's residual is scaled by (its source's rows) ** (SOURCE_POWER - 1): at 0.5 every source
+# weighs the same in the squared part of the loss (and as sqrt(rows) in its linear part), so a
+# source that measured one setup at 24 shapes does not outvote ten sources of one row each.
 SOURCE_POWER = 0.5
 # The loss on a log error: "soft_l1" counts a large error about linearly (as the reported mean
 # |error| does), so one source the terms cannot explain does not drag every constant after it.

@@ -29,6 +29,9 @@ The terms, and why each is there:
     (steps + 1); TensorRT-LLM's one-model EAGLE-3 counts as SGLang. `draft_fixed` (ms) is each
     draft forward's fixed cost beyond its bytes (launches, top-k, bookkeeping): measured drafting
     costs ~1 ms per extra token on some engines where bytes alone say ~0.3.
+  * The drafter is one target-shaped decoder layer and its LM head: an EAGLE-3 drafter's reduced
+    vocabulary, or the target's full one for an EAGLE-1 drafter or an MTP layer, which makes each
+    of their draft forwards read the whole LM head.
   * `tree_host` (ms): SGLang builds a topk > 1 tree's mask and positions on the host each round.
   * `round_extra` (ms): a round prepares three batches (draft, verify, extend) where a plain
     step prepares one.
@@ -50,8 +53,9 @@ The terms, and why each is there:
 Accept length is taken as measured (the row's own): this module predicts the round's cost.
 
 Fitting: each engine family's constants are fitted on its rows by bounded robust least squares
-(soft-L1) on log(predicted / measured) of the speed-up and the plain tok/s, each source weighing
-as much as the square root of its rows, with a weak pull towards the physical defaults (so a
+(soft-L1) on log(predicted / measured) of the speed-up and the plain tok/s, each row's error
+divided by the square root of its source's rows (every source weighs alike, however many shapes
+it measured), with a weak pull towards the physical defaults (so a
 constant the family's rows cannot inform stays near its default, and every constant stays inside
 its stated range: a point the fit cannot explain shows as error, not as an absurd constant).
 Leave-one-source-out cross-validation refits without each source and predicts it; its residuals,
