@@ -272,7 +272,10 @@ def fit(cs: list[Case]) -> dict:
     per_source = {}
     for c in cs:
         per_source[c.source] = per_source.get(c.source, 0) + 1
-    weight = {src: n ** (SOURCE_POWER - 1) for src, n in per_source.items()}
+    # Normalised to a mean of 1 over the rows: the weights move rows between sources, not the
+    # balance between the rows and the pull towards the defaults.
+    norm = len(cs) / sum(n ** SOURCE_POWER for n in per_source.values())
+    weight = {src: norm * n ** (SOURCE_POWER - 1) for src, n in per_source.items()}
 
     def residuals(x):
         c, out = unpack(x), []
