@@ -135,7 +135,8 @@ def show(report: dict) -> None:
               "(rows without an accept length included)")
         print(f"  verdicts right {s['verdicts_right']}/{s['rows']} ({s['too_close_to_call']} too close to call); best "
               f"shape right in {s['best_shape_right']}/{s['best_shape_groups']} settings with several shapes; "
-              f"measured inside its range {_pct(s['range_coverage_percent'])} (nominal {s['range_nominal_percent']:.0f}%)")
+              f"measured inside its range {_pct(s['range_coverage_percent'])} "
+              f"(nominal {s['range_nominal_percent']:.0f}%)")
         for fam, f in s["per_family"].items():
             print(f"  {fam:<7} {f['rows']:>3} rows, {f['sources']:>2} sources: speed-up "
                   f"{_pct(f['speedup_mean_abs_error_percent'])}, plain {_pct(f['plain_mean_abs_error_percent'])} "

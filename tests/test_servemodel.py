@@ -14,10 +14,10 @@ from fledge.perf import hwmodel as H
 from fledge.perf import modelspec as M
 from fledge.perf import servemodel as S
 
-LLAMA8 = dict(family="llama", params_b=8.03, active_params_b=8.03, layers=32, hidden=4096, heads=32, kv_heads=8,
-              head_dim=128, vocab=128256, moe=None, attention="gqa")
-QWEN30 = dict(family="qwen3_moe", params_b=30.5, active_params_b=3.3, layers=48, hidden=2048, heads=32, kv_heads=4,
-              head_dim=128, vocab=151936, moe=dict(experts=128, active=8, expert_intermediate=768), attention="gqa")
+LLAMA8 = {"family": "llama", "params_b": 8.03, "active_params_b": 8.03, "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
+              "head_dim": 128, "vocab": 128256, "moe": None, "attention": "gqa"}
+QWEN30 = {"family": "qwen3_moe", "params_b": 30.5, "active_params_b": 3.3, "layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4,
+              "head_dim": 128, "vocab": 151936, "moe": {"experts": 128, "active": 8, "expert_intermediate": 768}, "attention": "gqa"}
 
 
 def _deployment(arch, tp=1, engine="sglang"):
@@ -58,10 +58,10 @@ def test_overlapping_routes_touch_the_experts_fewer_draws_would():
 
 
 def test_eagle1_and_mtp_drafters_read_the_full_vocabulary():
-    row = dict(source="s", arch=LLAMA8, quant=None, gpu="H100", gpu_count=1, tp=1, interconnect=None, engine="vllm",
-               batch=1, input_len=None, output_len=None, shape=dict(num_steps=2, topk=1, num_draft_tokens=3),
-               accept_length=2.0, plain_tok_s=100.0, spec_tok_s=150.0, speedup=1.5, tok_s_kind="per_request",
-               plain_tpot_ms=None, spec_tpot_ms=None)
+    row = {"source": "s", "arch": LLAMA8, "quant": None, "gpu": "H100", "gpu_count": 1, "tp": 1, "interconnect": None, "engine": "vllm",
+               "batch": 1, "input_len": None, "output_len": None, "shape": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3},
+               "accept_length": 2.0, "plain_tok_s": 100.0, "spec_tok_s": 150.0, "speedup": 1.5, "tok_s_kind": "per_request",
+               "plain_tpot_ms": None, "spec_tpot_ms": None}
     vocab = {m: C.case({**row, "method": m}).deployment.drafter.vocab for m in ("eagle", "mtp", "eagle3")}
     assert vocab == {"eagle": 128256, "mtp": 128256, "eagle3": C.EAGLE3_DRAFT_VOCAB}
     d1, d3 = (C.case({**row, "method": m}) for m in ("eagle", "eagle3"))
@@ -87,11 +87,11 @@ def test_crossval_reports_how_often_the_range_holds_the_measurement():
     rows = []
     for i, (batch, steps, accept, speedup) in enumerate([(1, 3, 2.6, 1.9), (4, 3, 2.6, 1.5), (1, 2, 2.2, 1.6),
                                                          (8, 2, 2.2, 1.1), (1, 4, 3.0, 2.2), (2, 4, 3.0, 1.9)]):
-        rows.append(dict(source=f"s{i % 3}", arch=LLAMA8, quant=None, gpu="H100", gpu_count=1, tp=1, interconnect=None,
-                         engine="sglang", batch=batch, input_len=None, output_len=None, method="eagle3",
-                         shape=dict(num_steps=steps, topk=1, num_draft_tokens=steps + 1), accept_length=accept,
-                         plain_tok_s=None, spec_tok_s=None, speedup=speedup, tok_s_kind=None, plain_tpot_ms=None,
-                         spec_tpot_ms=None))
+        rows.append({"source": f"s{i % 3}", "arch": LLAMA8, "quant": None, "gpu": "H100", "gpu_count": 1, "tp": 1, "interconnect": None,
+                         "engine": "sglang", "batch": batch, "input_len": None, "output_len": None, "method": "eagle3",
+                         "shape": {"num_steps": steps, "topk": 1, "num_draft_tokens": steps + 1}, "accept_length": accept,
+                         "plain_tok_s": None, "spec_tok_s": None, "speedup": speedup, "tok_s_kind": None, "plain_tpot_ms": None,
+                         "spec_tpot_ms": None})
     cases, skipped = C.cases(rows)
     assert not skipped
     cv = C.crossval(cases)

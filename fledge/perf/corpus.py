@@ -347,7 +347,9 @@ def _mean_abs(errors: list[float]) -> float | None:
 def _coverage(table: list[dict]) -> float | None:
     """The share of rows whose measured speed-up lies inside their stated range (calibration: it
     should be near the range's nominal share, servemodel.COVERAGE)."""
-    return 100 * sum(bool(r["low"] <= r["speedup_measured"] <= r["high"]) for r in table) / len(table) if table else None
+    if not table:
+        return None
+    return 100 * sum(bool(r["low"] <= r["speedup_measured"] <= r["high"]) for r in table) / len(table)
 
 
 def summary(table: list[dict], plain_rows: list[dict]) -> dict:
