@@ -100,3 +100,31 @@ def test_crossval_reports_how_often_the_range_holds_the_measurement():
     assert cv["summary"]["range_nominal_percent"] == pytest.approx(100 * S.COVERAGE)
     assert S.round_ms(cases[0].deployment, S.defaults(), Shape(3, 1, 4), 1, 512) > \
         S.plain_ms(cases[0].deployment, S.defaults(), 1, 512)
+
+
+def test_per_token_host_work_is_paid_alike_with_and_without_speculation():
+    """`token_ms` adds batch x token_ms to a request's every token, plain or speculative (both emit
+    the same tokens), so it pulls the speed-up towards 1 and leaves the round's own cost alone."""
+    d, shape, accept = _deployment(LLAMA8), Shape(3, 1, 4), 2.5
+    quiet = {**S.defaults(), "token_ms": 0.0}
+    for batch in (1, 16):
+        load = S.Load(batch, 512)
+        p0, s0 = S.speeds(d, quiet, load, shape, accept)
+        p1, s1 = S.speeds(d, {**quiet, "token_ms": 0.5}, load, shape, accept)
+        assert p1 - p0 == pytest.approx(0.5 * batch) and s1 - s0 == pytest.approx(0.5 * batch)
+        assert S.round_ms(d, {**quiet, "token_ms": 0.5}, shape, batch, 512) == S.round_ms(d, quiet, shape, batch, 512)
+        assert 1 < p1 / s1 < p0 / s0
+
+
+def test_an_moe_target_with_dense_layers_keeps_their_weights():
+    """Llama-4-Maverick routes every second layer: 24 dense MLPs of 16384, 24 routed layers of 128
+    experts (one routed and one shared per token). Its active count (17.2B), summed by hand from
+    the spec, comes back, and so do the dense layers' width and the one shared expert."""
+    arch = {"family": "llama4", "params_b": 400.7, "active_params_b": 17.2, "layers": 48, "hidden": 5120, "heads": 40,
+            "kv_heads": 8, "head_dim": 128, "vocab": 202048, "attention": "gqa",
+            "moe": {"experts": 128, "active": 1, "expert_intermediate": 8192, "dense_layers": 24, "dense_intermediate": 16384}}
+    m = C.spec_from_arch(arch, "fp8")
+    assert (m.moe_layers, m.intermediate, m.shared_experts) == (24, 16384, 1)
+    active = (m.layers * m.attn_params() + 2 * m.vocab * m.hidden + 24 * 3 * m.hidden * m.intermediate
+              + m.moe_layers * (m.active + m.shared_experts) * m.expert_params())
+    assert active == pytest.approx(17.2e9, rel=0.03)

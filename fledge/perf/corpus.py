@@ -130,9 +130,11 @@ def spec_from_arch(arch: dict, quant: str | None) -> modelspec.ModelSpec:
     moe = arch.get("moe")
     if moe:
         e, a, ei = int(moe["experts"]), int(moe["active"]), int(moe["expert_intermediate"])
+        dense, di = int(moe.get("dense_layers") or 0), int(moe.get("dense_intermediate") or round(2.6 * h))
+        fixed += dense * 3 * h * di
         active = float(arch.get("active_params_b") or 0) * 1e9
-        shared = max(0, round((active - fixed) / (layers * 3 * h * ei) - a)) if active else 0
-        return modelspec.ModelSpec(layers, h, heads, kv, head_dim, round(2.6 * h), vocab, e, a, ei, shared, 0, mla,
+        shared = max(0, round((active - fixed) / ((layers - dense) * 3 * h * ei) - a)) if active else 0
+        return modelspec.ModelSpec(layers, h, heads, kv, head_dim, di, vocab, e, a, ei, shared, dense, mla,
                                  quant=quant or "bf16")
     inter = max(h, round((float(arch["params_b"]) * 1e9 - fixed) / (layers * 3 * h)))
     return modelspec.ModelSpec(layers, h, heads, kv, head_dim, inter, vocab, mla=mla, quant=quant or "bf16")
@@ -249,6 +251,8 @@ def free_constants(cs: list[Case]) -> list[str]:
         free += ["moe_rows", "route_overlap"]
     if any(c.deployment.target.quant != c.deployment.target.dtype for c in cs):
         free.append("dequant")
+    if any(c.load.batch > 1 for c in cs):
+        free.append("token_ms")
     if any(c.deployment.tp > 1 for c in cs):
         free.append("allreduce_scale")
     return free

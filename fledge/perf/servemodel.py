@@ -4,13 +4,14 @@ cross-validated error every prediction carries.
 
 One plain decode step of a batch of B requests, each at `context` cached tokens:
 
-    plain = step + forward(target, 1 row)
+    plain = step + B x token_ms + forward(target, 1 row)
 
 and one speculative round (accept length L tokens per request, bonus included):
 
     round = step + round_extra + drafts(engine, shape) x (draft_fixed + forward(drafter, topk rows))
             + forward(target, n rows) + [topk > 1] tree_host
-    speed-up = L x plain / round      (with whole requests: each request's prefill added to both)
+    speed-up = plain / (round / L + B x token_ms)
+                                      (with whole requests: each request's prefill added to both)
 
 where a forward is, per GPU of a tensor-parallel group of tp:
 
@@ -23,6 +24,11 @@ The terms, and why each is there:
   * `step` (ms): the fixed cost of any serving step — scheduler, sampling, host sync, kernel
     launches (graphs or eager) — that does not scale with the model's bytes. It is what makes
     small and MoE targets slower than their bytes say.
+  * `token_ms` (ms): host work per emitted token of each request (output processing,
+    detokenisation, streaming to the client), which a step of B requests pays B times. Speculation
+    emits the same tokens, so it pays this as plain decoding does: per token, not per round. Where
+    it dominates (an engine whose output path is slow, at high concurrency) speed-ups shrink
+    towards 1 and throughput stops growing with the batch.
   * drafts(engine, shape): the draft forwards a round takes. vLLM drafts K tokens of a chain with
     K - 1 draft forwards after the pass over the accepted tokens that proposes the first (K in
     all); SGLang runs `num_steps` draft forwards and then the extend pass over the accepted tokens
@@ -79,6 +85,7 @@ from fledge.perf.modelspec import BYTES, ModelSpec, distinct_experts
 # name: (default, low, high): the range is the physically plausible one, the default its middle.
 CONSTANTS = {
     "step": (0.6, 0.02, 6.0),
+    "token_ms": (0.3, 0.0, 2.0),
     "draft_fixed": (0.3, 0.01, 3.0),
     "round_extra": (0.5, 0.0, 6.0),
     "tree_host": (0.5, 0.0, 4.0),
@@ -174,6 +181,9 @@ def forward_ms(m: ModelSpec, d: Deployment, c: dict, tokens: int, batch: int, co
     peak = d.gpu.tflops["bf16" if m.quant == "int4" else m.quant if m.quant in d.gpu.tflops else m.dtype]
     flops = 2 * rows * active / tp + rows * m.layers * m.attn_flops_per_token(context) / tp
     floor_s = hwmodel.kernels(m) * c["kernel_us"] * 1e-6
+    # The floor bounds the dense kernels (norms, attention, projections: many, each small on a GPU
+    # of a tensor-parallel group); the experts' grouped GEMMs read megabytes each, so their time is
+    # their bytes, on top.
     dense_s = max((attn / tp + mlp * dq / tp + kv) / bw, flops / (peak * 1e12 * 0.6), floor_s)
     comm_s = 0.0
     if tp > 1:
@@ -184,8 +194,15 @@ def forward_ms(m: ModelSpec, d: Deployment, c: dict, tokens: int, batch: int, co
     return 1e3 * (dense_s + expert_s + comm_s + eager_s)
 
 
+def token_host_ms(c: dict, batch: int) -> float:
+    """Host time per token of one request spent on the batch's emitted tokens (`token_ms` each):
+    the same with or without speculation, since both emit the same tokens."""
+    return c["token_ms"] * batch
+
+
 def plain_ms(d: Deployment, c: dict, batch: int, context: int) -> float:
-    return c["step"] + forward_ms(d.target, d, c, 1, batch, context)
+    """ms per token of one request without speculation (prefill aside)."""
+    return c["step"] + token_host_ms(c, batch) + forward_ms(d.target, d, c, 1, batch, context)
 
 
 def round_ms(d: Deployment, c: dict, shape: Shape, batch: int, context: int) -> float:
@@ -220,7 +237,7 @@ def speeds(d: Deployment, c: dict, load: Load, shape: Shape, accept_length: floa
     """(plain, speculative) ms per token of one request."""
     share = load.batch * prefill_ms(d, c, load.prompt) / load.output_len if load.output_len and load.prompt else 0.0
     return (plain_ms(d, c, load.batch, load.context) + share,
-            round_ms(d, c, shape, load.batch, load.context) / accept_length + share)
+            round_ms(d, c, shape, load.batch, load.context) / accept_length + token_host_ms(c, load.batch) + share)
 
 
 @dataclass(frozen=True)

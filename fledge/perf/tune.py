@@ -129,7 +129,7 @@ def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Predi
     s = ref.shape
     rest = (s.num_steps + timings.extra_drafts) * timings.draft(s.topk) + timings.overhead_ms + (
         timings.tree_ms if s.topk > 1 else 0.0)
-    round_ms_per_token = timings.plain_ms / need - timings.prefill_per_token_ms  # what beats plain by `margin`
+    round_ms_per_token = timings.plain_ms / need - timings.per_token_ms  # what beats plain by `margin`
     verify_max = ref.accept_length * round_ms_per_token - rest
     accept_min = ref.iter_ms / round_ms_per_token if round_ms_per_token > 0 else float("inf")
     v = (f"verify <= {verify_max:.2f} ms (predicted {timings.verify(s.num_draft_tokens):.2f})" if verify_max > 0 else
