@@ -151,7 +151,9 @@ def report(preds: list[Prediction], timings: Timings, drafter: str, margin: floa
     ranged = best.low is not None
     v = verdict(mine or preds, timings, margin, ref)
     lines = [*notes, f"plain decoding: {ar:.1f} tok/s per request ({timings.ar_ms:.2f} ms a step"
-             + (f" + {prefill:.2f} ms of prefill a token" if prefill else "") + f", batch {timings.batch}); "
+             + (f" + {prefill:.2f} ms of prefill a token" if prefill else "")
+             + (f" + {timings.token_host_ms:.2f} ms of host work a token" if timings.token_host_ms else "")
+             + f", batch {timings.batch}); "
              "accept length = SGLang's (accepted + bonus per verify step)",
              f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept':>7} {'iter ms':>8} {'tok/s':>8} {'speedup':>8} "
              f"{'break-even':>10}" + (f" {'range':>11}" if ranged else "")]
