@@ -243,7 +243,8 @@ def cases(rows: list[dict]) -> tuple[list[Case], list[tuple[dict, str]]]:
 
 def free_constants(cs: list[Case]) -> list[str]:
     """The constants `cs` can inform: a tree's host time needs SGLang trees, the MoE and
-    dequant terms MoE or quantised targets, the all-reduce one tensor parallelism."""
+    dequant terms MoE or quantised targets, the per-token host work batches above 1 (at batch 1
+    it is one more fixed cost), the all-reduce one tensor parallelism."""
     free = ["step", "draft_fixed", "round_extra", "bw_eff", "kernel_us"]
     if any(c.speculates and c.shape.topk > 1 and c.family == "sglang" for c in cs):
         free.append("tree_host")
