@@ -14,6 +14,7 @@ bench/results/tune_crossval_cpu.json, and the constants fitted on every row with
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,10 @@ def _pct(x) -> str:
     return "–" if x is None else f"{x:.1f}%"
 
 
+def _signed(x) -> str:
+    return "    –  " if x is None else f"{x:+6.1f}%"
+
+
 def _shown(folder: Path) -> str:
     folder = folder.resolve()
     return str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
@@ -41,16 +46,44 @@ FAMILIES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 def docs_table(summary: dict) -> str:
     """The summary as docs/tune.md shows it (copied from this, never typed)."""
     lines = [("| | speed-up rows (sources) | speed-up mean \\|error\\| | plain tok/s rows | plain tok/s mean \\|error\\| "
-              "| verdicts right |"), "|---|---|---|---|---|---|",
+              f"| verdicts right | measured inside its range (nominal {summary['range_nominal_percent']:.0f}%) |"),
+             "|---|---|---|---|---|---|---|",
              (f"| all | {summary['rows']} ({summary['sources']}) | {_pct(summary['speedup_mean_abs_error_percent'])} (max "
              f"{_pct(summary['speedup_max_abs_error_percent'])}) | {summary['plain_rows']} | "
              f"{_pct(summary['plain_mean_abs_error_percent'])} | {summary['verdicts_right']} of {summary['rows']} "
-             f"({summary['too_close_to_call']} too close to call) |")]
+             f"({summary['too_close_to_call']} too close to call) | {_pct(summary['range_coverage_percent'])} |")]
     for fam, f in sorted(summary["per_family"].items(), key=lambda kv: list(FAMILIES).index(kv[0])):
         lines.append(f"| {FAMILIES.get(fam, fam)} | {f['rows']} ({f['sources']}) | {_pct(f['speedup_mean_abs_error_percent'])} "
                      f"| {f['plain_rows']} | {_pct(f['plain_mean_abs_error_percent'])} | {f['verdicts_right']} of "
-                     f"{f['rows']} |")
+                     f"{f['rows']} | {_pct(f['range_coverage_percent'])} |")
     return "\n".join(lines)
+
+
+def _extra_ms(r: dict, accept: float) -> dict:
+    """What a round costs beyond a plain step, in ms, as predicted and as the row's own figures
+    imply (round = accept x plain / speed-up): where a source's error sits in the draft and
+    verify costs rather than in the plain step."""
+    def extra(plain, speedup):
+        return accept * plain / speedup - plain
+
+    pred = extra(r["plain_ms_predicted"], r["speedup_predicted"])
+    meas = extra(r["plain_ms_measured"], r["speedup_measured"]) if r["plain_ms_measured"] else None
+    return {"extra_ms_predicted": pred, "extra_ms_measured": meas}
+
+
+def per_source(table: list[dict]) -> dict:
+    """Each source's signed errors: speed-up, plain step, and a round's extra cost over a step."""
+    out = {}
+    for src in sorted({t["source"] for t in table}):
+        mine = [t for t in table if t["source"] == src]
+        plain = [t["plain_ms_predicted"] / t["plain_ms_measured"] - 1 for t in mine if t["plain_ms_measured"]]
+        extra = [t["extra_ms_predicted"] / t["extra_ms_measured"] - 1 for t in mine
+                 if t["extra_ms_measured"] and t["extra_ms_measured"] > 0]
+        out[src] = {"family": mine[0]["family"], "rows": len(mine),
+                    "speedup_mean_error_percent": 100 * statistics.mean(t["error_percent"] / 100 for t in mine),
+                    "plain_mean_error_percent": 100 * statistics.mean(plain) if plain else None,
+                    "extra_mean_error_percent": 100 * statistics.mean(extra) if extra else None}
+    return out
 
 
 def run(folder: Path, margin: float) -> dict:
@@ -66,7 +99,8 @@ def run(folder: Path, margin: float) -> dict:
                       "speedup_predicted": r["speedup_predicted"], "speedup_measured": r["speedup_measured"],
                       "error_percent": 100 * (r["speedup_predicted"] / r["speedup_measured"] - 1),
                       "explainable": r["explainable"], "low": r["low"], "high": r["high"], "verdict": r["verdict"], "verdict_right": r["verdict_right"],
-                      "plain_ms_predicted": r["plain_ms_predicted"], "plain_ms_measured": r["plain_ms_measured"]})
+                      "plain_ms_predicted": r["plain_ms_predicted"], "plain_ms_measured": r["plain_ms_measured"],
+                      **_extra_ms(r, c.accept_length)})
     def head(where) -> str:
         return subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], check=False, capture_output=True,
                               text=True).stdout.strip()
@@ -79,8 +113,8 @@ def run(folder: Path, margin: float) -> dict:
                                              "target": r["case"].row.get("target"), "gpu": r["case"].row.get("gpu"),
                                              "batch": r["case"].load.batch, "plain_ms_predicted": r["plain_ms_predicted"],
                                              "plain_ms_measured": r["plain_ms_measured"]} for r in cv["plain_rows"]], "summary": cv["summary"], "summary_explainable": cv["summary_explainable"],
-            "constants": cv["constants"],
-            "residuals": cv["residuals"], "quantiles": S.QUANTILES}
+            "per_source": per_source(table), "constants": cv["constants"],
+            "residuals": cv["residuals"], "coverage": S.COVERAGE}
 
 
 def show(report: dict) -> None:
@@ -100,12 +134,19 @@ def show(report: dict) -> None:
               f"{_pct(s['plain_mean_abs_error_percent'])} over {s['plain_rows']} rows of {s['plain_sources']} sources "
               "(rows without an accept length included)")
         print(f"  verdicts right {s['verdicts_right']}/{s['rows']} ({s['too_close_to_call']} too close to call); best "
-              f"shape right in {s['best_shape_right']}/{s['best_shape_groups']} settings with several shapes")
+              f"shape right in {s['best_shape_right']}/{s['best_shape_groups']} settings with several shapes; "
+              f"measured inside its range {_pct(s['range_coverage_percent'])} "
+              f"(nominal {s['range_nominal_percent']:.0f}%)")
         for fam, f in s["per_family"].items():
             print(f"  {fam:<7} {f['rows']:>3} rows, {f['sources']:>2} sources: speed-up "
                   f"{_pct(f['speedup_mean_abs_error_percent'])}, plain {_pct(f['plain_mean_abs_error_percent'])} "
                   f"({f['plain_rows']} rows), "
                   f"verdicts right {f['verdicts_right']}/{f['rows']}")
+    print("\nper source, mean signed error (predicted / measured - 1): speed-up, plain step, a round's extra cost "
+          "over a plain step")
+    for src, e in report["per_source"].items():
+        print(f"  {src:<30} {e['family']:<7} {e['rows']:>3} rows  speed-up {e['speedup_mean_error_percent']:+6.1f}%  "
+              f"plain {_signed(e['plain_mean_error_percent'])}  extra {_signed(e['extra_mean_error_percent'])}")
     print("\nfor docs/tune.md:\n" + docs_table(report["summary"]) + "\n")
     print(f"{report['rows_read']} rows read, {len(report['skipped'])} skipped")
     for fam, c in report["constants"].items():

@@ -29,6 +29,8 @@ ARCH_KEYS = {
     "head_dim", "vocab", "moe", "attention",
 }
 MOE_KEYS = {"experts", "active", "expert_intermediate"}
+# Optional: the layers whose MLP is dense instead of routed (interleaved or leading), and its width.
+MOE_OPTIONAL = {"dense_layers", "dense_intermediate"}
 SHAPE_KEYS = {"num_steps", "topk", "num_draft_tokens"}
 ENGINES = {"vllm", "sglang", "tensorrt-llm", "eagle-reference", "tokenspeed", "llama.cpp"}
 BATCH_KINDS = {"batch", "concurrency"}
@@ -66,10 +68,11 @@ def _check_arch(arch, where: str, problems: list[str]) -> None:
         problems.append(f"{where}: arch.attention must be one of {sorted(ATTENTION)}")
     moe = arch["moe"]
     if moe is not None:
-        if not isinstance(moe, dict) or set(moe) != MOE_KEYS:
-            problems.append(f"{where}: arch.moe must be null or have keys {sorted(MOE_KEYS)}")
+        if not isinstance(moe, dict) or not MOE_KEYS <= set(moe) <= MOE_KEYS | MOE_OPTIONAL:
+            problems.append(f"{where}: arch.moe must be null or have keys {sorted(MOE_KEYS)} "
+                            f"(and optionally {sorted(MOE_OPTIONAL)})")
         else:
-            for key in MOE_KEYS:
+            for key in set(moe):
                 _positive(moe, key, f"{where} arch.moe", problems, integer=True)
             if _is_num(moe["active"]) and _is_num(moe["experts"]) and moe["active"] > moe["experts"]:
                 problems.append(f"{where}: arch.moe.active exceeds experts")

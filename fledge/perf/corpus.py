@@ -29,6 +29,13 @@ PLAIN_WEIGHT = 0.5  # a plain tok/s residual counts half a speed-up residual in 
 # The pull of each constant towards its default, per unit of (value / default - 1); of the forms
 # tried (this, on the log, and weaker), the one with the lowest leave-one-source-out error.
 PRIOR_WEIGHT = 0.15
+# Each row's residual is scaled by (its source's rows) ** (SOURCE_POWER - 1): at 0.5 every source
+# weighs the same in the squared part of the loss (and as sqrt(rows) in its linear part), so a
+# source that measured one setup at 24 shapes does not outvote ten sources of one row each.
+SOURCE_POWER = 0.5
+# The loss on a log error: "soft_l1" counts a large error about linearly (as the reported mean
+# |error| does), so one source the terms cannot explain does not drag every constant after it.
+LOSS, LOSS_SCALE = "soft_l1", 0.1
 
 
 @dataclass(frozen=True)
@@ -123,9 +130,11 @@ def spec_from_arch(arch: dict, quant: str | None) -> modelspec.ModelSpec:
     moe = arch.get("moe")
     if moe:
         e, a, ei = int(moe["experts"]), int(moe["active"]), int(moe["expert_intermediate"])
+        dense, di = int(moe.get("dense_layers") or 0), int(moe.get("dense_intermediate") or round(2.6 * h))
+        fixed += dense * 3 * h * di
         active = float(arch.get("active_params_b") or 0) * 1e9
-        shared = max(0, round((active - fixed) / (layers * 3 * h * ei) - a)) if active else 0
-        return modelspec.ModelSpec(layers, h, heads, kv, head_dim, round(2.6 * h), vocab, e, a, ei, shared, 0, mla,
+        shared = max(0, round((active - fixed) / ((layers - dense) * 3 * h * ei) - a)) if active else 0
+        return modelspec.ModelSpec(layers, h, heads, kv, head_dim, di, vocab, e, a, ei, shared, dense, mla,
                                  quant=quant or "bf16")
     inter = max(h, round((float(arch["params_b"]) * 1e9 - fixed) / (layers * 3 * h)))
     return modelspec.ModelSpec(layers, h, heads, kv, head_dim, inter, vocab, mla=mla, quant=quant or "bf16")
@@ -149,6 +158,16 @@ def _drafting(method) -> str:
     if any(k in m for k in ("dflash", "parallel", "p-eagle", "peagle", "block")):
         return "block"
     return "eagle"
+
+
+# The draft vocabulary of the published EAGLE-3 drafters; EAGLE-1 drafters and MTP layers predict
+# through the target's own LM head, which costs each of their draft forwards the full vocabulary.
+EAGLE3_DRAFT_VOCAB = 32000
+
+
+def _draft_vocab(method, target: modelspec.ModelSpec) -> int:
+    m = str(method or "").lower()
+    return target.vocab if m in ("eagle", "eagle1", "eagle-1", "mtp", "nextn") else EAGLE3_DRAFT_VOCAB
 
 
 def _shape(row: dict) -> Shape:
@@ -180,7 +199,8 @@ def case(row: dict) -> Case:
         raise FledgeError("several nodes without their TP/EP split (one tensor-parallel group is what the model prices)")
     tp = int(row.get("tp") or row.get("gpu_count") or 1)
     link = "pcie" if "pcie" in str(row.get("interconnect") or "").lower() else "nvlink"
-    d = S.Deployment(target, modelspec.default_drafter(target), hwmodel.GPUS[gpu or REFERENCE], tp, hwmodel.LINKS[link],
+    drafter = modelspec.default_drafter(target, _draft_vocab(row.get("method"), target))
+    d = S.Deployment(target, drafter, hwmodel.GPUS[gpu or REFERENCE], tp, hwmodel.LINKS[link],
                      S.family(str(row.get("engine") or "")), _drafting(row.get("method")),
                      row.get("cuda_graphs") is not False)
     try:
@@ -223,14 +243,17 @@ def cases(rows: list[dict]) -> tuple[list[Case], list[tuple[dict, str]]]:
 
 def free_constants(cs: list[Case]) -> list[str]:
     """The constants `cs` can inform: a tree's host time needs SGLang trees, the MoE and
-    dequant terms MoE or quantised targets, the all-reduce one tensor parallelism."""
-    free = ["step", "draft_fixed", "round_extra", "bw_eff"]
+    dequant terms MoE or quantised targets, the per-token host work batches above 1 (at batch 1
+    it is one more fixed cost), the all-reduce one tensor parallelism."""
+    free = ["step", "draft_fixed", "round_extra", "bw_eff", "kernel_us"]
     if any(c.speculates and c.shape.topk > 1 and c.family == "sglang" for c in cs):
         free.append("tree_host")
     if any(c.deployment.target.experts for c in cs):
-        free.append("moe_rows")
+        free += ["moe_rows", "route_overlap"]
     if any(c.deployment.target.quant != c.deployment.target.dtype for c in cs):
         free.append("dequant")
+    if any(c.load.batch > 1 for c in cs):
+        free.append("token_ms")
     if any(c.deployment.tp > 1 for c in cs):
         free.append("allreduce_scale")
     return free
@@ -251,17 +274,26 @@ def fit(cs: list[Case]) -> dict:
     def unpack(x):
         return {**base, **{k: base[k] * v for k, v in zip(free, x)}}
 
+    per_source = {}
+    for c in cs:
+        per_source[c.source] = per_source.get(c.source, 0) + 1
+    # Normalised to a mean of 1 over the rows: the weights move rows between sources, not the
+    # balance between the rows and the pull towards the defaults.
+    norm = len(cs) / sum(n ** SOURCE_POWER for n in per_source.values())
+    weight = {src: norm * n ** (SOURCE_POWER - 1) for src, n in per_source.items()}
+
     def residuals(x):
         c, out = unpack(x), []
         for cs_ in cs:
             speedup, plain = cs_.predict(c)
+            w = weight[cs_.source]
             if speedup:
-                out.append(math.log(speedup / cs_.speedup))
+                out.append(w * math.log(speedup / cs_.speedup))
             if cs_.plain_ms and not cs_.device_from_plain:
-                out.append(PLAIN_WEIGHT * math.log(plain / cs_.plain_ms))
+                out.append(w * PLAIN_WEIGHT * math.log(plain / cs_.plain_ms))
         return out + [PRIOR_WEIGHT * (v - 1) for v in x]
 
-    res = least_squares(residuals, [1.0] * len(free), bounds=(lo, hi), method="trf")
+    res = least_squares(residuals, [1.0] * len(free), bounds=(lo, hi), method="trf", loss=LOSS, f_scale=LOSS_SCALE)
     return unpack(res.x)
 
 
@@ -317,6 +349,14 @@ def _mean_abs(errors: list[float]) -> float | None:
     return 100 * statistics.mean(abs(e) for e in errors) if errors else None
 
 
+def _coverage(table: list[dict]) -> float | None:
+    """The share of rows whose measured speed-up lies inside their stated range (calibration: it
+    should be near the range's nominal share, servemodel.COVERAGE)."""
+    if not table:
+        return None
+    return 100 * sum(bool(r["low"] <= r["speedup_measured"] <= r["high"]) for r in table) / len(table)
+
+
 def summary(table: list[dict], plain_rows: list[dict]) -> dict:
     """Mean |error| of the speed-up (overall, per family), of plain tok/s, the verdicts right,
     the best shape right where a source measured several shapes of one setting."""
@@ -330,6 +370,7 @@ def summary(table: list[dict], plain_rows: list[dict]) -> dict:
            "plain_rows": len(plain_rows), "plain_sources": len({r["source"] for r in plain_rows}),
            "verdicts_right": sum(r["verdict_right"] for r in table),
            "too_close_to_call": sum(r["verdict"] == "too close to call" for r in table),
+           "range_coverage_percent": _coverage(table), "range_nominal_percent": 100 * S.COVERAGE,
            "per_family": {}}
     for fam in sorted({r["family"] for r in table + plain_rows}):
         mine = [r for r in table if r["family"] == fam]
@@ -338,7 +379,8 @@ def summary(table: list[dict], plain_rows: list[dict]) -> dict:
                                   "plain_mean_abs_error_percent": _mean_abs(
                                       [err(r, "plain_ms") for r in plain_rows if r["family"] == fam]),
                                   "plain_rows": sum(r["family"] == fam for r in plain_rows),
-                                  "verdicts_right": sum(r["verdict_right"] for r in mine)}
+                                  "verdicts_right": sum(r["verdict_right"] for r in mine),
+                                  "range_coverage_percent": _coverage(mine)}
     groups = {}
     for r in table:
         c = r["case"]

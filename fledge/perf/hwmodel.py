@@ -207,6 +207,7 @@ class Timings:
     output_len: int = 0
     extra_drafts: int = 0  # draft forwards a round takes beyond num_steps (SGLang's extend pass: 1)
     tree_ms: float = 0.0  # host time to build a topk > 1 tree, per round
+    token_host_ms: float = 0.0  # host time per token of a request, paid alike with and without speculation
 
     def __post_init__(self):
         self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
@@ -224,6 +225,7 @@ class Timings:
         check_number("--batch", self.batch, 1, integer=True)
         check_number("prefill_ms", float(self.prefill_ms), 0)
         check_number("--output-len", self.output_len, 0, integer=True)
+        check_number("token_host_ms", float(self.token_host_ms), 0)
 
     def verify(self, n: int) -> float:
         return _interp(self.verify_ms, n)
@@ -242,13 +244,19 @@ class Timings:
         return self.batch * self.prefill_ms / self.output_len if self.output_len else 0.0
 
     @property
+    def per_token_ms(self) -> float:
+        """What a request's stream pays per new token whether it speculates or not: its prefill's
+        share and the host's per-token work."""
+        return self.prefill_per_token_ms + self.token_host_ms
+
+    @property
     def plain_ms(self) -> float:
         """Milliseconds per token of a request without speculation."""
-        return self.ar_ms + self.prefill_per_token_ms
+        return self.ar_ms + self.per_token_ms
 
     def spec_ms(self, accept_length: float, round_ms: float) -> float:
         """Milliseconds per token of a request whose rounds take `round_ms` and accept `accept_length`."""
-        return round_ms / accept_length + self.prefill_per_token_ms
+        return round_ms / accept_length + self.per_token_ms
 
 
 def _interp(table: dict[int, float], x: float) -> float:

@@ -4,17 +4,18 @@ cross-validated error every prediction carries.
 
 One plain decode step of a batch of B requests, each at `context` cached tokens:
 
-    plain = step + forward(target, 1 row)
+    plain = step + B x token_ms + forward(target, 1 row)
 
 and one speculative round (accept length L tokens per request, bonus included):
 
     round = step + round_extra + drafts(engine, shape) x (draft_fixed + forward(drafter, topk rows))
             + forward(target, n rows) + [topk > 1] tree_host
-    speed-up = L x plain / round      (with whole requests: each request's prefill added to both)
+    speed-up = plain / (round / L + B x token_ms)
+                                      (with whole requests: each request's prefill added to both)
 
 where a forward is, per GPU of a tensor-parallel group of tp:
 
-    forward = max(dense bytes / (bw_eff x bandwidth), dense FLOPs / (0.6 x peak))
+    forward = max(dense bytes / (bw_eff x bandwidth), dense FLOPs / (0.6 x peak), kernels x kernel_us)
               + expert bytes x dequant / (bw_eff x bandwidth) x (1 + rows per expert / moe_rows)
               + 2 x layers x (allreduce_scale x link latency + 2(tp-1)/tp x rows x H x 2 B / link bandwidth)
               + [CUDA graphs off] kernels x eager launch time
@@ -23,33 +24,50 @@ The terms, and why each is there:
   * `step` (ms): the fixed cost of any serving step — scheduler, sampling, host sync, kernel
     launches (graphs or eager) — that does not scale with the model's bytes. It is what makes
     small and MoE targets slower than their bytes say.
+  * `token_ms` (ms): host work per emitted token of each request (output processing,
+    detokenisation, streaming to the client), which a step of B requests pays B times. Speculation
+    emits the same tokens, so it pays this as plain decoding does: per token, not per round. Where
+    it dominates (an engine whose output path is slow, at high concurrency) speed-ups shrink
+    towards 1 and throughput stops growing with the batch.
   * drafts(engine, shape): the draft forwards a round takes. vLLM drafts K tokens of a chain with
     K - 1 draft forwards after the pass over the accepted tokens that proposes the first (K in
     all); SGLang runs `num_steps` draft forwards and then the extend pass over the accepted tokens
     (steps + 1); TensorRT-LLM's one-model EAGLE-3 counts as SGLang. `draft_fixed` (ms) is each
     draft forward's fixed cost beyond its bytes (launches, top-k, bookkeeping): measured drafting
     costs ~1 ms per extra token on some engines where bytes alone say ~0.3.
+  * The drafter is one target-shaped decoder layer and its LM head: an EAGLE-3 drafter's reduced
+    vocabulary, or the target's full one for an EAGLE-1 drafter or an MTP layer, which makes each
+    of their draft forwards read the whole LM head.
   * `tree_host` (ms): SGLang builds a topk > 1 tree's mask and positions on the host each round.
   * `round_extra` (ms): a round prepares three batches (draft, verify, extend) where a plain
     step prepares one.
   * MoE: rows spread over the experts a batch touches (uniform routing, modelspec.distinct_experts);
     a grouped GEMM reads each touched expert once but stops being free once its rows grow:
-    `moe_rows` is the rows per expert at which an expert's time has doubled over its bytes.
+    `moe_rows` is the rows per expert at which an expert's time has doubled over its bytes. The n
+    tokens a round verifies for one sequence share its context, so their routes overlap: they draw
+    experts as 1 + (n - 1)(1 - `route_overlap`) independent tokens would (0: independent, as
+    uniform routing has it; real routers send neighbouring tokens to many of the same experts).
   * `dequant`: quantised (INT4 / FP8) MLP and expert weights cost more than their bytes
     (dequantisation in the GEMM's inner loop); the factor multiplies their time.
   * All-reduce: two per layer; the link table's latency scaled by `allreduce_scale` (launch
     latency and NCCL protocol on top of the wire) plus bytes over its bus bandwidth.
   * `bw_eff`: the fraction of the memory bandwidth reached by the dense weights and the KV cache.
+  * `kernel_us` (us): the least time a kernel takes even in a replayed CUDA graph (the gap between
+    dependent kernels and a kernel's minimum duration). A forward is never faster than its kernels
+    x kernel_us, however little each GPU of a tensor-parallel group holds: why a small MoE target
+    at TP4 decodes no faster than at TP2.
 Accept length is taken as measured (the row's own): this module predicts the round's cost.
 
-Fitting: each engine family's constants are fitted on its rows by bounded least squares on
-log(predicted / measured) of the speed-up and the plain tok/s, with a weak pull towards the
-physical defaults (so a constant the family's rows cannot inform stays near its default, and
-every constant stays inside its stated range: a point the fit cannot explain shows as error,
-not as an absurd constant). Leave-one-source-out cross-validation refits without each source
-and predicts it; its residuals, per family, give each prediction's range (the 10th to 90th
-percentile of log(measured / predicted)) and the verdict: "pays" when the whole range clears
-1 + margin, "loses" when the whole range is below 1, "too close to call" otherwise.
+Fitting: each engine family's constants are fitted on its rows by bounded robust least squares
+(soft-L1) on log(predicted / measured) of the speed-up and the plain tok/s, each row's error
+divided by the square root of its source's rows (every source weighs alike, however many shapes
+it measured), with a weak pull towards the physical defaults (so a
+constant the family's rows cannot inform stays near its default, and every constant stays inside
+its stated range: a point the fit cannot explain shows as error, not as an absurd constant).
+Leave-one-source-out cross-validation refits without each source and predicts it; its residuals,
+per family, give each prediction's range (symmetric in the log: the COVERAGE quantile of
+|log(measured / predicted)|) and the verdict: "pays" when the whole range clears 1 + margin,
+"loses" when the whole range is below 1, "too close to call" otherwise.
 """
 
 from __future__ import annotations
@@ -67,6 +85,7 @@ from fledge.perf.modelspec import BYTES, ModelSpec, distinct_experts
 # name: (default, low, high): the range is the physically plausible one, the default its middle.
 CONSTANTS = {
     "step": (0.6, 0.02, 6.0),
+    "token_ms": (0.3, 0.0, 2.0),
     "draft_fixed": (0.3, 0.01, 3.0),
     "round_extra": (0.5, 0.0, 6.0),
     "tree_host": (0.5, 0.0, 4.0),
@@ -74,9 +93,15 @@ CONSTANTS = {
     "moe_rows": (32.0, 8.0, 512.0),
     "dequant": (1.3, 1.0, 2.0),
     "allreduce_scale": (1.0, 0.3, 4.0),
+    "kernel_us": (2.0, 0.5, 8.0),
+    "route_overlap": (0.3, 0.0, 0.9),
 }
 FAMILIES = ("vllm", "sglang", "trtllm")
-QUANTILES = (0.1, 0.9)  # the range every prediction carries: an 80% interval of the CV residuals
+# The range every prediction carries holds this share of the cross-validation errors: symmetric in
+# the log, as wide as that quantile of |log(measured / predicted)|. Sources err in both directions
+# (one engine version drafts faster than the model, another slower), so a range shifted by the
+# other sources' mean error would miss a source that errs the other way.
+COVERAGE = 0.8
 
 
 def family(engine: str) -> str:
@@ -144,7 +169,10 @@ def forward_ms(m: ModelSpec, d: Deployment, c: dict, tokens: int, batch: int, co
     active = m.layers * m.attn_params() + dense_layers * 3 * m.hidden * m.intermediate + m.vocab * m.hidden
     expert_s = 0.0
     if m.experts:
-        touched = distinct_experts(m.experts, m.active, rows)
+        # The draft tokens of one sequence share its context, so their routes overlap: they count as
+        # fewer independent draws of experts than their rows.
+        draws = batch * (1 + (tokens - 1) * (1 - c["route_overlap"]))
+        touched = distinct_experts(m.experts, m.active, draws)
         attn += m.moe_layers * (m.shared_experts * m.expert_params() * wb + m.experts * m.hidden * wb)
         active += m.moe_layers * (m.shared_experts * m.expert_params() + m.experts * m.hidden)
         per_expert = rows * m.active / touched
@@ -152,7 +180,11 @@ def forward_ms(m: ModelSpec, d: Deployment, c: dict, tokens: int, batch: int, co
     kv = batch * context * m.layers * m.kv_bytes_per_token(tp)
     peak = d.gpu.tflops["bf16" if m.quant == "int4" else m.quant if m.quant in d.gpu.tflops else m.dtype]
     flops = 2 * rows * active / tp + rows * m.layers * m.attn_flops_per_token(context) / tp
-    dense_s = max((attn / tp + mlp * dq / tp + kv) / bw, flops / (peak * 1e12 * 0.6))
+    floor_s = hwmodel.kernels(m) * c["kernel_us"] * 1e-6
+    # The floor bounds the dense kernels (norms, attention, projections: many, each small on a GPU
+    # of a tensor-parallel group); the experts' grouped GEMMs read megabytes each, so their time is
+    # their bytes, on top.
+    dense_s = max((attn / tp + mlp * dq / tp + kv) / bw, flops / (peak * 1e12 * 0.6), floor_s)
     comm_s = 0.0
     if tp > 1:
         msg = rows * m.hidden * 2.0
@@ -162,8 +194,15 @@ def forward_ms(m: ModelSpec, d: Deployment, c: dict, tokens: int, batch: int, co
     return 1e3 * (dense_s + expert_s + comm_s + eager_s)
 
 
+def token_host_ms(c: dict, batch: int) -> float:
+    """Host time per token of one request spent on the batch's emitted tokens (`token_ms` each):
+    the same with or without speculation, since both emit the same tokens."""
+    return c["token_ms"] * batch
+
+
 def plain_ms(d: Deployment, c: dict, batch: int, context: int) -> float:
-    return c["step"] + forward_ms(d.target, d, c, 1, batch, context)
+    """ms per token of one request without speculation (prefill aside)."""
+    return c["step"] + token_host_ms(c, batch) + forward_ms(d.target, d, c, 1, batch, context)
 
 
 def round_ms(d: Deployment, c: dict, shape: Shape, batch: int, context: int) -> float:
@@ -198,7 +237,7 @@ def speeds(d: Deployment, c: dict, load: Load, shape: Shape, accept_length: floa
     """(plain, speculative) ms per token of one request."""
     share = load.batch * prefill_ms(d, c, load.prompt) / load.output_len if load.output_len and load.prompt else 0.0
     return (plain_ms(d, c, load.batch, load.context) + share,
-            round_ms(d, c, shape, load.batch, load.context) / accept_length + share)
+            round_ms(d, c, shape, load.batch, load.context) / accept_length + token_host_ms(c, load.batch) + share)
 
 
 @dataclass(frozen=True)
@@ -228,17 +267,14 @@ def with_range(speedup: float, residuals: list[float]) -> Range:
 
 
 def quantile_pair(residuals: list[float]) -> tuple[float, float]:
-    """The QUANTILES of `residuals` (linear interpolation), widened to contain 0."""
+    """(-h, h): h the COVERAGE quantile of the residuals' sizes (linear interpolation)."""
     if not residuals:
         raise FledgeError("no cross-validation residuals for this engine family: cannot state a range")
-    xs = sorted(residuals)
-
-    def q(p):
-        i = p * (len(xs) - 1)
-        a, b = int(math.floor(i)), int(math.ceil(i))
-        return xs[a] + (xs[b] - xs[a]) * (i - a)
-
-    return min(q(QUANTILES[0]), 0.0), max(q(QUANTILES[1]), 0.0)
+    xs = sorted(abs(r) for r in residuals)
+    i = COVERAGE * (len(xs) - 1)
+    a, b = int(math.floor(i)), int(math.ceil(i))
+    h = xs[a] + (xs[b] - xs[a]) * (i - a)
+    return -h, h
 
 
 FIT_FILE = Path(__file__).with_name("servemodel_fit.json")  # written by bench/tune_crossval.py

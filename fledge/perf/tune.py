@@ -129,7 +129,7 @@ def verdict(preds: list[Prediction], timings: Timings, margin: float, ref: Predi
     s = ref.shape
     rest = (s.num_steps + timings.extra_drafts) * timings.draft(s.topk) + timings.overhead_ms + (
         timings.tree_ms if s.topk > 1 else 0.0)
-    round_ms_per_token = timings.plain_ms / need - timings.prefill_per_token_ms  # what beats plain by `margin`
+    round_ms_per_token = timings.plain_ms / need - timings.per_token_ms  # what beats plain by `margin`
     verify_max = ref.accept_length * round_ms_per_token - rest
     accept_min = ref.iter_ms / round_ms_per_token if round_ms_per_token > 0 else float("inf")
     v = (f"verify <= {verify_max:.2f} ms (predicted {timings.verify(s.num_draft_tokens):.2f})" if verify_max > 0 else
@@ -151,7 +151,9 @@ def report(preds: list[Prediction], timings: Timings, drafter: str, margin: floa
     ranged = best.low is not None
     v = verdict(mine or preds, timings, margin, ref)
     lines = [*notes, f"plain decoding: {ar:.1f} tok/s per request ({timings.ar_ms:.2f} ms a step"
-             + (f" + {prefill:.2f} ms of prefill a token" if prefill else "") + f", batch {timings.batch}); "
+             + (f" + {prefill:.2f} ms of prefill a token" if prefill else "")
+             + (f" + {timings.token_host_ms:.2f} ms of host work a token" if timings.token_host_ms else "")
+             + f", batch {timings.batch}); "
              "accept length = SGLang's (accepted + bonus per verify step)",
              f"{'steps':>5} {'topk':>4} {'tokens':>6} {'accept':>7} {'iter ms':>8} {'tok/s':>8} {'speedup':>8} "
              f"{'break-even':>10}" + (f" {'range':>11}" if ranged else "")]
@@ -335,6 +337,6 @@ def run_model(args) -> int:
     text, data, preds = ranked(args, profile, timings, shapes, ref_shape, (src, note), conc, spread, engine)
     if spread is not None:  # where the roofline puts the time (the table's device, unfitted)
         hw = hwmodel.hardware(args.gpu, args.tp or 1, args.interconnect or "nvlink", cuda_graphs=not args.no_cuda_graphs)
-        data.update(constants=fit.constants, range_quantiles=list(servemodel.QUANTILES), range_log=list(spread))
+        data.update(constants=fit.constants, range_coverage=servemodel.COVERAGE, range_log=list(spread))
     data.update(hardware=asdict(hw), breakdown=hwmodel.breakdown(target, drafter, hw, args.batch, args.context))
     return finish(args, (text, data, preds))

@@ -47,10 +47,11 @@ def served_timings(target, drafter, args, fit: servemodel.Fitted):
     def timings_at(batch: int) -> Timings:
         draft = {k: c["draft_fixed"] + servemodel.forward_ms(drafter, d, c, k, batch, ctx) for k in TOPKS}
         verify = {n: servemodel.forward_ms(target, d, c, n, batch, ctx) for n in hwmodel.VERIFY_SIZES}
-        return Timings(servemodel.plain_ms(d, c, batch, ctx), verify, draft, c["step"] + c["round_extra"], batch,
+        return Timings(servemodel.plain_ms(d, c, batch, ctx) - servemodel.token_host_ms(c, batch), verify, draft,
+                       c["step"] + c["round_extra"], batch,
                        servemodel.prefill_ms(d, c, ctx) if args.output_len else 0.0, args.output_len or 0,
                        servemodel.draft_forwards(fit.engine, Shape(1, 1, 2)) - 1,
-                       c["tree_host"] if fit.engine == "sglang" else 0.0)
+                       c["tree_host"] if fit.engine == "sglang" else 0.0, servemodel.token_host_ms(c, batch))
     return timings_at
 
 
