@@ -1,10 +1,12 @@
 """The serving model's terms against brute force: the kernel-time floor, overlapping MoE routes,
-the drafter's vocabulary by method, the symmetric range and its reported coverage."""
+the drafter's vocabulary by method, the n-gram round, the symmetric conformal range and its
+reported coverage."""
 
 from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -69,16 +71,41 @@ def test_eagle1_and_mtp_drafters_read_the_full_vocabulary():
 
 
 def test_range_is_symmetric_and_holds_its_share_of_the_errors():
+    """The half-width is the ceil((n + 1) x COVERAGE)-th smallest |residual|: counted by brute
+    force, and a new draw from the same law falls inside at least COVERAGE of the time (over many
+    sets of ten residuals, where the rank is not the plain quantile's)."""
     rng = random.Random(1)
     residuals = [rng.gauss(0.05, 0.2) for _ in range(401)]
     lo, hi = S.quantile_pair(residuals)
     assert lo == -hi and hi > 0
-    inside = sum(abs(r) <= hi for r in residuals) / len(residuals)
-    assert inside == pytest.approx(S.COVERAGE, abs=0.01)
+    rank = math.ceil(402 * S.COVERAGE)
+    assert sum(abs(r) <= hi for r in residuals) == rank and sorted(abs(r) for r in residuals)[rank - 1] == hi
     r = S.with_range(1.3, residuals)
     assert r.low == pytest.approx(1.3 * math.exp(-hi)) and r.high == pytest.approx(1.3 * math.exp(hi))
+    trials = [[rng.gauss(0.0, 0.2) for _ in range(11)] for _ in range(4000)]
+    held = sum(abs(t[-1]) <= S.quantile_pair(t[:-1])[1] for t in trials) / len(trials)
+    assert held >= S.COVERAGE - 0.02  # exact in law: P = ceil(11 x 0.8) / 11 = 0.818
     with pytest.raises(Exception, match="no cross-validation residuals"):
         S.quantile_pair([])
+
+
+def test_a_family_with_few_residuals_takes_at_least_the_pooled_range():
+    own, pooled = [0.01, -0.02, 0.03], [0.3, -0.4, 0.25, 0.1, -0.2, 0.35]
+    assert S.quantile_pair(own, pooled)[1] == S.conformal_halfwidth(pooled) > S.conformal_halfwidth(own)
+    many = [0.01 * i for i in range(S.MIN_OWN)]
+    assert S.quantile_pair(many, pooled)[1] == S.conformal_halfwidth(many)  # enough of its own: no floor
+    assert S.quantile_pair([], pooled)[1] == S.conformal_halfwidth(pooled)
+
+
+def test_an_ngram_round_is_one_verify():
+    """An n-gram lookup has no drafter: its round costs the fixed step and the verify of its
+    tokens, whatever the drafter terms, where an EAGLE round of the same shape pays them."""
+    base, shape = _deployment(LLAMA8, engine="trtllm"), Shape(5, 1, 6)
+    ngram = replace(base, drafting="ngram")
+    for c in (S.defaults(), {**S.defaults(), "round_extra": 3.0, "draft_fixed": 2.0}):
+        verify = S.forward_ms(base.target, base, c, 6, 4, 512)
+        assert S.round_ms(ngram, c, shape, 4, 512) == pytest.approx(c["step"] + verify)
+        assert S.round_ms(base, c, shape, 4, 512) > c["step"] + verify + c["round_extra"] + 6 * c["draft_fixed"] - 1e-9
 
 
 def test_crossval_reports_how_often_the_range_holds_the_measurement():

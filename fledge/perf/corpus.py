@@ -299,7 +299,8 @@ def fit(cs: list[Case]) -> dict:
 
 def crossval(cs: list[Case], margin: float = 0.0) -> dict:
     """Leave each source out of its family's fit and predict its rows; each row's range comes from
-    the residuals of the family's other sources (so no row's range has seen its own source).
+    the residuals of the family's other sources, at least every family's other sources' where
+    those are few (servemodel.quantile_pair; no row's range has seen its own source).
     Rows without an accept length are predicted for plain decoding only."""
     table, plain_rows, constants, seen = [], [], {}, set()
     for fam in S.FAMILIES:
@@ -324,10 +325,8 @@ def crossval(cs: list[Case], margin: float = 0.0) -> dict:
                                   "residual": math.log(c.speedup / speedup)})
     for r in table:
         usable = [o for o in table if o["explainable"] and o["source"] != r["source"]]
-        others = [o["residual"] for o in usable if o["family"] == r["family"]]
-        if len(others) < 3:
-            others = [o["residual"] for o in usable]
-        rng = S.with_range(r["speedup_predicted"], others)
+        rng = S.with_range(r["speedup_predicted"], [o["residual"] for o in usable if o["family"] == r["family"]],
+                           [o["residual"] for o in usable])
         r.update(low=rng.low, high=rng.high, verdict=rng.verdict(margin),
                  verdict_right=bool(_right(rng, r["speedup_measured"], margin)))
     residuals = {fam: [r["residual"] for r in table if r["family"] == fam and r["explainable"]] for fam in constants}

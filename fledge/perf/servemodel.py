@@ -8,7 +8,7 @@ One plain decode step of a batch of B requests, each at `context` cached tokens:
 
 and one speculative round (accept length L tokens per request, bonus included):
 
-    round = step + round_extra + drafts(engine, shape) x (draft_fixed + forward(drafter, topk rows))
+    round = step + [drafter] round_extra + drafts(engine, shape) x (draft_fixed + forward(drafter, topk rows))
             + forward(target, n rows) + [topk > 1] tree_host
     speed-up = plain / (round / L + B x token_ms)
                                       (with whole requests: each request's prefill added to both)
@@ -41,6 +41,10 @@ The terms, and why each is there:
   * `tree_host` (ms): SGLang builds a topk > 1 tree's mask and positions on the host each round.
   * `round_extra` (ms): a round prepares three batches (draft, verify, extend) where a plain
     step prepares one.
+  * An n-gram (prompt-lookup) round has no drafter: no draft forward, no draft or extend batch,
+    so neither `draft_fixed` nor `round_extra`; it is one verify after a lookup in the tokens
+    already seen (a GPU kernel inside the graph on TensorRT-LLM, microseconds against a forward's
+    milliseconds; on vLLM host work per request that this model leaves unpriced).
   * MoE: rows spread over the experts a batch touches (uniform routing, modelspec.distinct_experts);
     a grouped GEMM reads each touched expert once but stops being free once its rows grow:
     `moe_rows` is the rows per expert at which an expert's time has doubled over its bytes. The n
@@ -65,9 +69,14 @@ it measured), with a weak pull towards the physical defaults (so a
 constant the family's rows cannot inform stays near its default, and every constant stays inside
 its stated range: a point the fit cannot explain shows as error, not as an absurd constant).
 Leave-one-source-out cross-validation refits without each source and predicts it; its residuals,
-per family, give each prediction's range (symmetric in the log: the COVERAGE quantile of
-|log(measured / predicted)|) and the verdict: "pays" when the whole range clears 1 + margin,
-"loses" when the whole range is below 1, "too close to call" otherwise.
+per family, give each prediction's range and the verdict: "pays" when the whole range clears
+1 + margin, "loses" when the whole range is below 1, "too close to call" otherwise. The range is
+symmetric in the log, as wide as the split-conformal quantile of the n residuals' sizes
+|log(measured / predicted)|: the ceil((n + 1) x COVERAGE)-th smallest, which a new error
+exchangeable with them stays within at least COVERAGE of the time (the plain COVERAGE quantile
+of n residuals undercovers a new one). A family with fewer than MIN_OWN residuals of its own
+takes at least the range of every family's residuals pooled: from so few, one source sets the
+width.
 """
 
 from __future__ import annotations
@@ -97,11 +106,14 @@ CONSTANTS = {
     "route_overlap": (0.3, 0.0, 0.9),
 }
 FAMILIES = ("vllm", "sglang", "trtllm")
-# The range every prediction carries holds this share of the cross-validation errors: symmetric in
-# the log, as wide as that quantile of |log(measured / predicted)|. Sources err in both directions
-# (one engine version drafts faster than the model, another slower), so a range shifted by the
-# other sources' mean error would miss a source that errs the other way.
+# The share of new measurements the range every prediction carries is to hold: symmetric in the
+# log, as wide as the conformal quantile of |log(measured / predicted)| (module doc). Sources err
+# in both directions (one engine version drafts faster than the model, another slower), so a
+# range shifted by the other sources' mean error would miss a source that errs the other way.
 COVERAGE = 0.8
+# Below this many residuals of its own, the 80% rank falls on one of a family's two largest
+# errors: the range is then at least the pooled one.
+MIN_OWN = 10
 
 
 def family(engine: str) -> str:
@@ -209,7 +221,8 @@ def round_ms(d: Deployment, c: dict, shape: Shape, batch: int, context: int) -> 
     """One speculative round of `shape` (module doc)."""
     draft = c["draft_fixed"] + forward_ms(d.drafter, d, c, shape.topk, batch, context)
     tree = c["tree_host"] if shape.topk > 1 and d.engine == "sglang" else 0.0
-    return (c["step"] + c["round_extra"] + draft_forwards(d.engine, shape, d.drafting) * draft
+    extra = 0.0 if d.drafting == "ngram" else c["round_extra"]
+    return (c["step"] + extra + draft_forwards(d.engine, shape, d.drafting) * draft
             + forward_ms(d.target, d, c, shape.num_draft_tokens, batch, context) + tree)
 
 
@@ -260,20 +273,28 @@ class Range:
         return f"{self.speedup:.2f}x (range {self.low:.2f}-{self.high:.2f}x)"
 
 
-def with_range(speedup: float, residuals: list[float]) -> Range:
-    """`speedup` and the range its family's CV residuals (log measured / predicted) give."""
-    lo, hi = quantile_pair(residuals)
+def with_range(speedup: float, residuals: list[float], pooled: list[float] = ()) -> Range:
+    """`speedup` and the range its family's CV residuals (log measured / predicted) give, at least
+    the `pooled` residuals' range where the family has fewer than MIN_OWN."""
+    lo, hi = quantile_pair(residuals, pooled)
     return Range(speedup, speedup * math.exp(lo), speedup * math.exp(hi))
 
 
-def quantile_pair(residuals: list[float]) -> tuple[float, float]:
-    """(-h, h): h the COVERAGE quantile of the residuals' sizes (linear interpolation)."""
-    if not residuals:
-        raise FledgeError("no cross-validation residuals for this engine family: cannot state a range")
+def conformal_halfwidth(residuals: list[float]) -> float:
+    """The ceil((n + 1) x COVERAGE)-th smallest of the n residuals' sizes (the largest where n is
+    too small for that rank)."""
     xs = sorted(abs(r) for r in residuals)
-    i = COVERAGE * (len(xs) - 1)
-    a, b = int(math.floor(i)), int(math.ceil(i))
-    h = xs[a] + (xs[b] - xs[a]) * (i - a)
+    return xs[min(math.ceil((len(xs) + 1) * COVERAGE), len(xs)) - 1]
+
+
+def quantile_pair(residuals: list[float], pooled: list[float] = ()) -> tuple[float, float]:
+    """(-h, h): h the conformal half-width of the residuals (module doc), at least the pooled
+    one's when the residuals are fewer than MIN_OWN."""
+    if not residuals and not pooled:
+        raise FledgeError("no cross-validation residuals for this engine family: cannot state a range")
+    h = conformal_halfwidth(residuals) if residuals else 0.0
+    if len(residuals) < MIN_OWN and pooled:
+        h = max(h, conformal_halfwidth(pooled))
     return -h, h
 
 
@@ -282,31 +303,40 @@ FIT_FILE = Path(__file__).with_name("servemodel_fit.json")  # written by bench/t
 
 @dataclass(frozen=True)
 class Fitted:
-    """One family's constants and the cross-validation residuals its ranges come from."""
+    """One family's constants and the cross-validation residuals its ranges come from: its own,
+    and every family's pooled (the floor of a family with few rows of its own)."""
 
     engine: str
     constants: dict
     residuals: list
+    pooled: list
     note: str
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return quantile_pair(self.residuals, self.pooled)
 
 
 def fitted(engine: str, path: Path = FIT_FILE) -> Fitted:
-    """The shipped fit of `engine`'s family; a family the corpus held too few sources of borrows
-    every family's residuals (its range is then wider than its own would be), and says so."""
+    """The shipped fit of `engine`'s family; a family with fewer than MIN_OWN residuals takes at
+    least every family's range, one with none of its own (or no constants) borrows them, and the
+    note says which."""
     try:
         fit = json.loads(Path(path).read_text())
         consts, residuals = fit["constants"], fit["residuals"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        pooled = [float(r) for rs in residuals.values() for r in rs]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise FledgeError(f"{path}: no fitted constants ({e}); run bench/tune_crossval.py") from None
     where = f"{fit.get('rows', '?')} published rows from {fit.get('sources', '?')} sources"
-    if engine in consts and len(residuals.get(engine, [])) >= 3:
-        own = fit.get("summary", {}).get("per_family", {}).get(engine, {})
-        mine = f"{own.get('rows', len(residuals[engine]))} published speed-up rows from {own.get('sources', '?')} sources"
-        return Fitted(engine, check_constants(consts[engine], str(path)), residuals[engine],
-                      f"{engine} constants fitted on its {mine}; ranges from their leave-one-source-out errors")
-    pooled = [r for rs in residuals.values() for r in rs]
+    own = residuals.get(engine, [])
+    if engine in consts and own:
+        info = fit.get("summary", {}).get("per_family", {}).get(engine, {})
+        mine = f"{info.get('rows', len(own))} published speed-up rows from {info.get('sources', '?')} sources"
+        floor = "" if len(own) >= MIN_OWN else f", at least as wide as every family's ({where})"
+        return Fitted(engine, check_constants(consts[engine], str(path)), own, pooled,
+                      f"{engine} constants fitted on its {mine}; ranges from their leave-one-source-out errors{floor}")
     base = consts.get(engine) or next(iter(consts.values()), defaults())
-    return Fitted(engine, check_constants(base, str(path)), pooled,
+    return Fitted(engine, check_constants(base, str(path)), [], pooled,
                   f"{engine}: too few published rows of its own; constants "
                   f"{'its own' if engine in consts else 'of another family'}, ranges from every family's errors "
                   f"({where})")

@@ -320,7 +320,7 @@ def run_model(args) -> int:
         how = f"roofline on {label} (as given or calibrated: no cross-validated range; on a CPU, run `tune calibrate`)"
     else:
         fit = servemodel.fitted(engine)
-        spread = servemodel.quantile_pair(fit.residuals)
+        spread = fit.spread
         timings_at = served_timings(target, drafter, args, fit)
         tp = args.tp or 1
         how = (f"serving model for {engine} on {tp} x {args.gpu}" + (f" over {args.interconnect or 'nvlink'}" if tp > 1
