@@ -47,8 +47,12 @@ def misranked(rows: list[dict], noise: float) -> list[tuple[int, int]]:
             if a["tok_s_measured"] > (1 + noise) * b["tok_s_measured"] and a["tok_s_predicted"] <= b["tok_s_predicted"]]
 
 
-def run(ks: list[int], levels: str, max_new_tokens: int, requests: int, out_dir: Path) -> dict:
-    """vLLM's logs and the plain-server profile (also the report's "profile") go to `out_dir`."""
+def run(ks: list[int], levels: str, max_new_tokens: int, requests: int, out_dir: Path,
+        running: dict[int, str] | None = None) -> dict:
+    """vLLM's logs and the plain-server profile (also the report's "profile") go to `out_dir`.
+    `running`: base URLs of servers already serving some k as this script starts them (this
+    target, the shipped drafter), measured as they are instead of started and stopped here."""
+    running = running or {}
     target = resolve_target("smollm2-135m")
     profile_path = out_dir / "tune_vllm_cpu_profile.json"
     measured, accept, starts = {}, {}, {}
@@ -58,25 +62,29 @@ def run(ks: list[int], levels: str, max_new_tokens: int, requests: int, out_dir:
         return bench_server(cfg)[0]["per_request_tok_s"]
 
     for k in [0, *ks]:
-        t0 = time.monotonic()
-        spec = {"method": "eagle3", "model": str(DRAFTER), "num_speculative_tokens": k}
-        server = serve.start(target, "smollm2-135m", log=out_dir / f"vllm_k{k}.log", timeout=900,
-                             extra=("--speculative-config", json.dumps(spec)) if k else ())
-        starts[k] = round(time.monotonic() - t0, 1)
+        server = None
+        if k not in running:
+            t0 = time.monotonic()
+            spec = {"method": "eagle3", "model": str(DRAFTER), "num_speculative_tokens": k}
+            server = serve.start(target, "smollm2-135m", log=out_dir / f"vllm_k{k}.log", timeout=900,
+                                 extra=("--speculative-config", json.dumps(spec)) if k else ())
+            starts[k] = round(time.monotonic() - t0, 1)
+        url = running.get(k) or server.url
         try:
             if k == 0:  # the only server the prediction sees
-                rc = fledge(["tune", "calibrate", "--url", server.url + "/v1", "--drafter", str(DRAFTER),
+                rc = fledge(["tune", "calibrate", "--url", url + "/v1", "--drafter", str(DRAFTER),
                              "--levels", levels, "--requests", str(requests), "--max-new-tokens", str(max_new_tokens),
                              "--out", str(profile_path)])
                 if rc:
                     raise SystemExit(rc)
-            client = Client(server.url + "/v1", 60.0)
+            client = Client(url + "/v1", 60.0)
             before = calibrate.scrape(client.metrics())
-            measured[k] = tok_s(server.url)
+            measured[k] = tok_s(url)
             if k:
                 accept[k] = calibrate.speculation(before, calibrate.scrape(client.metrics()))["accept_length"]
         finally:
-            server.stop()
+            if server:
+                server.stop()
 
     prof = json.loads(profile_path.read_text())
     tgt, drf = modelspec.load_specs(str(target), str(DRAFTER), "fp32", None, None)

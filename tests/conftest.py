@@ -6,7 +6,10 @@ matters: GQA (heads != kv heads), 8 layers (default aux ids (2, 4, 5) are distin
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import sys
 from pathlib import Path
 
 # The prefix attention kernel is Triton: on this GPU-less machine its tests run it under Triton's
@@ -100,9 +103,6 @@ def session_processes(sid: int) -> list[str]:
     return found
 
 
-@pytest.mark.slow  # six CLI runs, each starting two worker processes (~2 min on 2 loaded cores)
-
-
 def kill_at(cmd: list, env: dict, points, settle: float = 0.0) -> int:
     """Start `cmd` once per point, kill -9 it when that point is `reached()` (or let it end),
     and check that nothing of its session lives `settle` seconds later: how many kills landed
@@ -122,3 +122,101 @@ def kill_at(cmd: list, env: dict, points, settle: float = 0.0) -> int:
         time.sleep(settle)
         assert session_processes(p.pid) == [], "processes of the killed run still alive"
     return landed
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "drafters" / "smollm2-135m"
+SPEC_K = 3  # the shared speculating server's chain
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """vLLM tests first, and on one xdist worker (--dist loadgroup): they share the session's
+    servers, which start once there, and the longest unit of work starts first while the other
+    worker takes the rest."""
+    first = [item for item in items if item.get_closest_marker("vllm")]
+    for item in first:
+        item.add_marker(pytest.mark.xdist_group("vllm"))
+    items[:] = first + [item for item in items if not item.get_closest_marker("vllm")]
+
+
+SHARED = pytest.StashKey[list]()  # the session's shared servers, stopped after the last vLLM test
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared servers once no vLLM test follows (they run first, together), so their
+    memory is free for the rest of the session."""
+    if item.get_closest_marker("vllm") and not (nextitem and nextitem.get_closest_marker("vllm")):
+        for server in item.config.stash.get(SHARED, []):
+            server.stop()
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (registered, so its dataclasses resolve their module)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def vllm_logs(tmp_path_factory) -> Path:
+    """The shared servers' logs: plain.log and spec.log."""
+    return tmp_path_factory.mktemp("vllm_logs")
+
+
+def _smollm2_server(config, logs: Path, log: str, extra: tuple = ()):
+    from fledge.core.target import resolve_target
+    server = load_script("vllm_serve").start(resolve_target("smollm2-135m"), "smollm2-135m", log=logs / log,
+                                             timeout=900, extra=extra)
+    config.stash.setdefault(SHARED, []).append(server)
+    return server
+
+
+@pytest.fixture(scope="session")
+def vllm_plain(vllm_venv, vllm_logs, pytestconfig):
+    """SmolLM2 served plain by scripts/vllm_serve.py (its defaults: fp32, max-model-len 1024),
+    shared by every module that needs one: starting a server costs about a minute here."""
+    server = _smollm2_server(pytestconfig, vllm_logs, "plain.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_spec(vllm_venv, vllm_logs, pytestconfig):
+    """SmolLM2 speculating with the shipped EAGLE-3 drafter, a chain of SPEC_K, otherwise as
+    vllm_plain; shared like it."""
+    from fledge.perf.launch import speculative_config
+    server = _smollm2_server(pytestconfig, vllm_logs, "spec.log",
+                             ("--speculative-config", json.dumps(speculative_config(str(SHIPPED), SPEC_K))))
+    yield server
+    server.stop()
+
+
+VLLM_RUNNER = ROOT / "scripts" / "vllm_run.py"
+
+
+@pytest.fixture(scope="session")
+def vllm_greedy(vllm_venv, tmp_path_factory):
+    """run(prompts, max_tokens) -> scripts/vllm_run.py's result for SmolLM2 without a drafter
+    (greedy, ignore_eos): the plain reference several modules compare speculation with, run
+    once per distinct request."""
+    import subprocess
+
+    from fledge.core.target import resolve_target
+    python, env = vllm_venv
+    done = {}
+
+    def run(prompts: list[str], max_tokens: int) -> dict:
+        key = (tuple(prompts), max_tokens)
+        if key not in done:
+            tmp = tmp_path_factory.mktemp("vllm_greedy")
+            (tmp / "prompts.json").write_text(json.dumps(list(prompts)))
+            cmd = [str(python), str(VLLM_RUNNER), "--target", str(resolve_target("smollm2-135m")), "--prompts",
+                   str(tmp / "prompts.json"), "--out", str(tmp / "base.json"), "--max-tokens", str(max_tokens)]
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            assert res.returncode == 0, f"vLLM failed:\n{res.stderr[-4000:]}"
+            done[key] = json.loads((tmp / "base.json").read_text())
+        return done[key]
+    return run

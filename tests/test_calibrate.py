@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import SPEC_K
 
 from fledge.cli import main
 from fledge.core.shape import Shape
@@ -202,11 +203,12 @@ def test_bad_servers(tmp_path, capsys):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_plain_server_calibration_predicts_real_vllm_chains(vllm_venv, tmp_path):
+def test_plain_server_calibration_predicts_real_vllm_chains(vllm_plain, vllm_spec, tmp_path):
     """SmolLM2 + the shipped drafter in vLLM (CPU): calibrate on the plain server alone (the
     model and the device read from the server and this host), predict chains of 1 and 3, and
-    compare with the speculating servers measured in the same run. What is checked is the
-    mechanism and the order of magnitude (a shared 2-core machine's timings move by 15% from
+    compare with the speculating servers measured in the same run (the session's plain and
+    speculating servers; a chain the session does not serve is started here). What is checked
+    is the mechanism and the order of magnitude (a shared 2-core machine's timings move by 15% from
     run to run): the counters' accept lengths, and each prediction within a factor of two.
     `bench/tune_vllm_cpu.py` measures how close it comes, k = 1..5, into its JSON."""
     import importlib.util
@@ -217,7 +219,7 @@ def test_plain_server_calibration_predicts_real_vllm_chains(vllm_venv, tmp_path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
-    report = bench.run([1, 3], "1,2,4", 16, 2, tmp_path)
+    report = bench.run([1, 3], "1,2,4", 16, 2, tmp_path, running={0: vllm_plain.url, SPEC_K: vllm_spec.url})
     print(json.dumps(report["rows"], indent=1))
     assert report["calibrated_on"] == "the plain server only"
     assert all(p["k"] == 0 for p in report["profile"]["points"])

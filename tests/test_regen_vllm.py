@@ -1,8 +1,9 @@
 """Regeneration against a real vLLM OpenAI server (CPU, SmolLM2), not a mock: the server is
-SIGKILLed mid-run, the run records the failures and leaves only whole lines; after a restart the
-rerun writes every conversation exactly once, and the greedy answers written before the kill
-equal what the restarted server answers now; feature capture from that plain server (started
-without extract_hidden_states) is refused in one line.
+SIGKILLed mid-run, the run records the failures and leaves only whole lines; against another
+server of the same model and arguments (the session's plain one) the rerun writes every
+conversation exactly once, and the greedy answers written before the kill equal what that server
+answers now; feature capture from that plain server (started without extract_hidden_states) is
+refused in one line.
 
 vLLM runs from the venv built by scripts/setup_vllm.sh, started by scripts/vllm_serve.py. Without
 that venv this skips, unless FLEDGE_REQUIRE_VLLM is set (CI), where it fails instead.
@@ -10,15 +11,14 @@ that venv this skips, unless FLEDGE_REQUIRE_VLLM is set (CI), where it fails ins
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from fledge.core.config import RegenConfig
 from fledge.core.errors import FledgeError
@@ -26,7 +26,6 @@ from fledge.core.target import resolve_target
 from fledge.data.regen import ServerBackend, regenerate
 from fledge.train.capture_run import TargetShape, make_capture
 
-SERVE = Path(__file__).resolve().parents[1] / "scripts" / "vllm_serve.py"
 NAME = "smollm2-135m"
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 3 plus 4?",
              "Say hello in Spanish.", "What animal barks?", "Which planet is called the red planet?",
@@ -38,11 +37,7 @@ FOLLOW_UP = "Explain in one sentence."
 @pytest.fixture(scope="module")
 def serve(vllm_venv):
     """scripts/vllm_serve.py as a module (skip or fail if the vLLM venv is absent)."""
-    spec = importlib.util.spec_from_file_location("vllm_serve", SERVE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("vllm_serve")
 
 
 def write_conversations(path: Path) -> dict[str, list[str]]:
@@ -95,15 +90,13 @@ def check_rows(out: Path, users: dict[str, list[str]]) -> dict[str, dict]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_regen_survives_server_kill_and_restart(tmp_path, serve):
+def test_regen_survives_server_kill_and_restart(tmp_path, serve, vllm_plain):
     convs, out, log = tmp_path / "c.jsonl", tmp_path / "r.jsonl", tmp_path / "vllm.log"
     users = write_conversations(convs)
     cfg = RegenConfig(max_new_tokens=24, max_len=1024, chunk=4)  # a chunk is written before the next starts
     target = resolve_target(NAME)
-    servers = []
+    first = serve.start(target, NAME, log=log, timeout=240)
     try:
-        first = serve.start(target, NAME, log=log, timeout=240)
-        servers.append(first)
         backend = ServerBackend([first.url], NAME, cfg, concurrency=4, timeout=60, retries=2, backoff=0.5)
         watcher, killed = kill_when_written(first, out, cfg.chunk, delay=0.5, within=120)
         counts = regenerate(convs, out, backend, cfg)
@@ -117,9 +110,8 @@ def test_regen_survives_server_kill_and_restart(tmp_path, serve):
         before = check_rows(out, users)
         assert len(before) == counts["written"]
 
-        port = int(first.url.rsplit(":", 1)[1])  # restarted where it was: same URL for the rerun
-        second = serve.start(target, NAME, port=port, log=log, timeout=240)
-        servers.append(second)
+        # The rerun goes to another server of the same model and arguments: the session's plain one.
+        second = vllm_plain
         backend = ServerBackend([second.url], NAME, cfg, concurrency=4, timeout=60, retries=2, backoff=0.5)
         counts = regenerate(convs, out, backend, cfg)
         assert counts["already_done"] == len(before) and counts["failed"] == 0
@@ -140,6 +132,5 @@ def test_regen_survives_server_kill_and_restart(tmp_path, serve):
         with pytest.raises(FledgeError, match="names no hidden-states file; start the server with --speculative-config"):
             capture.one(list(range(1, 9)))
     finally:
-        for s in servers:
-            s.stop(signal.SIGKILL)
-    print(f"vLLM start: {[s.start_s for s in servers]} s")
+        first.stop(signal.SIGKILL)
+    print(f"vLLM start: {first.start_s} s")

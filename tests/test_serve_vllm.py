@@ -4,61 +4,42 @@ serving another model; `bench --url` reads the speculating server's accept lengt
 and compares it with a plain server interleaved; a wrong model name is answered with the served
 names; a plain vLLM log is a baseline; `serve-sweep` serves k, measures and writes its files.
 
-One plain and one speculating server (k = 2) serve the whole module; the sweep starts one more
-(k = 1) beside the plain one. Without the vLLM venv this skips, unless FLEDGE_REQUIRE_VLLM is set.
+The session's plain and speculating servers (conftest: k = 3) serve the whole module; the sweep
+starts one more (k = 1) beside the plain one. Without the vLLM venv this skips, unless
+FLEDGE_REQUIRE_VLLM is set.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
-import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import SPEC_K
 
 from fledge.cli import main
 from fledge.core.openai_client import Client, ServerError
-from fledge.core.target import resolve_target
 from fledge.doctor.checks import FAIL, PASS, exit_code
 from fledge.doctor.doctor import doctor
 from fledge.perf.calibrate import scrape
-from fledge.perf.launch import speculative_config
 from fledge.perf.serving import parse_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVE = ROOT / "scripts" / "vllm_serve.py"
 SHIPPED = ROOT / "drafters" / "smollm2-135m"
 NAME = "smollm2-135m"
-K = 2
+K = SPEC_K
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Explain what a list is in Python.",
              "Write a haiku about the sea."]
 
 
 @pytest.fixture(scope="module")
-def servers(vllm_venv, tmp_path_factory):
+def servers(vllm_plain, vllm_spec, vllm_logs):
     """(plain, speculating) servers started through scripts/vllm_serve.py, and their log dir."""
-    spec = importlib.util.spec_from_file_location("vllm_serve", SERVE)
-    serve = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = serve
-    spec.loader.exec_module(serve)
-    logs = tmp_path_factory.mktemp("vllm_logs")
-    target = resolve_target(NAME)
-    plain = serve.start(target, NAME, log=logs / "plain.log", timeout=900)
-    try:
-        config = json.dumps(speculative_config(str(SHIPPED), K))
-        spec_server = serve.start(target, NAME, log=logs / "spec.log", timeout=900, extra=("--speculative-config", config))
-    except BaseException:
-        plain.stop(signal.SIGKILL)
-        raise
-    yield plain, spec_server, logs
-    for s in (spec_server, plain):
-        s.stop()
+    return vllm_plain, vllm_spec, vllm_logs
 
 
 @pytest.fixture(scope="module")

@@ -87,9 +87,9 @@ def smollm2() -> Path:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_speculation_is_lossless(vllm, smollm2, tmp_path):  # vllm first: skip before converting
+def test_vllm_speculation_is_lossless(vllm, vllm_greedy, smollm2, tmp_path):  # vllm first: skip before converting
     python, env = vllm
-    base = run_vllm(python, env, tmp_path, smollm2)
+    base = vllm_greedy(PROMPTS, MAX_TOKENS)
     assert [len(t) for t in base["outputs"]] == [MAX_TOKENS] * len(PROMPTS)
 
     # The token the target emits most often, so a drafter that always proposes it gets some right.
@@ -112,12 +112,11 @@ def test_vllm_speculation_is_lossless(vllm, smollm2, tmp_path):  # vllm first: s
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_serves_speculators_layout_alone(vllm, smollm2, tmp_path):
+def test_vllm_serves_speculators_layout_alone(vllm, vllm_greedy, smollm2, tmp_path):
     """`LLM(model=<speculators dir>)` alone must find the verifier, read our aux ids and d2t,
     and leave greedy output unchanged (vLLM defaults norm_before_residual to true there)."""
     python, env = vllm
-    (tmp_path / "base").mkdir()
-    base = run_vllm(python, env, tmp_path / "base", smollm2)
+    base = vllm_greedy(PROMPTS, MAX_TOKENS)
     frequent = Counter(t for ids in base["outputs"] for t in ids).most_common(1)[0][0]
     draft = constant_drafter(smollm2, frequent)
     out = export_checkpoint(draft, tmp_path / "spec_layout", layout="speculators", verifier=str(smollm2))

@@ -61,11 +61,10 @@ def frequent_token_drafter(hf, tokens: list[int]) -> DFlashDraft:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_serves_dflash_as_fledge_drafts(vllm_venv, tmp_path):
+def test_vllm_serves_dflash_as_fledge_drafts(vllm_venv, vllm_greedy, tmp_path):
     python, env = vllm_venv
     target_dir = resolve_target("smollm2-135m")
-    (tmp_path / "base").mkdir()
-    base = run_vllm(python, env, tmp_path / "base", target_dir)
+    base = vllm_greedy(PROMPTS, MAX_TOKENS)
     frequent = [t for t, _ in Counter(t for ids in base["outputs"] for t in ids).most_common(4)]
     target = load_target(str(target_dir))
     out = export_dflash(frequent_token_drafter(target.model, frequent), tmp_path / "dflash", dtype=torch.float32)
