@@ -157,10 +157,13 @@ def test_result_files_are_named_by_benchmark_and_machine(monkeypatch):
     assert machine_name("cpu") == "cpu" and machine_name("cuda:0") == "h200" and machine_name("cuda", 2) == "h200x2"
     assert result_path("engine", "h200") == RESULTS / "engine_h200.json"
     assert result_path("peer_compare", "h200", "quick") == RESULTS / "peer_compare_h200_quick.json"
-    # Every kept result matches the pattern the scripts write.
+    # Every kept result matches the pattern the scripts write: <bench>_<machine>[_<variant>].
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    machines = {"cpu", "h200", "h200x2", machine_name("cuda")}
+    assert machine_name("cuda") == "h100_80gb_hbm3"
     files = list(RESULTS.iterdir())
-    assert files and all(p.suffix in (".json", ".png") and p.stem.split("_")[-1] in
-                         {"cpu", "h200", "h200x2"} for p in files), files
+    assert files and all(p.suffix in (".json", ".png") and any(
+        p.stem.endswith(f"_{m}") or f"_{m}_" in p.stem for m in machines) for p in files), files
 
 
 def test_peer_compare_subset_and_vocab_files(tmp_path):
