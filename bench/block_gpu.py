@@ -23,7 +23,7 @@ Steps, each skipped when its output is already in --workdir (a rerun continues w
             round is drafting), decode tok/s, speedups in the same process, and how many prompts'
             outputs equal plain decoding's (all of them in fp32; bf16 may differ at near-ties). A
             drafter that fails is recorded with its error and the next one runs; no row starts
-            after --deadline seconds from the start.
+            after --deadline seconds from the start (none with --quick).
 Writes bench/results/block_gpu_<machine>[_<variant>].json (`_quick` with --quick) and, when $OUT is set,
 $OUT/block_gpu.json, after every measured row; prints a table at the end. --quick: tiny sizes
 for a CPU (a few minutes), the pipeline end to end.
@@ -296,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fledge train --time-budget for each block drafter's run")
     p.add_argument("--eagle-steps", type=int, help="EAGLE-3 steps from scratch on the same data, for its training "
                                                    "tok/s (default 20; --quick: --quick-steps; 0: skip)")
-    p.add_argument("--deadline", type=float, default=360.0, help="seconds from the start after which no measured "
-                                                                 "row starts (it is recorded as skipped)")
+    p.add_argument("--deadline", type=float, help="seconds from the start after which no measured row starts (it "
+                                                  "is recorded as skipped; default 360, none with --quick)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--device")
     p.add_argument("--dtype", help="engine dtype for measuring (default: bf16 on CUDA, fp32 on the CPU)")
@@ -317,6 +317,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.eagle_steps is None:
         args.eagle_steps = args.quick_steps if args.quick else 20
+    if args.deadline is None:  # bounds a long run's measuring; a check of the pipeline runs whole
+        args.deadline = float("inf") if args.quick else 360.0
     args.block_steps = args.block_steps or default_chains(args.ttt_steps)
     args.peagle_steps = args.peagle_steps or default_chains(args.peagle_ttt_steps)
     args.chains = {"dflash": args.block_steps, "peagle": args.peagle_steps}
