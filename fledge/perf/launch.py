@@ -92,8 +92,14 @@ def cpu_vllm(target: str, name: str, port: int, max_model_len: int = 1024, dtype
     # vLLM kills its engine when one step outlasts this (default 300 s); a CPU shared with other
     # work can starve a step that long, and a dead server costs a sweep its k.
     env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
+    # The model runs inside the engine-core process: on the CPU the multiprocess executor adds a
+    # third process (another ~17 s vLLM import before /health) and pins its one thread to core 0,
+    # where it queues behind whatever else runs there. The platform only keeps the one-process
+    # executor when V1 multiprocessing is off; the API server still runs the engine core apart.
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return Serve("vllm", str(target), name, drafter and str(drafter), k, HOST, port, str(venv_python()), env,
-                 ("--max-model-len", str(max_model_len), "--dtype", dtype, "--enforce-eager", "--seed", "0", *extra),
+                 ("--max-model-len", str(max_model_len), "--dtype", dtype, "--enforce-eager", "--seed", "0",
+                  "--distributed-executor-backend", "uni", *extra),
                  cpu=True)
 
 
@@ -120,7 +126,7 @@ class Server:
     line: str  # the shell line it runs
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
-        """Signal the whole group (API server, engine core, worker); SIGKILL what outlives `timeout`."""
+        """Signal the whole group (API server, engine core); SIGKILL what outlives `timeout`."""
         for s in (sig, signal.SIGKILL):
             try:
                 os.killpg(self.proc.pid, s)
