@@ -342,8 +342,10 @@ def _run_shards(shards: list[dict], tokenizer_dir: str, max_len: int, workers: i
             for s in todo:
                 done(s, _tokenize_shard(tokenizer_dir, str(s["src"]), str(s["dst"]), max_len, chat_template))
             return
-        # spawn: each worker loads its own tokenizer, no fork of a used Rust tokenizer
-        ctx = multiprocessing.get_context("spawn")
+        # fork: this process has imported transformers already (~10 s a spawned worker would
+        # pay again). Each worker still loads its own tokenizer, and the Rust library turns its
+        # thread pool off in a forked child, so nothing of ours is shared across the fork.
+        ctx = multiprocessing.get_context("fork")
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
                                                     initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_tokenize_shard, tokenizer_dir, str(s["src"]), str(s["dst"]), max_len, chat_template): s
