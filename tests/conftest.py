@@ -15,6 +15,9 @@ from pathlib import Path
 # The prefix attention kernel is Triton: on this GPU-less machine its tests run it under Triton's
 # interpreter, which must be chosen before the first import of triton (kernels are decorated then).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The CLI runs and engine servers the tests start get one thread too (see below): two of them,
+# each spinning two threads on two cores beside the other test process, slow every one of them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
