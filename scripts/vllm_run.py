@@ -4,7 +4,11 @@ Runs INSIDE the venv built by scripts/setup_vllm.sh, started with the LD_PRELOAD
 vllm.env; it does not import fledge (that venv has vLLM's own torch, not fledge's).
 
     $VENV/bin/python scripts/vllm_run.py --target DIR [--drafter DIR] --prompts P.json --out R.json
+    $VENV/bin/python scripts/vllm_run.py --jobs     # one JSON list of those arguments a line on stdin
 
+`--jobs` runs one engine after another in this process, so vLLM is imported once (~17 s on a
+2-core CPU) for all of them; after each job it prints "ok" or "failed" alone on a line of
+stdout (vLLM's own output goes to stderr).
 P.json is a JSON list of prompt strings. R.json holds the generated token ids per prompt,
 vLLM's spec-decode counters, the aux layer ids vLLM logged it captures, and timings.
 """
@@ -12,12 +16,15 @@ vLLM's spec-decode counters, the aux layer ids vLLM logged it captures, and timi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import logging.handlers
 import os
 import re
+import sys
 import time
+import traceback
 from pathlib import Path
 
 # The engine core must run in this process, so its log records (the aux-layer line) reach
@@ -37,7 +44,7 @@ def spec_counters(metrics) -> dict:
             for m in metrics if m.name.startswith("vllm:spec_decode_")}
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="target model: plain HF safetensors directory")
     ap.add_argument("--drafter", help="drafter checkpoint directory (omit for no speculation)")
@@ -50,11 +57,20 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="float32", help="float32 keeps greedy ties stable across batch shapes")
     ap.add_argument("--max-model-len", type=int, default=1024)
-    args = ap.parse_args()
+    return ap
 
+
+def run(args: argparse.Namespace) -> None:
+    """One engine: start it, generate greedily, write args.out."""
     log = logging.handlers.BufferingHandler(capacity=1 << 30)  # keeps every record: never flushes
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().addHandler(log)
+    try:
+        generate(args, log)
+    finally:
+        logging.getLogger().removeHandler(log)
+
+
+def generate(args: argparse.Namespace, log: logging.handlers.BufferingHandler) -> None:
     from vllm import LLM, SamplingParams
 
     spec = None
@@ -86,6 +102,31 @@ def main():
     }
     Path(f"{args.out}.tmp").write_text(json.dumps(result, indent=2))
     os.replace(f"{args.out}.tmp", args.out)
+
+
+def jobs(ap: argparse.ArgumentParser) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    for line in sys.stdin:
+        try:
+            run(ap.parse_args(json.loads(line)))
+            status = "ok"
+        except (Exception, SystemExit):  # argparse exits on bad arguments; the next job still runs
+            traceback.print_exc()
+            status = "failed"
+        # The next engine initialises the (one-process) distributed state again.
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        print(status, flush=True)
+
+
+def main():
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    ap = parser()
+    if sys.argv[1:] == ["--jobs"]:
+        jobs(ap)
+    else:
+        run(ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -143,12 +143,12 @@ def pytest_collection_modifyitems(config, items):
     items[:] = first + [item for item in items if not item.get_closest_marker("vllm")]
 
 
-SHARED = pytest.StashKey[list]()  # the session's shared servers, stopped after the last vLLM test
+SHARED = pytest.StashKey[list]()  # the session's shared servers and vLLM runner, stopped after the last vLLM test
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """Stop the shared servers once no vLLM test follows (they run first, together), so their
-    memory is free for the rest of the session."""
+    """Stop the shared servers and runner once no vLLM test follows (they run first, together),
+    so their memory is free for the rest of the session."""
     if item.get_closest_marker("vllm") and not (nextitem and nextitem.get_closest_marker("vllm")):
         for server in item.config.stash.get(SHARED, []):
             server.stop()
@@ -165,7 +165,7 @@ def load_script(name: str):
 
 @pytest.fixture(scope="session")
 def vllm_logs(tmp_path_factory) -> Path:
-    """The shared servers' logs: plain.log and spec.log."""
+    """The shared servers' logs (plain.log, spec.log) and the vLLM runner's (vllm_run.log)."""
     return tmp_path_factory.mktemp("vllm_logs")
 
 
@@ -200,15 +200,56 @@ def vllm_spec(vllm_venv, vllm_logs, pytestconfig):
 VLLM_RUNNER = ROOT / "scripts" / "vllm_run.py"
 
 
+class VllmJobs:
+    """scripts/vllm_run.py --jobs: the session's vLLM engines, one after another in one process
+    of the vLLM venv, which imports vLLM once for all of them."""
+
+    def __init__(self, python: Path, env: dict, log: Path):
+        import subprocess
+        self.log = log
+        with open(log, "ab") as err:  # the child holds its own descriptor
+            self.proc = subprocess.Popen([str(python), str(VLLM_RUNNER), "--jobs"], env=env, text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+
+    def run(self, argv: list) -> dict:
+        """vllm_run.py's result for these arguments (the JSON it writes to --out)."""
+        argv = [str(a) for a in argv]
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        status = ""
+        while status not in ("ok", "failed"):  # vLLM itself may print to stdout
+            line = self.proc.stdout.readline()
+            assert line, f"vllm_run.py --jobs exited:\n{self.log.read_text()[-4000:]}"
+            status = line.strip()
+        assert status == "ok", f"vLLM failed:\n{self.log.read_text()[-4000:]}"
+        return json.loads(Path(argv[argv.index("--out") + 1]).read_text())
+
+    def stop(self) -> None:
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 @pytest.fixture(scope="session")
-def vllm_greedy(vllm_venv, tmp_path_factory):
+def vllm_jobs(vllm_venv, vllm_logs, pytestconfig) -> VllmJobs:
+    """The session's vllm_run.py process (its log: vllm_run.log), stopped with the shared servers."""
+    jobs = VllmJobs(*vllm_venv, vllm_logs / "vllm_run.log")
+    pytestconfig.stash.setdefault(SHARED, []).append(jobs)
+    yield jobs
+    jobs.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_greedy(vllm_jobs, tmp_path_factory):
     """run(prompts, max_tokens) -> scripts/vllm_run.py's result for SmolLM2 without a drafter
     (greedy, ignore_eos): the plain reference several modules compare speculation with, run
     once per distinct request."""
-    import subprocess
-
     from fledge.core.target import resolve_target
-    python, env = vllm_venv
     done = {}
 
     def run(prompts: list[str], max_tokens: int) -> dict:
@@ -216,10 +257,7 @@ def vllm_greedy(vllm_venv, tmp_path_factory):
         if key not in done:
             tmp = tmp_path_factory.mktemp("vllm_greedy")
             (tmp / "prompts.json").write_text(json.dumps(list(prompts)))
-            cmd = [str(python), str(VLLM_RUNNER), "--target", str(resolve_target("smollm2-135m")), "--prompts",
-                   str(tmp / "prompts.json"), "--out", str(tmp / "base.json"), "--max-tokens", str(max_tokens)]
-            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-            assert res.returncode == 0, f"vLLM failed:\n{res.stderr[-4000:]}"
-            done[key] = json.loads((tmp / "base.json").read_text())
+            done[key] = vllm_jobs.run(["--target", resolve_target("smollm2-135m"), "--prompts", tmp / "prompts.json",
+                                       "--out", tmp / "base.json", "--max-tokens", max_tokens])
         return done[key]
     return run

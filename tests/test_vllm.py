@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import VllmJobs
 from safetensors.torch import load_file, save_file
 
 from fledge.core.config import DraftConfig
@@ -35,7 +36,6 @@ from fledge.drafter.eagle3 import Eagle3Draft
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from bench_vllm_accept import run_fledge  # noqa: E402
 
-RUNNER = Path(__file__).resolve().parents[1] / "scripts" / "vllm_run.py"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
            "List three colors: red,"]
 MAX_TOKENS = 32
@@ -46,21 +46,17 @@ AUX_IDS = (4, 11, 25)
 
 
 @pytest.fixture(scope="module")
-def vllm(vllm_venv) -> tuple[Path, dict]:
-    return vllm_venv
+def vllm(vllm_jobs) -> VllmJobs:
+    return vllm_jobs
 
 
-def run_vllm(python: Path, env: dict, tmp: Path, target: Path, drafter: Path | None = None) -> dict:
+def run_vllm(jobs: VllmJobs, tmp: Path, target: Path, drafter: Path | None = None) -> dict:
     prompts = tmp / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS))
     out = tmp / ("spec.json" if drafter else "base.json")
-    cmd = [str(python), str(RUNNER), "--target", str(target), "--prompts", str(prompts), "--out", str(out),
-           "--max-tokens", str(MAX_TOKENS), "--num-spec-tokens", str(SPEC_TOKENS)]
-    if drafter:
-        cmd += ["--drafter", str(drafter)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, f"vLLM failed:\n{res.stderr[-4000:]}"
-    return json.loads(out.read_text())
+    argv = ["--target", target, "--prompts", prompts, "--out", out, "--max-tokens", MAX_TOKENS,
+            "--num-spec-tokens", SPEC_TOKENS]
+    return jobs.run(argv + (["--drafter", drafter] if drafter else []))
 
 
 def constant_drafter(target: Path, first_target_id: int) -> Eagle3Draft:
@@ -88,7 +84,6 @@ def smollm2() -> Path:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_speculation_is_lossless(vllm, vllm_greedy, smollm2, tmp_path):  # vllm first: skip before converting
-    python, env = vllm
     base = vllm_greedy(PROMPTS, MAX_TOKENS)
     assert [len(t) for t in base["outputs"]] == [MAX_TOKENS] * len(PROMPTS)
 
@@ -97,7 +92,7 @@ def test_vllm_speculation_is_lossless(vllm, vllm_greedy, smollm2, tmp_path):  # 
     draft = constant_drafter(smollm2, frequent)
     assert int((draft.d2t != 0).sum()) > DRAFT_VOCAB // 2  # a non-trivial draft vocabulary
     out = export_checkpoint(draft, tmp_path / "drafter", layout="eagle3")
-    spec = run_vllm(python, env, tmp_path, smollm2, out)
+    spec = run_vllm(vllm, tmp_path, smollm2, out)
 
     assert spec["outputs"] == base["outputs"], "speculation changed vLLM's greedy output"
     written = json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
@@ -115,13 +110,12 @@ def test_vllm_speculation_is_lossless(vllm, vllm_greedy, smollm2, tmp_path):  # 
 def test_vllm_serves_speculators_layout_alone(vllm, vllm_greedy, smollm2, tmp_path):
     """`LLM(model=<speculators dir>)` alone must find the verifier, read our aux ids and d2t,
     and leave greedy output unchanged (vLLM defaults norm_before_residual to true there)."""
-    python, env = vllm
     base = vllm_greedy(PROMPTS, MAX_TOKENS)
     frequent = Counter(t for ids in base["outputs"] for t in ids).most_common(1)[0][0]
     draft = constant_drafter(smollm2, frequent)
     out = export_checkpoint(draft, tmp_path / "spec_layout", layout="speculators", verifier=str(smollm2))
     (tmp_path / "alone").mkdir()
-    alone = run_vllm(python, env, tmp_path / "alone", out)  # no --drafter: the config names the verifier
+    alone = run_vllm(vllm, tmp_path / "alone", out)  # no --drafter: the config names the verifier
     assert alone["outputs"] == base["outputs"], "speculation changed vLLM's greedy output"
     assert alone["aux_layer_ids"] == list(AUX_IDS), "vLLM captured other layers than the ones exported"
     sd = alone["spec_decode"]
@@ -154,7 +148,6 @@ def test_vllm_drafts_eagle31_as_fledge_does(vllm, smollm2, tmp_path):
     --fc-norm` starts it), and fledge shows that dropping either flag changes those counts, so an
     engine that ignored one could not match."""
     from fledge.core.target import load_target
-    python, env = vllm
     target = load_target(str(smollm2))
     base = load_checkpoint(SHIPPED, embed_from=target.model).float()
     with torch.no_grad():
@@ -173,7 +166,7 @@ def test_vllm_drafts_eagle31_as_fledge_does(vllm, smollm2, tmp_path):
     ours = {name: fledge_accepted_by_position(target, path, SPEC_TOKENS) for name, path in dirs.items()}
     assert ours["eagle31"][0] != ours["fc_norm only"][0] and ours["eagle31"][0] != ours["norm_output only"][0], ours
     assert ours["eagle31"][0][0] > 0
-    spec = run_vllm(python, env, tmp_path, smollm2, dirs["eagle31"])
+    spec = run_vllm(vllm, tmp_path, smollm2, dirs["eagle31"])
     sd = spec["spec_decode"]
     assert spec["outputs"] == ours["eagle31"][2], "vLLM's greedy output differs from fledge's"
     assert (sd["num_accepted_tokens_per_pos"], sd["num_drafts"]) == ours["eagle31"][:2], (sd, ours)

@@ -10,12 +10,12 @@ counts at every position check the whole forward, not only the loading."""
 from __future__ import annotations
 
 import json
-import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import VllmJobs
 
 from fledge.core.conventions import accept_length
 from fledge.core.shape import Shape
@@ -27,24 +27,19 @@ from fledge.engine.block import load_block_drafter
 from fledge.engine.spec import generate_spec
 from fledge.engine.stats import SpecStats
 
-RUNNER = Path(__file__).resolve().parents[1] / "scripts" / "vllm_run.py"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
            "List three colors: red,"]
 MAX_TOKENS = 32
 K = 3
 
 
-def run_vllm(python, env, tmp: Path, target: Path, drafter: Path | None = None, method: str = "dflash",
+def run_vllm(jobs: VllmJobs, tmp: Path, target: Path, drafter: Path | None = None, method: str = "dflash",
              extra: tuple = ()) -> dict:
     (tmp / "prompts.json").write_text(json.dumps(PROMPTS))
     out = tmp / ("spec.json" if drafter else "base.json")
-    cmd = [str(python), str(RUNNER), "--target", str(target), "--prompts", str(tmp / "prompts.json"), "--out", str(out),
-           "--max-tokens", str(MAX_TOKENS), "--num-spec-tokens", str(K)]
-    if drafter:
-        cmd += ["--drafter", str(drafter), "--method", method, *extra]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0, f"vLLM failed:\n{res.stderr[-4000:]}"
-    return json.loads(out.read_text())
+    argv = ["--target", target, "--prompts", tmp / "prompts.json", "--out", out, "--max-tokens", MAX_TOKENS,
+            "--num-spec-tokens", K]
+    return jobs.run(argv + (["--drafter", drafter, "--method", method, *extra] if drafter else []))
 
 
 def frequent_token_drafter(hf, tokens: list[int]) -> DFlashDraft:
@@ -61,8 +56,7 @@ def frequent_token_drafter(hf, tokens: list[int]) -> DFlashDraft:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_serves_dflash_as_fledge_drafts(vllm_venv, vllm_greedy, tmp_path):
-    python, env = vllm_venv
+def test_vllm_serves_dflash_as_fledge_drafts(vllm_jobs, vllm_greedy, tmp_path):
     target_dir = resolve_target("smollm2-135m")
     base = vllm_greedy(PROMPTS, MAX_TOKENS)
     frequent = [t for t, _ in Counter(t for ids in base["outputs"] for t in ids).most_common(4)]
@@ -77,7 +71,7 @@ def test_vllm_serves_dflash_as_fledge_drafts(vllm_venv, vllm_greedy, tmp_path):
     ours = [sum(a >= p for a in stats.accepted) for p in range(1, K + 1)]
     assert ours[0] > 0, "the frequent-token drafter never got a draft accepted: the test would prove little"
 
-    spec = run_vllm(python, env, tmp_path, target_dir, out)
+    spec = run_vllm(vllm_jobs, tmp_path, target_dir, out)
     sd = spec["spec_decode"]
     assert spec["outputs"] == base["outputs"], "speculation changed vLLM's greedy output"
     assert spec["outputs"] == [o for o, _ in runs], "vLLM's greedy output differs from fledge's"

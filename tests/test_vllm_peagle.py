@@ -54,8 +54,7 @@ def frequent_token_drafter(hf, tokens: list[int]) -> Eagle3Draft:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_serves_peagle_as_fledge_drafts(vllm_venv, tmp_path):
-    python, env = vllm_venv
+def test_vllm_serves_peagle_as_fledge_drafts(vllm_jobs, tmp_path):
     target_dir = resolve_target("smollm2-135m")
     target = load_target(str(target_dir))
     engine = build_engine_target(target.model, torch.float32, "cpu")
@@ -73,7 +72,7 @@ def test_vllm_serves_peagle_as_fledge_drafts(vllm_venv, tmp_path):
     ours = [sum(a >= p for a in stats.accepted) for p in range(1, K + 1)]
     assert ours[1] > 0, f"no mask slot's draft was accepted ({ours}): the test would prove little"
 
-    spec = run_vllm(python, env, tmp_path, target_dir, out, method="eagle3", extra=["--parallel-drafting"])
+    spec = run_vllm(vllm_jobs, tmp_path, target_dir, out, method="eagle3", extra=["--parallel-drafting"])
     sd = spec["spec_decode"]
     assert spec["outputs"] == plain, "vLLM's greedy output with the P-EAGLE drafter differs from plain decoding"
     assert spec["aux_layer_ids"] == list(draft.cfg.aux_layer_ids), "vLLM captured other layers than the ones exported"
