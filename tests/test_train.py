@@ -538,9 +538,10 @@ def _train_tiny(kw: dict) -> int:
 
 
 def interrupt_then_resume(tmp_path, sig, ready, **kw):
-    """Run "ref" and "cut" as processes of their own (forked, see tests/forked.py; the only difference is the signal), send `sig`
-    to "cut" once `ready(cut_dir)` holds, check that "ref" finished, rerun "cut" to the end and
-    check curves and weights bit for bit. Returns "cut"'s exit code from the signal."""
+    """Run "ref" and "cut" as processes of their own (forked, see tests/forked.py; the only
+    difference is the signal), send `sig` to "cut" once `ready(cut_dir)` holds, check that "ref"
+    finished, rerun "cut" to the end and check curves and weights bit for bit. Returns "cut"'s
+    exit code from the signal and the step its checkpoint holds."""
     write_data(tmp_path / "data.jsonl", n=48, lo=20, hi=40)
 
     def run(out):
