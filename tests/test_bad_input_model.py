@@ -9,12 +9,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -443,50 +443,46 @@ def test_nan_loss_later_stops_at_that_step_and_keeps_the_checkpoint(tmp_path, mo
 
 
 # --------------------------------------------------------------------------- own processes
-def fledge_cmd(*argv) -> list[str]:
-    return [sys.executable, "-m", "fledge.cli", *map(str, argv)]
-
-
 def child_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "FLEDGE_DEBUG": "0"}
 
 
-@pytest.mark.slow  # two CLI start-ups (~10 s each on 2 cores), side by side
+@pytest.mark.slow  # two CLI runs, side by side
 def test_export_of_a_broken_drafter_exits(tmp_path):
-    """A NaN weight and a config that disagrees with the weights' shapes: each export ends by
-    itself with exit 2 and one line, well inside the timeout."""
+    """A NaN weight and a config that disagrees with the weights' shapes: each export, a process
+    of its own, ends by itself with exit 2 and one line, well inside the timeout."""
     nan = export_checkpoint(tiny_draft()[0], tmp_path / "nan")
     edit_weights(nan, lambda w: w["fc.weight"].view(-1).__setitem__(0, float("inf")))
     shape = export_checkpoint(tiny_draft()[0], tmp_path / "shape")
     cj = json.loads((shape / "config.json").read_text())
     (shape / "config.json").write_text(json.dumps({**cj, "intermediate_size": 96}))
-    procs = [subprocess.Popen(fledge_cmd("export", d, tmp_path / f"out_{d.name}"), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=child_env()) for d in (nan, shape)]
-    for p, phrase in zip(procs, ("contains NaN or inf", "but config.json implies")):
-        out, err = p.communicate(timeout=180)
-        assert p.returncode == 2 and "Traceback" not in err and phrase in err, err
+    logs = {d: tmp_path / f"{d.name}.log" for d in (nan, shape)}
+    procs = [forked.fledge(["export", d, tmp_path / f"out_{d.name}"], env=child_env(), log=logs[d]) for d in logs]
+    for p, d, phrase in zip(procs, logs, ("contains NaN or inf", "but config.json implies")):
+        rc, err = forked.wait(p, timeout=180), logs[d].read_text()
+        assert rc == 2 and "Traceback" not in err and phrase in err, err
     assert not list(tmp_path.glob("out_*")) and not list(tmp_path.glob(".out_*"))
 
 
-@pytest.mark.slow  # three CLI trainings on a tiny target (~40 s on 2 cores)
+@pytest.mark.slow  # three CLI trainings on a tiny target
 def test_kill9_of_the_cli_then_rerun_gives_the_same_curve(base, tmp_path):
-    """`python -m fledge.cli train` killed with SIGKILL once a checkpoint exists, then rerun:
-    loss curve and weights equal an uninterrupted run's, bit for bit."""
+    """`fledge train` (forked, see tests/forked.py) killed with SIGKILL once a checkpoint exists,
+    then rerun: loss curve and weights equal an uninterrupted run's, bit for bit."""
     write_data(tmp_path / "data.jsonl", n=64, lo=20, hi=40)
 
-    def cmd(out):
-        return fledge_cmd("train", "--data", tmp_path / "data.jsonl", "--out", tmp_path / out, "--target",
-                          base / "target", "--max-steps", "12", "--batch-size", "4", "--ttt-steps", "3",
-                          "--save-every", "2", "--log-every", "1", "--eval-every", "1000", "--lr", "3e-3")
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    ref, cut = subprocess.Popen(cmd("ref"), **quiet), subprocess.Popen(cmd("cut"), **quiet)
+    def run(out):
+        return forked.fledge(["train", "--data", tmp_path / "data.jsonl", "--out", tmp_path / out, "--target",
+                              base / "target", "--max-steps", "12", "--batch-size", "4", "--ttt-steps", "3",
+                              "--save-every", "2", "--log-every", "1", "--eval-every", "1000", "--lr", "3e-3"],
+                             env=child_env())
+    ref, cut = run("ref"), run("cut")
     meta = tmp_path / "cut" / "checkpoint" / "meta.json"
-    while cut.poll() is None and not (meta.exists() and json.loads(meta.read_text())["step"] >= 4):
+    while cut.is_alive() and not (meta.exists() and json.loads(meta.read_text())["step"] >= 4):
         time.sleep(0.01)
-    cut.send_signal(signal.SIGKILL)
-    assert cut.wait() == -signal.SIGKILL and ref.wait() == 0
+    os.kill(cut.pid, signal.SIGKILL)
+    assert forked.wait(cut) == -signal.SIGKILL and forked.wait(ref) == 0
     assert len(curve(tmp_path / "cut")) < 12
-    subprocess.run(cmd("cut"), check=True, **quiet)
+    assert forked.wait(run("cut")) == 0
     a, b = curve(tmp_path / "ref"), curve(tmp_path / "cut")
     print(f"kill -9 at step >= 4 of 12: max |dloss| = {max(abs(x - y) for x, y in zip(a, b)):.3g} over {len(a)} steps")
     assert len(a) == len(b) == 12 and a == b

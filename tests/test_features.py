@@ -5,15 +5,12 @@ killed run resumes to the same bytes; the SGLang client reads replies in SGLang'
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from test_train import write_data
@@ -23,8 +20,6 @@ from fledge.core.conventions import aux_ids_to_sglang
 from fledge.core.errors import FledgeError
 from fledge.train.capture import FinalNorm, VllmCapture, norm_weight
 from fledge.train.capture_sglang import SglangCapture
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -115,23 +110,22 @@ def test_bad_features_input_is_one_line(tmp_path, target_dir, capsys, case):
 
 
 def test_killed_features_run_resumes_to_the_same_shards(tmp_path, target_dir):
-    """kill -9 while shards are being written; the rerun's directory equals an uninterrupted one."""
+    """kill -9 of a `fledge features` process (forked, see tests/forked.py) while shards are being
+    written; the rerun's directory equals an uninterrupted one."""
     write_data(tmp_path / "data.jsonl", n=40, lo=60, hi=120)
     assert features(tmp_path, target_dir, "--shard-size", "2", "--batch-size", "1", out="whole") == 0
-    cmd = [sys.executable, "-m", "fledge.cli", "features", "--target", str(target_dir), "--data",
-           str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "killed"), "--dtype", "fp32", "--shard-size", "2",
-           "--batch-size", "1", "--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = forked.fledge(["features", "--target", target_dir, "--data", tmp_path / "data.jsonl", "--out",
+                          tmp_path / "killed", "--dtype", "fp32", "--shard-size", "2", "--batch-size", "1", "--device",
+                          "cpu"])
     manifest = tmp_path / "killed" / "manifest.json"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
+    while time.monotonic() < deadline and proc.is_alive():
         if manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= 3:
             break
         time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.is_alive(), "the run finished before it could be killed"
+    proc.kill()
+    proc.join()
     done = len(json.loads(manifest.read_text())["shards"])
     assert 3 <= done < 20
     assert features(tmp_path, target_dir, "--shard-size", "2", "--batch-size", "1", out="killed") == 0

@@ -4,40 +4,36 @@ run again after each: nothing torn, lost or twice, and no process of a killed ru
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
+import forked
 import pytest
-from conftest import kill_at
 from test_target import save_tiny_dir
 from test_train import write_data
 
 from fledge import cli
 
 
-@pytest.mark.slow  # six CLI runs, each loading torch and a tiny target (~30 s on 2 idle cores, minutes loaded)
+@pytest.mark.slow  # six CLI runs, each loading a tiny target
 def test_features_killed_at_five_points_then_rerun_equals_an_uninterrupted_run(tmp_path):
     """Killed once meta.json is written, at the first shard, a quarter, half and all but one of
     the 48 shards: once a killed run is reaped no process of it is alive, and after the reruns the
     directory holds the same files with the same bytes as a run never killed (no temporary file
     left, no shard torn, missing or written twice)."""
-    import fledge
     save_tiny_dir(tmp_path / "target")
     data = write_data(tmp_path / "data.jsonl", n=96)
     args = ["features", "--target", str(tmp_path / "target"), "--data", data, "--dtype", "fp32",
             "--shard-size", "2", "--batch-size", "1", "--device", "cpu"]
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "fledge.cli", *args, "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(Path(fledge.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    argv = [*args, "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def shards() -> int:
         return len(list(out.glob("shard_*.safetensors")))
     points = [lambda: (out / "meta.json").exists(), lambda: shards() >= 1, lambda: shards() >= 12,
               lambda: shards() >= 24, lambda: shards() >= 47]
     # the target runs in-process: nothing of the run may outlive it even for the 2 s allowed
-    assert kill_at(cmd, env, points) >= 1
-    assert subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode == 0
+    assert forked.kill_at(argv, env, points) >= 1
+    assert forked.wait(forked.fledge(argv, env=env)) == 0
     assert cli.main([*args, "--out", str(tmp_path / "whole")]) == 0
     whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
     killed = {p.name: p.read_bytes() for p in out.iterdir()}

@@ -320,16 +320,14 @@ def tiny_target_dir(tmp_path_factory, tiny_chat_target):
 
 @pytest.mark.slow
 def test_kill_9_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny_target_dir, capsys):
-    """A real sampled `fledge regen` process killed with SIGKILL mid-run, then rerun (in this
-    process: the same code path, without a second interpreter start of ~10-20 s on this CPU).
+    """A real sampled `fledge regen` process (forked, see tests/forked.py) killed with SIGKILL
+    mid-run, then rerun (in this process: the same code path).
     Greedy resumes take the same path and are checked in process
     (test_engine_resume_mid_chunk_equals_an_uninterrupted_run)."""
     temperature = 1.0
-    import os
     import signal
-    import subprocess
-    import sys
-    from pathlib import Path
+
+    import forked
 
     from fledge.core.target import load_target
     n = 24
@@ -338,17 +336,14 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny_target_dir
     convs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["regen", str(convs), str(out), "--target", str(tiny_target_dir), "--max-new-tokens", "12",
             "--max-len", "256", "--chunk", "3", "--batch-size", "3", "--temperature", str(temperature), "--seed", "7"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "fledge.cli", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = forked.fledge(args)
     deadline = time.time() + 180
-    while time.time() < deadline and proc.poll() is None:
+    while time.time() < deadline and proc.is_alive():
         if out.exists() and out.read_bytes().count(b"\n") >= 4:
-            proc.send_signal(signal.SIGKILL)
+            proc.kill()
             break
         time.sleep(0.002)
-    proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before the kill"
+    assert forked.wait(proc, 30) == -signal.SIGKILL, "the run ended before the kill"
     cut = out.read_bytes()
     written_before = cut.count(b"\n")
     assert written_before < n

@@ -7,11 +7,10 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 import torch.distributed as dist
@@ -519,7 +518,8 @@ def test_two_ranks_match_one_rank(tmp_path, parallel):
     one = config(tmp_path, "one", max_steps=5, grad_accum=2, batch_size=2)
     train(one, tiny_target())
     kw = {**config(tmp_path, "two", max_steps=5, batch_size=1, grad_accum=2, parallel=parallel).__dict__}
-    mp.spawn(_rank_worker, args=(2, _free_port(), kw), nprocs=2)
+    forked.server()  # the ranks fork from it: torch and fledge imported once, not once per rank
+    mp.start_processes(_rank_worker, args=(2, _free_port(), kw), nprocs=2, start_method="forkserver")
     assert curve(tmp_path / "one") == pytest.approx(curve(tmp_path / "two"), abs=1e-5)
     a, b = (torch.load(tmp_path / r / "checkpoint" / "state.pt")["model"] for r in ("one", "two"))
     assert a.keys() == b.keys()
@@ -528,39 +528,34 @@ def test_two_ranks_match_one_rank(tmp_path, parallel):
 
 
 # --------------------------------------------------------------------------- kill -9, SIGINT, resume
-CHILD = """
-import json, sys, torch
-sys.path.insert(0, {tests!r})
-torch.set_num_threads(1)
-from conftest import make_tiny
-from fledge.core.target import Target
-from fledge.train.loop import Paused, TrainConfig, train
-try:
-    train(TrainConfig(**json.loads(sys.argv[1])), Target(make_tiny("llama"), None, "tiny", None))
-except Paused:
-    sys.exit(130)
-"""
+def _train_tiny(kw: dict) -> int:
+    """A training run on the tiny target in a process of its own (forked): 130 when paused."""
+    try:
+        train(TrainConfig(**kw), tiny_target())
+    except Paused:
+        return 130
+    return 0
 
 
 def interrupt_then_resume(tmp_path, sig, ready, **kw):
-    """Run "ref" and "cut" as child processes (the only difference is the signal), send `sig`
-    to "cut" once `ready(cut_dir)` holds, check that "ref" finished, rerun "cut" to the end and
-    check curves and weights bit for bit. Returns "cut"'s exit code from the signal."""
+    """Run "ref" and "cut" as processes of their own (forked, see tests/forked.py; the only
+    difference is the signal), send `sig` to "cut" once `ready(cut_dir)` holds, check that "ref"
+    finished, rerun "cut" to the end and check curves and weights bit for bit. Returns "cut"'s
+    exit code from the signal and the step its checkpoint holds."""
     write_data(tmp_path / "data.jsonl", n=48, lo=20, hi=40)
 
-    def cmd(out):
-        return [sys.executable, "-c", CHILD.format(tests=str(TESTS)), json.dumps(config(tmp_path, out, **kw).__dict__)]
+    def run(out):
+        return forked.start(_train_tiny, config(tmp_path, out, **kw).__dict__)
 
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ref = subprocess.Popen(cmd("ref"), **quiet)
-    child = subprocess.Popen(cmd("cut"), **quiet)
-    while child.poll() is None and not ready(tmp_path / "cut"):
+    ref = run("ref")
+    child = run("cut")
+    while child.is_alive() and not ready(tmp_path / "cut"):
         time.sleep(0.005)
-    child.send_signal(sig)
-    rc = child.wait()
-    assert ref.wait() == 0 and len(curve(tmp_path / "cut")) < kw["max_steps"]
+    os.kill(child.pid, sig)
+    rc = forked.wait(child)
+    assert forked.wait(ref) == 0 and len(curve(tmp_path / "cut")) < kw["max_steps"]
     step = json.loads((tmp_path / "cut" / "checkpoint" / "meta.json").read_text())["step"]
-    subprocess.run(cmd("cut"), check=True, **quiet)
+    assert forked.wait(run("cut")) == 0
     assert curve(tmp_path / "cut") == curve(tmp_path / "ref")
     a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "cut")
     assert all(torch.equal(a[k], b[k]) for k in a)
