@@ -106,27 +106,6 @@ def session_processes(sid: int) -> list[str]:
     return found
 
 
-def kill_at(cmd: list, env: dict, points, settle: float = 0.0) -> int:
-    """Start `cmd` once per point, kill -9 it when that point is `reached()` (or let it end),
-    and check that nothing of its session lives `settle` seconds later: how many kills landed
-    on a running process."""
-    import subprocess
-    import time
-
-    landed = 0
-    for reached in points:
-        p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-        while p.poll() is None and not reached():
-            time.sleep(0.01)
-        landed += p.poll() is None
-        p.kill()
-        p.wait()
-        time.sleep(settle)
-        assert session_processes(p.pid) == [], "processes of the killed run still alive"
-    return landed
-
-
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "drafters" / "smollm2-135m"
 SPEC_K = 3  # the shared speculating server's chain

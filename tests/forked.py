@@ -78,10 +78,10 @@ def wait(p: multiprocessing.Process, timeout: float | None = None) -> int:
     return p.exitcode
 
 
-def kill_at(argv, env: dict, points) -> int:
-    """conftest.kill_at for `fledge ARGV` run in forked processes: one run per point, kill -9 it
-    when that point is reached (or let it end), check nothing of its session is alive; how many
-    kills landed on a running process."""
+def kill_at(argv, env: dict, points, settle: float = 0.0) -> int:
+    """`fledge ARGV` run in a forked process once per point, killed -9 when that point is
+    `reached()` (or let to end); nothing of its session may be alive `settle` seconds later. How
+    many kills landed on a running process."""
     landed = 0
     for reached in points:
         p = fledge(argv, env=env)
@@ -90,5 +90,6 @@ def kill_at(argv, env: dict, points) -> int:
         landed += p.is_alive()
         p.kill()
         p.join()
+        time.sleep(settle)
         assert session_processes(p.pid) == [], "processes of the killed run still alive"
     return landed

@@ -7,12 +7,10 @@ import gzip
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import pytest
-from conftest import kill_at
 
 from fledge import cli
 from fledge.core.errors import FledgeError
@@ -124,21 +122,19 @@ def test_kill9_at_five_points_then_rerun_loses_and_duplicates_nothing(tmp_path, 
     begun, one shard done, half done, all but one done), the same command run again after each:
     2 s after each kill no process of the killed run is alive, and the final output equals an
     uninterrupted in-process build, line for line (nothing torn, lost or twice)."""
-    import fledge
     conv = tmp_path / "c.jsonl"
     conv.write_text(conversations(120, random.Random(0)), encoding="utf-8")
     out, work = tmp_path / "tok", tmp_path / ".tok.shards"
-    cmd = [sys.executable, "-m", "fledge.cli", "tokenize", str(conv), "-o", str(out), "--tokenizer", tokenizer_dir,
-           "--workers", "2", "--max-len", "64"]
-    env = {**os.environ, "PYTHONPATH": str(Path(fledge.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    argv = ["tokenize", conv, "-o", out, "--tokenizer", tokenizer_dir, "--workers", "2", "--max-len", "64"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def stats():
         return len(list(work.glob("*.stats.json")))
     points = [lambda: (work / "key.json").exists(), lambda: bool(list(work.glob("*.partial"))),
               lambda: stats() >= 1, lambda: stats() >= 4, lambda: stats() >= 8]
     # workers may take up to the issue's 2 s to follow their parent
-    assert kill_at(cmd, env, points, settle=2.0) >= 1
-    assert subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode == 0
+    assert forked.kill_at(argv, env, points, settle=2.0) >= 1
+    assert forked.wait(forked.fledge(argv, env=env)) == 0
     tk.tokenize([conv], tmp_path / "ref", tokenizer_dir, 64, workers=1)
     for name in ("train", "heldout"):
         got = (out / f"{name}.tok.jsonl").read_text().splitlines()
