@@ -110,9 +110,33 @@ def results_writer(path: Path, variant: str):
     return lambda report: atomic_write_json(path, {"variants": {**variants, variant: report}})
 
 
-def engine_configs(args, t, target, device, dtype, prompts, graphs) -> tuple[dict, Resident | None]:
-    """The rows to run, in run order: the baseline and the drafters first, then the references
-    and the AR variants, so that a run cut short loses the least."""
+def row_names(args, device) -> list[str]:
+    """The rows this run measures, in run order: the baseline and the drafters first, then the
+    references and the AR variants, so that a run cut short loses the least. Known from the
+    arguments alone, so a bad --only stops the run before any model loads."""
+    names = ["engine AR"]
+    if args.drafter:
+        names += ["eagle3 chain 7"] + [f"eagle3 tree {text}" for text in args.tree or ["5,4,16"]]
+    names += ["oracle chain 7", f"ngram {args.ngram} chain {args.ngram_steps}"]
+    if not args.eager_prefill:
+        names += ["engine AR (eager prefill)", "oracle chain 7 (eager prefill)"]
+    if not args.skip_hf:
+        names += ["hf eager"] + (["hf static (compiled)"] if device.type == "cuda" else [])
+    if args.compile:
+        names += [f"engine AR ({n})" for n in ("not compiled", "SDPA over spans")]
+        names += ["engine AR (cuBLAS matmuls)"] if args.gemv_rows else []
+    if not args.only:
+        return names
+    # a re-measure of some rows against the baseline, in less GPU time
+    want = [n.strip() for n in args.only.split(";") if n.strip()]
+    unknown = [n for n in want if n not in names]
+    if unknown:
+        raise FledgeError(f"--only {unknown}: not a row of this run; rows: {'; '.join(names)}")
+    return [n for n in names if n == "engine AR" or n in want]
+
+
+def engine_configs(args, t, target, device, dtype, prompts, graphs, rows) -> tuple[dict, Resident | None]:
+    """A runner for each of `rows` (row_names)."""
     def drafter(spec):
         return load_drafter(args.drafter, spec, t.model, target, device, dtype, args.compile, args.fast_topk)
     eos, chain7 = eos_ids(t.tokenizer, t.model.generation_config), Shape(7, 1, 8)
@@ -151,12 +175,7 @@ def engine_configs(args, t, target, device, dtype, prompts, graphs) -> tuple[dic
         for name, fns in variants.items():
             model = build_engine_target(t.model, dtype, device, fns=fns)
             configs[f"engine AR ({name})"] = ar_runner(model, eos, graphs, resident(model))
-    if args.only:  # a re-measure of some rows against the baseline, in less GPU time
-        want = [n.strip() for n in args.only.split(";") if n.strip()]
-        unknown = [n for n in want if n not in configs]
-        if unknown:
-            raise FledgeError(f"--only {unknown}: not a row of this run; rows: {'; '.join(configs)}")
-        configs = {n: run for n, run in configs.items() if n == "engine AR" or n in want}
+    configs = {n: configs[n] for n in rows}
     return configs, res
 
 
@@ -178,14 +197,14 @@ def measure(name: str, run, todo, params) -> tuple[dict, list[tuple[int, float]]
     return row, timed
 
 
-def bench(args, device, write) -> dict:
+def bench(args, device, write, rows) -> dict:
     dtype = pick_dtype(args.dtype, device)
     t = load_target(args.target, dtype=dtype, device=device)
     fns = LayerFns.compiled(gemv_rows=args.gemv_rows, few_rows=args.few_rows) if args.compile else LayerFns()
     target = build_engine_target(t.model, dtype, device, fns=fns)
     prompts = load_prompts(args.prompts, args.num_prompts, t.tokenizer)
     graphs = not args.no_cuda_graph
-    configs, res = engine_configs(args, t, target, device, dtype, prompts, graphs)
+    configs, res = engine_configs(args, t, target, device, dtype, prompts, graphs, rows)
     hf_names = {n for n in configs if n.startswith("hf ")}
     n_hf = min(args.hf_prompts or len(prompts), len(prompts))  # HF eager costs ~7.5 s a prompt on the H200
     header = {"device": machine_name(device), "target": args.target, "dtype": str(dtype).removeprefix("torch."),
@@ -257,7 +276,8 @@ def main(argv=None) -> int:
         device = pick_device(args.device)
         out = args.out or result_path("engine", machine_name(device))
         write = results_writer(out, args.variant or str(pick_dtype(args.dtype, device)).removeprefix("torch."))
-        report = bench(args, device, write)
+        rows = row_names(args, device)
+        report = bench(args, device, write, rows)
     except FledgeError as e:
         print(f"bench_engine: error: {e}", file=sys.stderr)
         return 2

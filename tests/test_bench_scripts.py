@@ -116,10 +116,12 @@ def test_engine_bench_only_rows_and_a_tree_wider_than_the_default_room(tmp_path,
     assert set(report["results"]) == {"engine AR", "eagle3 tree 3,60,200"}
     assert report["only"] == "eagle3 tree 3,60,200" and report["results"]["eagle3 tree 3,60,200"]["match_ar"] == 1
     capsys.readouterr()
-    assert bench_engine.main(common + ["--only", "oracle chain 8", "--out", str(tmp_path / "x.json")]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # past the load's progress bars
-    assert len(err) == 1 and err[0].startswith("bench_engine: error: --only ['oracle chain 8']: not a row")
-    assert "oracle chain 7" in err[0]
+    # refused from the arguments alone, before any load (a target that does not exist)
+    assert bench_engine.main(common + ["--target", "no-such-target", "--only", "oracle chain 8",
+                                       "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench_engine: error: --only ['oracle chain 8']: not a row") and "\n" not in err
+    assert "oracle chain 7" in err
     assert not (tmp_path / "x.json").exists()
     (tmp_path / "old.json").write_text(json.dumps({"results": {}}))
     assert bench_engine.main(common + ["--out", str(tmp_path / "old.json")]) == 2
