@@ -13,12 +13,11 @@ import json
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 import transformers
@@ -173,15 +172,14 @@ def test_killed_streamed_training_resumes_to_the_same_curve(readme_runs, server,
     resumes it to the curve of the README's uninterrupted streamed run, each step once."""
     line = readme_block()[3].replace("{tmp}/runs/mt-stream", str(tmp_path / "cut")).replace("--save-every 1000", "--save-every 1")
     argv = shlex.split(line.format(tmp=readme_runs, url=server.url))[1:]
-    proc = subprocess.Popen([sys.executable, "-m", "fledge.cli", *argv], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = forked.fledge(argv)
     meta = tmp_path / "cut" / "checkpoint" / "meta.json"
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None and not meta.exists():
+    while time.monotonic() < deadline and proc.is_alive() and not meta.exists():
         time.sleep(0.05)
-    assert proc.poll() is None, "the run finished (or failed) before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.is_alive(), "the run finished (or failed) before it could be killed"
+    proc.kill()
+    proc.join()
     saved = json.loads(meta.read_text())["step"]
     assert 1 <= saved < 3
     assert cli_main(argv) == 0
@@ -217,18 +215,16 @@ def test_killed_capture_resumes_without_loss_or_duplicates(server, captured, tmp
     out = tmp_path / "killed"
     line = readme_block()[1].replace("{tmp}/data/mt/feats", str(out)).replace("--shard-size 8", "--shard-size 2")
     argv = shlex.split(line.format(url=server.url))[1:]
-    cmd = [sys.executable, "-m", "fledge.cli", *argv]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = forked.fledge(argv)
     manifest = out / "manifest.json"
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
+    while time.monotonic() < deadline and proc.is_alive():
         if manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= 2:
             break
         time.sleep(0.1)
-    assert proc.poll() is None, "the capture finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.is_alive(), "the capture finished before it could be killed"
+    proc.kill()
+    proc.join()
     assert 2 <= len(json.loads(manifest.read_text())["shards"]) < 8
     assert cli_main(argv) == 0
     assert len(json.loads(manifest.read_text())["shards"]) == 8
