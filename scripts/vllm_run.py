@@ -6,11 +6,12 @@ vllm.env; it does not import fledge (that venv has vLLM's own torch, not fledge'
     $VENV/bin/python scripts/vllm_run.py --target DIR [--drafter DIR] --prompts P.json --out R.json
     $VENV/bin/python scripts/vllm_run.py --jobs     # one JSON list of those arguments a line on stdin
 
+P.json is a JSON list of prompt strings. R.json holds the generated token ids per prompt,
+vLLM's spec-decode counters, the aux layer ids vLLM logged it captures, and timings.
+
 `--jobs` runs one engine after another in this process, so vLLM is imported once (~17 s on a
 2-core CPU) for all of them; after each job it prints "ok" or "failed" alone on a line of
 stdout (vLLM's own output goes to stderr).
-P.json is a JSON list of prompt strings. R.json holds the generated token ids per prompt,
-vLLM's spec-decode counters, the aux layer ids vLLM logged it captures, and timings.
 """
 
 from __future__ import annotations
