@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -184,7 +185,6 @@ class VllmJobs:
     of the vLLM venv, which imports vLLM once for all of them."""
 
     def __init__(self, python: Path, env: dict, log: Path):
-        import subprocess
         self.log = log
         with open(log, "ab") as err:  # the child holds its own descriptor
             self.proc = subprocess.Popen([str(python), str(VLLM_RUNNER), "--jobs"], env=env, text=True,
@@ -204,7 +204,6 @@ class VllmJobs:
         return json.loads(Path(argv[argv.index("--out") + 1]).read_text())
 
     def stop(self) -> None:
-        import subprocess
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
