@@ -102,22 +102,34 @@ def train_rate(run_dir: Path) -> float | None:
     return sum(r["target_tokens"] for r in rows) / secs if secs else None
 
 
-def train(args, w: Path) -> dict:
+def eval_curve(run_dir: Path) -> list[dict]:
+    """The run's held-out evals in order (--eval-every): step, top-1 by slot, replayed accept length."""
+    return [{"step": r["step"], "acc": r["acc"], "replay_accept_len": r.get("replay_accept_len")}
+            for _, r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "eval"]
+
+
+def train_commands(args, w: Path) -> dict[str, list]:
+    """The `fledge train` command of each run, by method (eagle3 last), each in WORKDIR/train_M."""
     common = ["--data", w / "tok" / "train.tok.jsonl", "--eval-data", w / "tok" / "heldout.eval.jsonl",
               "--vocab", w / "vocab.safetensors", "--target", args.target, "--batch-size", args.batch_size,
               "--lr", args.lr, "--max-len", args.max_len, "--log-every", 5]
     budget = ["--max-steps", args.quick_steps] if args.quick else ["--time-budget", args.train_seconds]
+    aux = ["--aux-layers", ",".join(map(str, args.aux_layers))] if args.aux_layers else []
     flags = {"dflash": ["--ttt-steps", args.ttt_steps, "--draft-layers", args.draft_layers,
-                        "--blocks-per-sample", args.blocks_per_sample],
+                        "--blocks-per-sample", args.blocks_per_sample, *aux],
              "peagle": ["--ttt-steps", args.peagle_ttt_steps]}
     runs = {m: ["--method", m, *flags[m], "--head", "target", *budget] for m in args.methods}
     if args.eagle_steps:
         runs["eagle3"] = ["--ttt-steps", 7, "--max-steps", args.eagle_steps]
+    return {m: fledge("train", *common, "--out", w / f"train_{m}", *flags, "--eval-every", args.eval_every,
+                      "--save-every", 10 ** 6) for m, flags in runs.items()}
+
+
+def train(args, w: Path) -> dict:
     out = {}
-    for method, flags in runs.items():
+    for method, cmd in train_commands(args, w).items():
         d = w / f"train_{method}"
         if not (d / "result.json").exists():
-            cmd = fledge("train", *common, "--out", d, *flags, "--eval-every", 10 ** 6, "--save-every", 10 ** 6)
             try:
                 run(cmd, w / "logs" / f"train_{method}.log")
             except FledgeError:
@@ -128,7 +140,7 @@ def train(args, w: Path) -> dict:
                 run(cmd, w / "logs" / f"finish_{method}.log")
         result = json.loads((d / "result.json").read_text())
         out[method] = {"draft": result["draft"], "steps": result["steps"], "target_tok_s": train_rate(d),
-                       "eval": result.get("eval")}
+                       "eval": result.get("eval"), "curve": eval_curve(d)}
     return out
 
 
@@ -299,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, help="seconds from the start after which no measured row starts (it "
                                                   "is recorded as skipped; default 360, none with --quick)")
     p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--aux-layers", type=lambda t: [int(i) for i in t.split(",")],
+                   help="dflash: the target layers the drafter reads, canonical ids (default train's: EAGLE-3's three)")
+    p.add_argument("--eval-every", type=int, default=10 ** 6,
+                   help="training steps between held-out evals in metrics.jsonl (default: only the final one)")
     p.add_argument("--device")
     p.add_argument("--dtype", help="engine dtype for measuring (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a CPU run of the whole pipeline")
@@ -338,7 +354,8 @@ def main(argv=None) -> int:
     report = {"bench": "block_gpu", "commit": git_commit(), "target": shown(args.target, w),
               "answers": [shown(a, w) for a in args.answers],
               "settings": {k: getattr(args, k) for k in FULL} | {
-                  "lr": args.lr, "train_seconds": args.train_seconds, "eagle_steps": args.eagle_steps,
+                  "lr": args.lr, "aux_layers": args.aux_layers, "eval_every": args.eval_every,
+                  "train_seconds": args.train_seconds, "eagle_steps": args.eagle_steps,
                   "methods": args.methods, "block_steps": args.block_steps, "peagle_steps": args.peagle_steps,
                   "quick": args.quick},
               "train": trained, "prepare_and_train_s": round(t1 - t0, 1), "complete": False}

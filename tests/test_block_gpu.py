@@ -26,3 +26,19 @@ def test_methods_and_chain_lengths_on_the_command_line(capsys):
         block_gpu.parse_args(["--answers", "a.jsonl", "--methods", "dflash,medusa"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--methods" in err and "'dflash,medusa'" in err and "dflash, peagle" in err
+
+
+def test_train_commands_carry_the_drafter_flags_to_their_method_only():
+    args = block_gpu.parse_args(["--answers", "a.jsonl", "--methods", "dflash,peagle", "--aux-layers", "2,8,15,21,28",
+                                 "--draft-layers", "5", "--eval-every", "400", "--eagle-steps", "0"])
+    cmds = {m: [str(a) for a in c] for m, c in block_gpu.train_commands(args, Path("w")).items()}
+    assert list(cmds) == ["dflash", "peagle"]  # --eagle-steps 0: no EAGLE-3 run
+    flag = lambda m, name: cmds[m][cmds[m].index(name) + 1]  # noqa: E731
+    assert flag("dflash", "--aux-layers") == "2,8,15,21,28" and flag("dflash", "--draft-layers") == "5"
+    assert "--aux-layers" not in cmds["peagle"] and "--draft-layers" not in cmds["peagle"]
+    assert flag("dflash", "--out") == str(Path("w") / "train_dflash") and flag("peagle", "--method") == "peagle"
+    assert flag("dflash", "--eval-every") == flag("peagle", "--eval-every") == "400"
+    assert flag("dflash", "--time-budget") == "130.0"
+    default = block_gpu.parse_args(["--answers", "a.jsonl"])
+    cmd = [str(a) for a in block_gpu.train_commands(default, Path("w"))["dflash"]]
+    assert "--aux-layers" not in cmd and cmd[cmd.index("--eval-every") + 1] == str(10 ** 6)

@@ -24,6 +24,16 @@ def test_bad_aux_ids(ids):
         cv.validate_aux_layer_ids(ids, 8)
 
 
+def test_any_number_of_aux_ids_where_a_capture_or_dflash_reads_them():
+    assert cv.validate_aux_layer_ids((1, 2, 4, 6, 7), 8, count=None) == (1, 2, 4, 6, 7)
+    assert cv.validate_aux_layer_ids([5], 8, count=None) == (5,)
+    for bad in [(), (0, 3), (2, 8), (4, 2), (3, 3)]:
+        with pytest.raises(FledgeError):
+            cv.validate_aux_layer_ids(bad, 8, count=None)
+    with pytest.raises(FledgeError, match="exactly three"):
+        cv.validate_aux_layer_ids((1, 2, 4, 6, 7), 8)  # EAGLE-3's default count
+
+
 def test_d2t_round_trip_random():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

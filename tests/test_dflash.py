@@ -24,13 +24,14 @@ VARIED = dict(vocab_size=32, initializer_range=0.25)
 GREEDY_21 = SamplingParams(temperature=0.0, max_new_tokens=21)
 
 
-def tiny_dflash(family="llama", seed=0, block=6, layers=2, draft_ids=None):
-    """A tiny target and a random DFlash drafter (mask token 31) whose head is the target's."""
+def tiny_dflash(family="llama", seed=0, block=6, layers=2, draft_ids=None, aux=None):
+    """A tiny target and a random DFlash drafter (mask token 31) whose head is the target's,
+    reading the target layers `aux` (default EAGLE-3's three)."""
     hf = make_tiny(family, seed=seed, **VARIED)
     target = build_engine_target(hf, torch.float32, "cpu")
     torch.manual_seed(seed + 1)
     cfg = DFlashConfig.from_target(hf.config, mask_token_id=31, num_layers=layers, block_size=block,
-                                   draft_vocab_size=None if draft_ids is None else len(draft_ids))
+                                   draft_vocab_size=None if draft_ids is None else len(draft_ids), aux_layer_ids=aux)
     return hf, target, DFlashDraft.from_target(cfg, hf, draft_ids).eval()
 
 
@@ -66,10 +67,13 @@ def test_block_spec_equals_ar(family):
     assert out == ar_eos
 
 
-def test_engine_block_equals_block_from_scratch():
+@pytest.mark.parametrize("aux", [None, (1, 2, 4, 6, 7)])
+def test_engine_block_equals_block_from_scratch(aux):
     """Every round's proposal (the cache filled by observe across rounds, rows at their
-    positions) is the argmax of the block recomputed from the whole text so far."""
-    hf, target, draft = tiny_dflash(draft_ids=torch.tensor([t for t in range(32) if t % 5]))
+    positions) is the argmax of the block recomputed from the whole text so far; with
+    EAGLE-3's three target layers and with five (DFlash's reference drafters read more)."""
+    hf, target, draft = tiny_dflash(draft_ids=torch.tensor([t for t in range(32) if t % 5]), aux=aux)
+    assert len(draft.cfg.aux_layer_ids) == (3 if aux is None else 5)
     prompt = torch.randint(0, 30, (7,), generator=torch.Generator().manual_seed(4)).tolist()
     k = 4
     drafter = BlockDrafter(draft, Shape(k, 1, k + 1), target)

@@ -28,18 +28,23 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return validate_aux_layer_ids((2, num_layers // 2, num_layers - 3), num_layers)
 
 
-def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, int, int]:
-    """Canonical ids must be three strictly increasing residual streams in [1, N-1].
+def validate_aux_layer_ids(ids: Sequence[int], num_layers: int, count: int | None = 3) -> tuple[int, ...]:
+    """Canonical ids must be `count` strictly increasing residual streams in [1, N-1]: three
+    for EAGLE-3; `count` None takes any number of at least one (what a capture or a DFlash
+    drafter reads).
 
     `hidden_states[N]` is excluded: HF returns it after the final norm, so it is not a
     residual stream; id 0 (the bare embedding) is excluded because the drafter already
     reads the embedding and no engine captures it.
     """
     ids = tuple(int(i) for i in ids)
-    if num_layers < 4:
+    if count == 3 and num_layers < 4:
         raise FledgeError(f"target has {num_layers} layers; EAGLE-3 needs at least 4 for three aux layers")
-    if len(ids) != 3:
-        raise FledgeError(f"aux layer ids {list(ids)}: EAGLE-3 uses exactly three")
+    if count is not None and len(ids) != count:
+        raise FledgeError(f"aux layer ids {list(ids)}: EAGLE-3 uses exactly three" if count == 3 else
+                          f"aux layer ids {list(ids)}: {count} expected")
+    if not ids:
+        raise FledgeError("aux layer ids: none given")
     if list(ids) != sorted(set(ids)):
         raise FledgeError(f"aux layer ids {list(ids)} must be strictly increasing")
     if ids[0] < 1 or ids[-1] > num_layers - 1:

@@ -325,20 +325,20 @@ def user_turn_prefix(tokenizer) -> list[int]:
 # --------------------------------------------------------------------------- capture
 @dataclass
 class Capture:
-    aux: torch.Tensor  # [B, T, 3H] concat of hidden_states[i] for i in aux_ids (canonical ids)
+    aux: torch.Tensor  # [B, T, nH] concat of hidden_states[i] for i in aux_ids (canonical ids)
     hidden: torch.Tensor  # [B, T, H] final-norm hidden state (what lm_head reads)
     logits: torch.Tensor  # [B, T, V]
 
 
 def capture(model, input_ids, aux_ids, attention_mask=None) -> Capture:
-    """One forward of an HF causal LM, keeping only the three aux streams and the normed output.
+    """One forward of an HF causal LM, keeping only the aux streams and the normed output.
 
     Hooks instead of `output_hidden_states` so a 61-layer target does not hold 62 [B, T, H]
     tensors: canonical id L is the input of decoder layer L (= HF hidden_states[L]).
     """
     decoder = model.get_decoder()
     layers = decoder.layers
-    aux_ids = validate_aux_layer_ids(aux_ids, len(layers))
+    aux_ids = validate_aux_layer_ids(aux_ids, len(layers), count=None)
     seen: dict = {}
 
     def keep_input(layer_id):

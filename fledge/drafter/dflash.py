@@ -96,12 +96,12 @@ class DFlashConfig:
         """Attention geometry and widths follow the target (one draft layer costs one target
         layer); the aux ids default to EAGLE-3's, so both methods train on one feature store."""
         # the target's geometry read once, as the EAGLE-3 drafter's config reads it
-        g = DraftConfig.from_target(tcfg, draft_vocab_size, aux_layer_ids, intermediate_size)
+        g = DraftConfig.from_target(tcfg, draft_vocab_size, None, intermediate_size)  # aux ids: any number here
         return cls(hidden_size=g.hidden_size, intermediate_size=g.intermediate_size, num_hidden_layers=num_layers,
                    num_attention_heads=g.num_attention_heads, num_key_value_heads=g.num_key_value_heads,
                    head_dim=g.head_dim, vocab_size=g.vocab_size, draft_vocab_size=g.draft_vocab_size,
                    target_hidden_size=g.target_hidden_size, target_num_layers=g.target_num_layers,
-                   aux_layer_ids=tuple(g.aux_layer_ids), block_size=block_size, mask_token_id=mask_token_id,
+                   aux_layer_ids=tuple(aux_layer_ids or g.aux_layer_ids), block_size=block_size, mask_token_id=mask_token_id,
                    max_position_embeddings=g.max_position_embeddings, rms_norm_eps=g.rms_norm_eps,
                    rope_theta=g.rope_theta, rope_scaling=g.rope_scaling)
 

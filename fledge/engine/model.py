@@ -135,11 +135,11 @@ class Transformer(nn.Module):
 
     def _check_aux(self, aux_ids):
         if aux_ids is not None:
-            validate_aux_layer_ids(aux_ids, self.args.n_layers)
+            validate_aux_layer_ids(aux_ids, self.args.n_layers, count=None)
 
     def _run(self, fns: LayerFns, x, cos, sin, attention, aux_ids, logits_idx, hidden_only=False):
         """The layer stack; `attention(i, q, k, v)` is layer i's attention. Returns (logits [B, K, V]
-        fp32, or with `hidden_only` the final-normed states [B, K, H]; aux [B, T, 3H] or None)."""
+        fp32, or with `hidden_only` the final-normed states [B, K, H]; aux [B, T, nH] (n aux ids) or None)."""
         f, a, delta, captured = fns, self.args, None, {}
         rows = x.shape[0] * x.shape[1]
         few = f.gemv_rows < rows <= f.few_rows and fr.usable(rows, a.n_heads, a.head_dim, x.device)
@@ -184,7 +184,7 @@ class Transformer(nn.Module):
         rows, each with its own S (a batch sorted by length then reads what each group uses) —
         or a `Prefix` (decode, verify: the new tokens at slots lengths + 0..T-1).
 
-        Returns (logits [B, T, V] fp32, aux [B, T, 3H] or None). `aux` concatenates, in the order
+        Returns (logits [B, T, V] fp32, aux [B, T, nH] (n aux ids) or None). `aux` concatenates, in the order
         given, the residual stream entering layer i for i in `aux_ids` (= HF hidden_states[i]).
         `logits_idx` [B, K] (optional) computes logits only at those T-positions: [B, K, V];
         aux is always for all T.

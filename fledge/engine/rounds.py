@@ -244,7 +244,7 @@ class FusedRound(Round):
     def __init__(self, target, cache, drafter, use_graph: bool):
         super().__init__(drafter, use_graph)
         param = next(target.parameters())
-        aux_width = 3 * target.dims()[0] if drafter.aux_ids is not None else None
+        aux_width = len(drafter.aux_ids) * target.dims()[0] if drafter.aux_ids is not None else None
         self.target, self.cache = target, cache
         self.state = RoundState.allocate(drafter.spec, param.device, aux_width, param.dtype)
         graph = use_graph and target.cuda_graph_ok
@@ -337,7 +337,7 @@ class PhasedRound(Round):
             self.propose_call = static_call(lambda root, cache_len: drafter.propose(DraftInput(root, cache_len, [])),
                                             [one, one], use_graph)
         if drafter.device_only and drafter.aux_ids is not None:  # EAGLE-3; the oracle observes nothing
-            aux = torch.zeros(1, D, 3 * target.dims()[0], dtype=drafter.kv.dtype, device=device)
+            aux = torch.zeros(1, D, len(drafter.aux_ids) * target.dims()[0], dtype=drafter.kv.dtype, device=device)
             self.observe_call = static_call(drafter.observe, [ids[:, :D], aux, one + 1, one, one], use_graph)
         self.note_buffers()
 

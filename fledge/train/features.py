@@ -3,7 +3,7 @@ online or read from shards written once by `fledge features`), and the target's 
 distribution over the draft vocab.
 
 Features of position t are the target's state after reading x_0..x_t:
-    aux[t]    cat of hidden_states[i] for the canonical aux ids (conventions.py), 3H wide
+    aux[t]    cat of hidden_states[i] for the canonical aux ids (conventions.py), nH wide (n aux ids; EAGLE-3 reads three)
     hidden[t] the final-norm state; the target's logits for x_{t+1} are its lm_head(hidden[t])
 
 Shards store `hidden`, not logits. Logits over a 32K draft vocab cost 64 KB a token in bf16;
@@ -130,9 +130,11 @@ def pad_batch(samples: list[Sample], multiple: int = 1):
 
 
 # --------------------------------------------------------------------------- the target's side
-def aux_layer_ids_for(model, aux_layer_ids=None) -> tuple[int, int, int]:
+def aux_layer_ids_for(model, aux_layer_ids=None) -> tuple[int, ...]:
+    """The layers a capture of `model` reads: any number (EAGLE-3's drafter config holds it to
+    three), EAGLE-3's three by default."""
     n = model.config.get_text_config().num_hidden_layers
-    return validate_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids else default_aux_layer_ids(n)
+    return validate_aux_layer_ids(aux_layer_ids, n, count=None) if aux_layer_ids else default_aux_layer_ids(n)
 
 
 def feature_model(model):
@@ -149,7 +151,7 @@ def feature_model(model):
 
 
 def online_features(model, aux_ids, ids, attn):
-    """(aux [B,T,3H], hidden [B,T,H]) from one no-grad target forward over a right-padded
+    """(aux [B,T,nH], hidden [B,T,H]) from one no-grad target forward over a right-padded
     batch (`model` from feature_model; `attn` marks real tokens, which never see a pad)."""
     from fledge.engine.model import Transformer
     with torch.no_grad():
@@ -205,7 +207,7 @@ class TargetHead:
 
 # --------------------------------------------------------------------------- where features come from
 class FeatureSource(Protocol):
-    """Computes (aux [T, 3H], hidden [T, H]) on the CPU for each sample, in order."""
+    """Computes (aux [T, nH], hidden [T, H]) on the CPU for each sample, in order."""
     hidden_size: int
 
     def features(self, samples: list[Sample]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
@@ -336,9 +338,10 @@ class FeatureStore:
         verify_shards(self.root, n_shards, self.meta["shard_size"], lengths)
         self._open: dict[int, tuple] = {}
         aux, hidden, _ = self._shard(0)
-        if hidden.get_shape()[-1] != hidden_size or aux.get_shape()[-1] != 3 * hidden_size:
+        n = len(self.meta["aux_layer_ids"])
+        if hidden.get_shape()[-1] != hidden_size or aux.get_shape()[-1] != n * hidden_size:
             raise FledgeError(f"{self.root}: feature widths aux {aux.get_shape()[-1]}, hidden {hidden.get_shape()[-1]}; "
-                              f"the target needs 3xH={3 * hidden_size} and H={hidden_size}")
+                              f"{n} aux layers of the target need {n}xH={n * hidden_size} and H={hidden_size}")
 
     def _shard(self, i):
         if i not in self._open:
@@ -357,12 +360,12 @@ class FeatureStore:
         """Nothing to do: shards are read when a batch needs them."""
 
     def batch(self, indices, t: int, device):
-        """Padded (aux [B,t,3H], hidden [B,t,H]) in fp32 on `device`."""
+        """Padded (aux [B,t,nH], hidden [B,t,H]) in fp32 on `device`."""
         return pad_features([self.get(i) for i in indices], t, self.meta["hidden_size"], device)
 
 
 def pad_features(feats, t: int, hidden_size: int, device):
-    out_a = torch.zeros(len(feats), t, 3 * hidden_size)
+    out_a = torch.zeros(len(feats), t, feats[0][0].shape[-1])
     out_h = torch.zeros(len(feats), t, hidden_size)
     for r, (a, h) in enumerate(feats):
         out_a[r, :len(a)], out_h[r, :len(h)] = a.float(), h.float()
