@@ -277,3 +277,25 @@ def test_print_launch_names_the_layers_and_the_flags(target_dir, capsys):
                  '"shared_storage_path": "/mnt/states"', "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
                  "--max-model-len 100"):
         assert part in line, part
+
+
+def test_five_layer_features_train_a_dflash_drafter_reading_them(tmp_path, target_dir, capsys):
+    """A DFlash drafter may read more target layers than EAGLE-3's three: `fledge features
+    --aux-layers` stores them (5 x H wide), training reads them, and a run whose drafter
+    reads other layers is refused before its first step."""
+    from fledge.train.features import FeatureStore
+    write_data(tmp_path / "data.jsonl", n=8)
+    assert features(tmp_path, target_dir, "--aux-layers", "1,2,4,6,7") == 0
+    store = FeatureStore(tmp_path / "feats", {}, 64)
+    assert store.meta["aux_layer_ids"] == [1, 2, 4, 6, 7] and store.get(0)[0].shape[-1] == 5 * 64
+    base = ["train", "--data", str(tmp_path / "data.jsonl"), "--target", str(target_dir), "--features",
+            str(tmp_path / "feats"), "--method", "dflash", "--max-steps", "2", "--batch-size", "2", "--ttt-steps", "2",
+            "--blocks-per-sample", "4", "--mask-token-id", "300", "--eval-samples", "2"]
+    assert cli_main([*base, "--out", str(tmp_path / "run"), "--aux-layers", "1,2,4,6,7"]) == 0
+    cfg = json.loads((tmp_path / "run" / "draft" / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 3, 5, 6]  # DFlash counts layer outputs
+    capsys.readouterr()
+    train_fails_args = [*base, "--out", str(tmp_path / "other")]  # the default three layers
+    assert cli_main(train_fails_args) == 2
+    assert "aux layers" in one_error(capsys)
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()

@@ -94,9 +94,20 @@ def test_capture_any_valid_ids_and_no_leftover_hooks():
 def test_capture_rejects_bad_aux_ids():
     model = make_tiny("llama")
     n = model.config.num_hidden_layers
-    for bad in [(0, 2, 3), (2, 3, n), (3, 2, 4), (2, 2, 4), (1, 2)]:
+    for bad in [(0, 2, 3), (2, 3, n), (3, 2, 4), (2, 2, 4), ()]:
         with pytest.raises(FledgeError, match="aux layer ids"):
             capture(model, torch.zeros(1, 4, dtype=torch.long), bad)
+
+
+def test_capture_reads_any_number_of_layers_as_hf_hidden_states():
+    """A DFlash drafter may read five target layers: the capture is HF's hidden_states[i], in order."""
+    model = make_tiny("llama")
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+        for aux_ids in [(1, 2, 4, 6, 7), (5,)]:
+            got = capture(model, ids, aux_ids).aux
+            assert torch.allclose(got, torch.cat([hs[i] for i in aux_ids], -1), atol=1e-5), aux_ids
 
 
 def test_aux_id_conventions_round_trip():
