@@ -359,7 +359,7 @@ def test_stream_refills_rows_and_equals_solo_generation(monkeypatch):
 
 
 @pytest.mark.parametrize("ids, phrase", [((0, 3, 5), r"out of range \[1, 7\]"), ((2, 3, 8), r"out of range \[1, 7\]"),
-                                         ((2, 5, 3), "strictly increasing"), ((2, 3), "exactly three")])
+                                         ((2, 5, 3), "strictly increasing"), ((), "none given")])
 def test_engine_refuses_aux_ids_the_conventions_refuse(ids, phrase):
     model = build_engine_target(make_tiny("llama", seed=3), torch.float32, "cpu")  # 8 layers
     x = torch.tensor([[1, 2, 3]])
@@ -371,6 +371,8 @@ def test_engine_refuses_aux_ids_the_conventions_refuse(ids, phrase):
         model(x, pos, pos, make_causal_mask(torch.zeros(1, dtype=torch.long), 3, 64), cache, ids)
     _, aux = model.prefill(x, model.new_cache(1, 64), aux_ids=(1, 4, 7))  # the widest valid range
     assert aux.shape == (1, 3, 3 * 64)
+    _, aux5 = model.prefill(x, model.new_cache(1, 64), aux_ids=(1, 2, 4, 6, 7))  # a DFlash drafter may read five
+    assert aux5.shape == (1, 3, 5 * 64) and torch.equal(aux5[..., :64], aux[..., :64])
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
