@@ -1,6 +1,7 @@
 """A DFlash drafter exported by fledge, served by real vLLM (CPU build) beside SmolLM2 (a Llama
 target), unchanged: greedy output equals plain vLLM's, and vLLM accepts the same drafts at every
-position as fledge's engine does on the same prompts (fp32, a chain of 3, no EOS).
+position as fledge's engine does on the same prompts (fp32, a chain of 3, no EOS). The drafter
+reads five target layers (EAGLE-3 reads three; vLLM captures what `target_layer_ids` names).
 
 The drafter is random but its head covers only the target's four most frequent output tokens:
 its drafts are accepted now and then, and which of the four it picks depends on every weight
@@ -31,6 +32,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
            "List three colors: red,"]
 MAX_TOKENS = 32
 K = 3
+AUX = (2, 8, 15, 21, 28)  # five of SmolLM2's 30 layers, spread as DFlash's reference drafters read theirs
 
 
 def run_vllm(jobs: VllmJobs, tmp: Path, target: Path, drafter: Path | None = None, method: str = "dflash",
@@ -44,7 +46,7 @@ def run_vllm(jobs: VllmJobs, tmp: Path, target: Path, drafter: Path | None = Non
 
 def frequent_token_drafter(hf, tokens: list[int]) -> DFlashDraft:
     cfg = DFlashConfig.from_target(hf.config, mask_token_id=16, num_layers=2, block_size=K + 1,
-                                   draft_vocab_size=len(tokens))
+                                   draft_vocab_size=len(tokens), aux_layer_ids=AUX)
     torch.manual_seed(0)
     draft = DFlashDraft.from_target(cfg, hf, torch.tensor(sorted(tokens)))
     with torch.no_grad():
