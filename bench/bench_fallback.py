@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
-from machine import machine_name, result_path
+from machine import git_commit, machine_name, result_path
 
 from fledge.core.files import atomic_write_json
 from fledge.core.report import print_table
@@ -98,8 +97,7 @@ def main(argv=None) -> int:
                  *([r["context"], r["fledge_ms_per_token"], r["hf_ms_per_token"], r["hf_over_fledge"], r["same_tokens"]]
                    for r in rows)])
     print(f"fledge's ms/token at {contexts[-1]} tokens of context / at {contexts[0]}: {growth:.2f}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent, check=False).stdout.strip()
+    commit = git_commit()
     out = args.out or result_path("fallback", machine_name("cpu"))
     atomic_write_json(out, {
         "what": "decode ms per token on the fallback path (HFTarget) vs transformers' DynamicCache, greedy, batch 1, "

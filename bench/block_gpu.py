@@ -35,12 +35,11 @@ import argparse
 import gzip
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from machine import machine_name, result_path, run_logged
+from machine import git_commit, machine_name, result_path, run_logged
 
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_write_json, atomic_write_text, read_jsonl
@@ -263,15 +262,6 @@ def shown(path, workdir: Path) -> str:
         except ValueError:
             return p.name if p.is_file() else str(path)
     return str(path)
-
-
-def git_commit() -> str | None:
-    try:
-        res = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             check=False)
-    except OSError:  # no git where the bench runs: the JSON says so
-        return None
-    return res.stdout.strip() or None
 
 
 def method_list(text: str) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parents[1]
 
 
 def machine_name(device: torch.device | str, gpus: int = 1) -> str:
@@ -22,6 +23,17 @@ def machine_name(device: torch.device | str, gpus: int = 1) -> str:
         return device.type
     name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
     return name.removeprefix("nvidia_") + (f"x{gpus}" if gpus > 1 else "")
+
+
+def git_commit(where: Path = REPO) -> str | None:
+    """The short commit checked out at `where` (default this checkout), or None where there is
+    no git (a copy without history): the JSON then says so instead of naming a wrong commit."""
+    try:
+        res = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=False)
+    except OSError:
+        return None
+    return res.stdout.strip() or None
 
 
 def result_path(bench: str, machine: str, variant: str = "") -> Path:

@@ -33,13 +33,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import RESULTS, machine_name, result_path, run_logged
+from machine import RESULTS, git_commit, machine_name, result_path, run_logged
 
 from fledge.core.config import HEADS, TrainConfig
 from fledge.core.errors import FledgeError
@@ -436,11 +435,6 @@ def portable(obj, peer_python: str, workdir: str):
             return Path(obj).name
         return obj.replace(workdir, "WORKDIR").replace(f"{REPO}{os.sep}", "").replace(str(cache_dir()), "$FLEDGE_CACHE")
     return obj
-
-
-def git_commit() -> str | None:
-    r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or None
 
 
 def report(args, plan: Plan, w: Path) -> None:

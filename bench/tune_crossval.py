@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from machine import git_commit
 
 from fledge.core.files import atomic_write_json
 from fledge.core.report import print_table
@@ -101,11 +102,7 @@ def run(folder: Path, margin: float) -> dict:
                       "explainable": r["explainable"], "low": r["low"], "high": r["high"], "verdict": r["verdict"], "verdict_right": r["verdict_right"],
                       "plain_ms_predicted": r["plain_ms_predicted"], "plain_ms_measured": r["plain_ms_measured"],
                       **_extra_ms(r, c.accept_length)})
-    def head(where) -> str:
-        return subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], check=False, capture_output=True,
-                              text=True).stdout.strip()
-
-    commit, corpus_commit = head(ROOT), head(folder)
+    commit, corpus_commit = git_commit(ROOT), git_commit(folder)
     return {"machine": "this CPU (the fit and the cross-validation; the measurements are the sources')",
             "commit": commit, "corpus": _shown(folder), "corpus_commit": corpus_commit, "margin": margin, "rows_read": len(rows),
             "skipped": [{"source": r.get("source"), "target": r.get("target"), "why": why} for r, why in skipped],

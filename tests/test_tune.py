@@ -423,10 +423,11 @@ def test_vllm_users_get_a_chain_verdict(tmp_path):
     assert any(p["topk"] > 1 for p in data["predictions"])  # trees stay in the table for comparison
 
 
-def test_docs_crossval_table_is_the_bench_json():
+def test_docs_crossval_table_is_the_bench_json(monkeypatch):
     """docs/tune.md's cross-validated error is copied from the JSON bench/tune_crossval.py wrote
     (its table and the commits it names), and `tune model` reads the fit of that same run."""
     root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "bench"))  # as `python bench/tune_crossval.py` has it
     spec = importlib.util.spec_from_file_location("tune_crossval", root / "bench" / "tune_crossval.py")
     cv = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cv)
