@@ -101,7 +101,8 @@ class DFlashConfig:
                    num_attention_heads=g.num_attention_heads, num_key_value_heads=g.num_key_value_heads,
                    head_dim=g.head_dim, vocab_size=g.vocab_size, draft_vocab_size=g.draft_vocab_size,
                    target_hidden_size=g.target_hidden_size, target_num_layers=g.target_num_layers,
-                   aux_layer_ids=tuple(aux_layer_ids or g.aux_layer_ids), block_size=block_size, mask_token_id=mask_token_id,
+                   aux_layer_ids=tuple(aux_layer_ids or g.aux_layer_ids), block_size=block_size,
+                   mask_token_id=mask_token_id,
                    max_position_embeddings=g.max_position_embeddings, rms_norm_eps=g.rms_norm_eps,
                    rope_theta=g.rope_theta, rope_scaling=g.rope_scaling)
 

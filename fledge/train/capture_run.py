@@ -48,7 +48,8 @@ class TargetShape:
 
 
 def aux_ids_of(shape: TargetShape, aux_layers) -> tuple:
-    return validate_aux_layer_ids(aux_layers, shape.num_layers, count=None) if aux_layers else default_aux_layer_ids(shape.num_layers)
+    n = shape.num_layers
+    return validate_aux_layer_ids(aux_layers, n, count=None) if aux_layers else default_aux_layer_ids(n)
 
 
 def make_capture(engine: str, url: str, name: str, shape: TargetShape, aux_ids, **opts):

@@ -3,7 +3,8 @@ online or read from shards written once by `fledge features`), and the target's 
 distribution over the draft vocab.
 
 Features of position t are the target's state after reading x_0..x_t:
-    aux[t]    cat of hidden_states[i] for the canonical aux ids (conventions.py), nH wide (n aux ids; EAGLE-3 reads three)
+    aux[t]    cat of hidden_states[i] for the canonical aux ids (conventions.py), nH wide for n
+              ids (EAGLE-3 reads three)
     hidden[t] the final-norm state; the target's logits for x_{t+1} are its lm_head(hidden[t])
 
 Shards store `hidden`, not logits. Logits over a 32K draft vocab cost 64 KB a token in bf16;
