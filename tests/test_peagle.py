@@ -90,6 +90,30 @@ def test_checkpoint_carries_what_vllm_reads(tmp_path):
     assert isinstance(Eagle3Drafter(plain, Shape(3, 1, 4), target), Eagle3Drafter)
 
 
+def test_speculators_layout_is_the_peagle_type_vllm_reads(tmp_path):
+    """In the speculators layout a P-EAGLE drafter is speculators' `peagle` type with a top-level
+    `mask_token_id` (what vLLM's speculators reader requires, turning parallel drafting on by
+    itself); it loads back the same, doctor passes it, and `vllm serve <dir>` drafts in parallel."""
+    from fledge.doctor.checks import FAIL, PASS
+    from fledge.doctor.doctor import doctor
+    from fledge.drafter.layout import is_parallel
+
+    hf, target, d = parallel_setup()
+    out = export_checkpoint(d, tmp_path / "p", layout="speculators", dtype=torch.float32, verifier="some/target")
+    cj = json.loads((out / "config.json").read_text())
+    assert (cj["speculators_model_type"], cj["speculators_config"]["algorithm"]) == ("peagle", "peagle")
+    assert cj["mask_token_id"] == MASK and "ptd_token_id" not in cj and cj["architectures"] == ["PEagleSpeculator"]
+    assert is_parallel(out)
+    back = load_checkpoint(out, embed_from=hf).eval()
+    assert back.cfg.ptd_token_id == MASK and torch.equal(back.mask_hidden, d.mask_hidden)
+    checks = {c.name: c.status for c in doctor(str(out), launch=f"vllm serve {out}")}
+    assert FAIL not in checks.values(), checks
+    assert checks["launch.parallel_drafting"] == PASS
+    _, _, plain = tiny_setup("llama", vocab=VOCAB)
+    seq = export_checkpoint(plain, tmp_path / "s", layout="speculators", verifier="some/target")
+    assert json.loads((seq / "config.json").read_text())["speculators_model_type"] == "eagle3" and not is_parallel(seq)
+
+
 def test_train_method_peagle_trains_mask_slots_and_exports(tmp_path):
     """`--method peagle`: a fresh drafter gains mask slots (the given token) and exports them; a
     run from that drafter (--init) moves its mask_hidden; the result drafts exactly."""

@@ -1,8 +1,8 @@
 """A P-EAGLE drafter exported by fledge, served by real vLLM (CPU build) with
 `parallel_drafting` beside SmolLM2, unchanged: vLLM's greedy output is fledge's (fledge's
 equals plain decoding: tests/test_peagle.py), and vLLM accepts the same drafts at every
-position as fledge's engine does on the same prompts (fp32, a chain of 3, no EOS). One vLLM
-start: the plain run is fledge's engine.
+position as fledge's engine does on the same prompts (fp32, a chain of 3, no EOS), in both export
+layouts (eagle3 and speculators). One vLLM start each: the plain run is fledge's engine.
 
 The drafter's head covers only the four tokens the target writes most on these prompts and its
 first draft imitates the target, so rounds reach the mask slots; which of the four a slot picks
@@ -54,7 +54,8 @@ def frequent_token_drafter(hf, tokens: list[int]) -> Eagle3Draft:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_serves_peagle_as_fledge_drafts(vllm_jobs, tmp_path):
+@pytest.mark.parametrize("layout", ["eagle3", "speculators"])
+def test_vllm_serves_peagle_as_fledge_drafts(vllm_jobs, tmp_path, layout):
     target_dir = resolve_target("smollm2-135m")
     target = load_target(str(target_dir))
     engine = build_engine_target(target.model, torch.float32, "cpu")
@@ -62,7 +63,8 @@ def test_vllm_serves_peagle_as_fledge_drafts(vllm_jobs, tmp_path):
     prompts = [target.tokenizer(p)["input_ids"] for p in PROMPTS]
     plain = [generate_ar(engine, [p], params, eos_ids=[])[0][0] for p in prompts]
     frequent = [t for t, _ in Counter(t for ids in plain for t in ids).most_common(4)]
-    out = export_checkpoint(frequent_token_drafter(target.model, frequent), tmp_path / "peagle", dtype=torch.float32)
+    out = export_checkpoint(frequent_token_drafter(target.model, frequent), tmp_path / "peagle", layout=layout,
+                            dtype=torch.float32, verifier=str(target_dir))
 
     draft = load_checkpoint(out, embed_from=target.model).eval()
     runs = [generate_spec(engine, ParallelDrafter(draft, Shape(K, 1, K + 1), engine), p, params, eos_ids=[])

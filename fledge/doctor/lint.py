@@ -285,6 +285,8 @@ def _vllm_checks(lc: Launch, drafter: Path, f: DraftFacts | None, alone: bool) -
         # them (method and model stay locked).
         given = sc if isinstance(sc, dict) else {}
         sc = {"num_speculative_tokens": f.speculative_tokens, **given, "method": "eagle3", "model": str(drafter)}
+        if f.ptd_token_id is not None:  # speculators' peagle type: vLLM turns parallel drafting on itself
+            sc["parallel_drafting"] = True
         out.append(ok("launch.spec_config", f"serves a speculators directory: vLLM loads the verifier {f.verifier} "
                       f"as the target and this directory as its eagle3 drafter"))
     elif not isinstance(sc, dict) or not sc:

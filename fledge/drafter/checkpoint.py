@@ -67,7 +67,9 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
     spelling in eagle_config, the only list SGLang reads, so both capture the same streams.
     EAGLE-3.1's `fc_norm` and `norm_output` go at the top level, where both engines (and vLLM's
     speculators reader) look, and only when set: both default to false. So does P-EAGLE's
-    `ptd_token_id`, the mask token vLLM's `parallel_drafting` reads."""
+    `ptd_token_id`, the mask token vLLM's `parallel_drafting` reads; in the speculators layout a
+    P-EAGLE drafter is speculators' `peagle` type instead, its mask token `mask_token_id` (the
+    field vLLM's speculators reader requires of it), and `vllm serve <dir>` drafts in parallel."""
     ver = dict(cfg.extra.get("verifier") or {})
     if verifier and verifier != ver.get("name_or_path"):
         ver = {"name_or_path": verifier, "architectures": []}
@@ -76,9 +78,10 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
     common = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
               "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids,
               **{k: True for k, on in (("fc_norm", cfg.fc_norm), ("norm_output", cfg.norm_output)) if on},
-              **({"ptd_token_id": cfg.ptd_token_id} if cfg.parallel else {})}
+              }
     if layout == "eagle3":
         return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **common,
+                **({"ptd_token_id": cfg.ptd_token_id} if cfg.parallel else {}),
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_ids_to_sglang(ids, n)),
                                  "use_aux_hidden_state": True},
                 "fledge": {"target_num_hidden_layers": n, "verifier": ver or None, "speculative_tokens": k}}
@@ -88,10 +91,12 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
         raise FledgeError(f"verifier {ver['name_or_path']!r} is a fledge built-in name, which vLLM cannot load: "
                           "pass --verifier with the target's HF directory or hub id")
     layer = _llama_fields(cfg, dtype)
+    kind, arch = ("peagle", "PEagleSpeculator") if cfg.parallel else ("eagle3", "Eagle3Speculator")
     return {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
+        "architectures": [arch], "speculators_model_type": kind, "speculators_version": "0.3.0",
+        **({"mask_token_id": cfg.ptd_token_id} if cfg.parallel else {}),
         "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "algorithm": kind, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": ver["name_or_path"], "architectures": ver.get("architectures", [])}},

@@ -93,16 +93,17 @@ class DraftFacts:
     tied: bool
     dtype: str | None
     target_layers: int | None  # recorded by fledge export; engines keep no such field
-    norm_before_residual: bool  # vLLM defaults it to true in the speculators layout
+    norm_before_residual: bool  # vLLM defaults it to true in the speculators layout (false for its peagle type)
     fc_norm: bool  # EAGLE-3.1 (fledge.drafter.eagle3); both engines default these two to false
     norm_output: bool
-    ptd_token_id: int | None  # P-EAGLE's mask token (the name vLLM's parallel drafting reads)
+    ptd_token_id: int | None  # P-EAGLE's mask token (`ptd_token_id`; speculators' peagle type: `mask_token_id`)
     verifier: str | None  # speculators layout: the target `vllm serve <dir>` loads
     speculative_tokens: int | None  # the trained depth; in the speculators layout, what `vllm serve <dir>` drafts
 
 
 def draft_facts(cj: dict) -> DraftFacts:
     spec = detect_layout(cj) == "speculators"
+    peagle = spec and cj.get("speculators_model_type") == "peagle"  # speculators' P-EAGLE type
     layer = (cj.get("transformer_layer_config") or {}) if spec else cj
     ec = cj.get("eagle_config") or {}
     sc = (cj.get("speculators_config") or {}) if spec else {}
@@ -119,9 +120,9 @@ def draft_facts(cj: dict) -> DraftFacts:
         use_aux=bool(ec.get("use_aux_hidden_state", True)), tied=bool(layer.get("tie_word_embeddings", False)),
         dtype=layer.get("dtype") or layer.get("torch_dtype") or cj.get("dtype") or cj.get("torch_dtype"),
         target_layers=fledge.get("target_num_hidden_layers"),
-        norm_before_residual=bool(cj.get("norm_before_residual", spec)),
+        norm_before_residual=bool(cj.get("norm_before_residual", spec and not peagle)),
         fc_norm=bool(cj.get("fc_norm", False)), norm_output=bool(cj.get("norm_output", False)),
-        ptd_token_id=cj.get("ptd_token_id"), verifier=(sc.get("verifier") or {}).get("name_or_path"),
+        ptd_token_id=cj.get("mask_token_id" if peagle else "ptd_token_id"), verifier=(sc.get("verifier") or {}).get("name_or_path"),
         speculative_tokens=(method if spec else fledge).get("speculative_tokens"))
 
 
@@ -153,8 +154,9 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
     layout = detect_layout(cj)
     if layout is None:
         raise FledgeError("config.json is neither LlamaForCausalLMEagle3 nor a speculators eagle3 config")
-    if layout == "speculators" and cj["speculators_model_type"] != "eagle3":
-        raise FledgeError(f"speculators_model_type {cj['speculators_model_type']!r}: only eagle3 is supported")
+    if layout == "speculators" and cj["speculators_model_type"] not in ("eagle3", "peagle"):
+        raise FledgeError(f"speculators_model_type {cj['speculators_model_type']!r}: only eagle3 and peagle are "
+                          "supported")
     f = draft_facts(cj)
     variants = (["norm_before_residual"] if f.norm_before_residual else []) + (
         ["norm_before_fc"] if cj.get("norm_before_fc") else [])
@@ -194,10 +196,10 @@ def is_dflash(path) -> bool:
 
 
 def is_parallel(path) -> bool:
-    """Whether the checkpoint dir `path` holds a P-EAGLE drafter (an EAGLE-3 config.json with
-    `ptd_token_id`); torch-free, as `is_dflash`."""
+    """Whether the checkpoint dir `path` holds a P-EAGLE drafter (a mask token in its config.json,
+    `draft_facts`); torch-free, as `is_dflash`."""
     p = Path(path) / "config.json"
     try:
-        return json.loads(p.read_text()).get("ptd_token_id") is not None
+        return draft_facts(json.loads(p.read_text())).ptd_token_id is not None
     except (OSError, json.JSONDecodeError, AttributeError):
         return False
