@@ -23,6 +23,7 @@ from fledge.cli_checks import (
 from fledge.core.catalog import (
     BUILTINS,
     DATASETS,
+    DFLASH_LAYOUTS,
     FLOAT_DTYPES,
     FORMATS,
     HELDOUT_SUFFIX,
@@ -282,7 +283,9 @@ def add_checkpoint(sub) -> None:
     p = sub.add_parser("export", help="write a drafter as an SGLang/vLLM (eagle3) or speculators checkpoint")
     p.add_argument("src", help="drafter checkpoint dir (any layout fledge reads)")
     p.add_argument("out", help="output dir (written atomically)")
-    p.add_argument("--layout", choices=LAYOUTS, default="eagle3")
+    p.add_argument("--layout", choices=sorted({*LAYOUTS, *DFLASH_LAYOUTS}),
+                   help="eagle3 (default) or speculators; a DFlash drafter: dflash (default, vLLM's DFlashDraftModel "
+                        "layout) or speculators")
     p.add_argument("--shard-size-mb", type=positive_float, help="split weights into shards of at most this size")
     p.add_argument("--dtype", default="bfloat16", help=f"float dtype: {dtypes} (default bfloat16)")
     p.add_argument("--with-embed", action="store_true", help="keep embed_tokens (default: engines share the target's)")

@@ -118,6 +118,41 @@ def test_checkpoint_round_trip(tmp_path):
     assert generate_spec(target, d, prompt, GREEDY_21, eos_ids=[])[0] == ar
 
 
+def test_speculators_layout_round_trips_and_export_converts_both_ways(tmp_path, capsys):
+    """The speculators library's dflash type: the Qwen3 fields nested, canonical aux ids, the mask
+    token and verifier where vLLM's speculators reader takes them; it loads back the same drafter,
+    and `fledge export` converts between the two layouts with the same weights."""
+    from safetensors.torch import load_file
+
+    from fledge.cli import main as cli_main
+    from fledge.drafter.layout import is_dflash
+    hf, target, draft = tiny_dflash(draft_ids=torch.tensor([t for t in range(32) if t % 3]), aux=(1, 2, 4, 6, 7))
+    out = export_dflash(draft, tmp_path / "s", dtype=torch.float32, verifier="some/target", layout="speculators")
+    cj = json.loads((out / "config.json").read_text())
+    assert (cj["speculators_model_type"], cj["architectures"]) == ("dflash", ["DFlashSpeculator"])
+    assert cj["aux_hidden_state_layer_ids"] == [1, 2, 4, 6, 7] and cj["mask_token_id"] == 31
+    assert cj["transformer_layer_config"]["model_type"] == "qwen3" and cj["block_size"] == 6
+    assert cj["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert cj["speculators_config"]["verifier"]["name_or_path"] == "some/target" and is_dflash(out)
+    back = load_dflash(out, embed_from=hf)
+    assert back.cfg == draft.cfg.replace(extra={"verifier": {"name_or_path": "some/target"}})
+    for k, v in draft.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    native = export_dflash(draft, tmp_path / "n", dtype=torch.float32, verifier="some/target")
+    assert cli_main(["export", str(out), str(tmp_path / "n2"), "--dtype", "float32"]) == 0  # speculators -> dflash
+    assert json.loads((tmp_path / "n2" / "config.json").read_text()) == json.loads((native / "config.json").read_text())
+    same = load_file(native / "model.safetensors"), load_file(tmp_path / "n2" / "model.safetensors")
+    assert same[0].keys() == same[1].keys() and all(torch.equal(same[0][k], same[1][k]) for k in same[0])
+    assert cli_main(["export", str(native), str(tmp_path / "s2"), "--layout", "speculators", "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "s2" / "config.json").read_text()) == cj
+    capsys.readouterr()
+    for args, says in [(["--layout", "eagle3"], "is a DFlash drafter"), (["--with-embed"], "without embeddings")]:
+        assert cli_main(["export", str(native), str(tmp_path / "x"), *args]) == 2
+        assert says in capsys.readouterr().err and not (tmp_path / "x").exists()
+    with pytest.raises(FledgeError, match="--verifier"):
+        export_dflash(tiny_dflash()[2], tmp_path / "v", layout="speculators")
+
+
 def test_bad_shapes_are_one_fledge_error(tmp_path):
     hf, target, draft = tiny_dflash(block=4)
     with pytest.raises(FledgeError, match="chain of 1..3"):

@@ -1,7 +1,8 @@
 """A DFlash drafter exported by fledge, served by real vLLM (CPU build) beside SmolLM2 (a Llama
 target), unchanged: greedy output equals plain vLLM's, and vLLM accepts the same drafts at every
 position as fledge's engine does on the same prompts (fp32, a chain of 3, no EOS). The drafter
-reads five target layers (EAGLE-3 reads three; vLLM captures what `target_layer_ids` names).
+reads five target layers (EAGLE-3 reads three; vLLM captures what `target_layer_ids` names), and
+is served in both export layouts: vLLM's DFlashDraftModel one and the speculators library's.
 
 The drafter is random but its head covers only the target's four most frequent output tokens:
 its drafts are accepted now and then, and which of the four it picks depends on every weight
@@ -58,12 +59,14 @@ def frequent_token_drafter(hf, tokens: list[int]) -> DFlashDraft:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_serves_dflash_as_fledge_drafts(vllm_jobs, vllm_greedy, tmp_path):
+@pytest.mark.parametrize("layout", ["dflash", "speculators"])
+def test_vllm_serves_dflash_as_fledge_drafts(vllm_jobs, vllm_greedy, tmp_path, layout):
     target_dir = resolve_target("smollm2-135m")
     base = vllm_greedy(PROMPTS, MAX_TOKENS)
     frequent = [t for t, _ in Counter(t for ids in base["outputs"] for t in ids).most_common(4)]
     target = load_target(str(target_dir))
-    out = export_dflash(frequent_token_drafter(target.model, frequent), tmp_path / "dflash", dtype=torch.float32)
+    out = export_dflash(frequent_token_drafter(target.model, frequent), tmp_path / "dflash", dtype=torch.float32,
+                        verifier=str(target_dir), layout=layout)
 
     engine = build_engine_target(target.model, torch.float32, "cpu")
     drafter = load_block_drafter(str(out), Shape(K, 1, K + 1), target.model, engine, "cpu", torch.float32)

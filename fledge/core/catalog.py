@@ -58,8 +58,10 @@ DATASETS = {
 # (e.g. `sharegpt-heldout`; regen keeps `source`).
 HELDOUT_SUFFIX = "-heldout"
 
-# Checkpoint layouts `fledge export` writes: SGLang/vLLM's eagle3, and vLLM's speculators.
+# Checkpoint layouts `fledge export` writes: SGLang/vLLM's eagle3, and vLLM's speculators; a
+# DFlash drafter: vLLM's DFlashDraftModel layout (dflash) or the speculators library's dflash type.
 LAYOUTS = ("eagle3", "speculators")
+DFLASH_LAYOUTS = ("dflash", "speculators")
 
 # Float dtypes by their torch names, and short names for them; the short names are what a
 # feature directory stores (`fledge features --dtype`).

@@ -7,6 +7,11 @@ top level. The weights: `DFlashDraft.state_dict()` less `embed_tokens` (vLLM sha
 target's), `t2d` (vLLM skips it), and `d2t` when the draft vocabulary is the whole vocabulary
 (vLLM then registers no parameter for it and refuses the key). What no vLLM field holds (the
 target's layer count, the verifier) goes in a `fledge` block that vLLM ignores.
+
+The `speculators` layout (the speculators library's `dflash` type, which vLLM reads too) holds
+the same tensors; its config.json keeps the Qwen3 fields in `transformer_layer_config`, the
+canonical aux ids in `aux_hidden_state_layer_ids`, `mask_token_id` and `block_size` at the top
+level, and the target in `speculators_config.verifier` (`layout.dflash_view` reads both).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
+from fledge.core.catalog import BUILTINS, DFLASH_LAYOUTS
 from fledge.core.conventions import (
     aux_ids_from_dflash,
     aux_ids_to_dflash,
@@ -28,34 +34,55 @@ from fledge.core.conventions import (
 from fledge.core.errors import FledgeError
 from fledge.core.files import atomic_dir, write_file
 from fledge.drafter.dflash import DFlashConfig, DFlashDraft
-from fledge.drafter.layout import DFLASH_ARCH
+from fledge.drafter.layout import DFLASH_ARCH, dflash_view
 
 WEIGHTS = "model.safetensors"
 
 
-def config_json(cfg: DFlashConfig, dtype: torch.dtype, verifier: str | None = None) -> dict:
+def config_json(cfg: DFlashConfig, dtype: torch.dtype, verifier: str | None = None, layout: str = "dflash") -> dict:
+    """The config.json of `cfg` in `layout` (DFLASH_LAYOUTS; the module doc)."""
+    if layout not in DFLASH_LAYOUTS:
+        raise FledgeError(f"layout {layout!r}: a DFlash drafter is written as {' or '.join(DFLASH_LAYOUTS)}")
     ver = verifier or (cfg.extra.get("verifier") or {}).get("name_or_path")
-    return {
-        "architectures": [DFLASH_ARCH], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
-        "block_size": cfg.block_size,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id,
-                          "target_layer_ids": aux_ids_to_dflash(cfg.aux_layer_ids)},
-        "fledge": {"method": "dflash", "target_num_hidden_layers": cfg.target_num_layers,
-                   "verifier": {"name_or_path": ver} if ver else None},
-    }
+    qwen3 = {"model_type": "qwen3", "hidden_size": cfg.hidden_size,
+             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+             "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.rms_norm_eps,
+             "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+             "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
+             "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch.")}
+    sizes = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+             "block_size": cfg.block_size}
+    if layout == "dflash":
+        return {"architectures": [DFLASH_ARCH], **qwen3, **sizes,
+                "dflash_config": {"mask_token_id": cfg.mask_token_id,
+                                  "target_layer_ids": aux_ids_to_dflash(cfg.aux_layer_ids)},
+                "fledge": {"method": "dflash", "target_num_hidden_layers": cfg.target_num_layers,
+                           "verifier": {"name_or_path": ver} if ver else None}}
+    if not ver or ver in BUILTINS:
+        raise FledgeError("the speculators layout names the target model vLLM serves: pass --verifier with the "
+                          "target's HF directory or hub id")
+    return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": "0.3.0",
+            "speculators_config": {
+                "algorithm": "dflash", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": ver, "architectures": []}},
+            "transformer_layer_config": qwen3, **sizes, "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "mask_token_id": cfg.mask_token_id, "torch_dtype": qwen3["torch_dtype"],
+            # every layer attends over the whole block, as in the dflash layout
+            "sliding_window_non_causal": True,
+            "fledge": {"method": "dflash", "target_num_hidden_layers": cfg.target_num_layers}}
 
 
 def config_from_json(cj: dict, where) -> DFlashConfig:
-    """DFlashConfig of a DFlash config.json (FledgeError naming `where` on what fledge cannot serve)."""
-    if DFLASH_ARCH not in (cj.get("architectures") or []):
-        raise FledgeError(f"{where}: architectures {cj.get('architectures')}: not a {DFLASH_ARCH}")
+    """DFlashConfig of a DFlash config.json in either layout (FledgeError naming `where` on what
+    fledge cannot serve)."""
+    view = dflash_view(cj)
+    if view is None:
+        raise FledgeError(f"{where}: architectures {cj.get('architectures')}: not a {DFLASH_ARCH} "
+                          "(nor a speculators dflash config)")
+    cj = view
     dc, fl = cj.get("dflash_config") or {}, cj.get("fledge") or {}
     try:
         theta, scaling = rope_fields(cj)
@@ -83,13 +110,14 @@ def served_tensors(draft: DFlashDraft) -> dict[str, torch.Tensor]:
 
 
 def export_dflash(draft: DFlashDraft, out_dir, dtype=torch.bfloat16, verifier: str | None = None,
-                  overwrite: bool = False) -> Path:
-    """Write `draft` as a vLLM DFlash checkpoint dir, atomically, re-read before it appears."""
+                  overwrite: bool = False, layout: str = "dflash") -> Path:
+    """Write `draft` as a DFlash checkpoint dir in `layout`, atomically, re-read before it appears."""
     tensors = {k: (v.detach().cpu().to(dtype) if v.is_floating_point() else v.detach().cpu().to(torch.int64)).contiguous()
                for k, v in served_tensors(draft).items()}
     out_dir = Path(out_dir)
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        write_file(tmp / "config.json", (json.dumps(config_json(draft.cfg, dtype, verifier), indent=2) + "\n").encode())
+        cj = config_json(draft.cfg, dtype, verifier, layout)
+        write_file(tmp / "config.json", (json.dumps(cj, indent=2) + "\n").encode())
         write_file(tmp / WEIGHTS, st_save(tensors, metadata={"format": "pt"}))
         load_dflash(tmp)  # refuses what it cannot read back
     return out_dir

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fledge.core.catalog import DFLASH_LAYOUTS, LAYOUTS
 from fledge.core.config import DraftConfig
 from fledge.core.devices import parse_dtype
 from fledge.core.errors import FledgeError
@@ -19,6 +20,7 @@ from fledge.drafter.checkpoint import (
     verifier_of,
 )
 from fledge.drafter.eagle3 import Eagle3Draft
+from fledge.drafter.layout import is_dflash
 from fledge.drafter.weights import model_config
 
 
@@ -61,11 +63,37 @@ def _summary(out: Path, layout: str, draft: Eagle3Draft) -> None:
 
 
 def run_export(args) -> int:
+    if is_dflash(args.src):
+        return _export_dflash(args)
+    layout = args.layout or "eagle3"
+    if layout not in LAYOUTS:
+        raise FledgeError(f"--layout {layout}: an EAGLE-3 drafter is written as {' or '.join(LAYOUTS)}")
     draft, _ = _load_src(args)
-    out = export_checkpoint(draft, args.out, layout=args.layout, dtype=parse_dtype(args.dtype),
+    out = export_checkpoint(draft, args.out, layout=layout, dtype=parse_dtype(args.dtype),
                             shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
                             verifier=args.verifier, overwrite=args.overwrite)
-    _summary(out, args.layout, draft)
+    _summary(out, layout, draft)
+    return 0
+
+
+def _export_dflash(args) -> int:
+    """A DFlash drafter in either of its layouts (one weights file; the engines share the
+    target's embeddings, so there is none to keep)."""
+    from fledge.drafter.dflash_checkpoint import export_dflash, load_dflash
+
+    layout = args.layout or "dflash"
+    if layout not in DFLASH_LAYOUTS:
+        raise FledgeError(f"--layout {layout}: {args.src} is a DFlash drafter, written as {' or '.join(DFLASH_LAYOUTS)}")
+    if args.with_embed or args.shard_size_mb:
+        raise FledgeError(f"{args.src}: a DFlash drafter is written as one file without embeddings: drop "
+                          "--with-embed and --shard-size-mb")
+    check_no_overlap(args.out, {"src": args.src})
+    draft = load_dflash(args.src)
+    out = export_dflash(draft, args.out, dtype=parse_dtype(args.dtype), verifier=args.verifier,
+                        overwrite=args.overwrite, layout=layout)
+    c = draft.cfg
+    print(f"wrote {out} ({layout}): DFlash, {c.num_hidden_layers} layers, a block of {c.block_size}, aux ids "
+          f"{list(c.aux_layer_ids)} (canonical), draft vocab {c.draft_vocab_size}/{c.vocab_size}")
     return 0
 
 

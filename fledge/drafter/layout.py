@@ -17,6 +17,7 @@ from pathlib import Path
 from fledge.core.config import DraftConfig
 from fledge.core.conventions import (
     aux_ids_from_sglang,
+    aux_ids_to_dflash,
     rope_fields,
     validate_aux_layer_ids,
 )
@@ -185,12 +186,31 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
     )
 
 
+def dflash_view(cj: dict) -> dict | None:
+    """A DFlash config.json as vLLM's `DFlashDraftModel` layout spells it (None if `cj` is no
+    DFlash drafter): that layout as it is, or the speculators library's `dflash` type mapped the
+    way vLLM's speculators reader maps it (the Qwen3 fields from `transformer_layer_config`,
+    canonical `aux_hidden_state_layer_ids` to DFlash's `target_layer_ids`, the top-level
+    `mask_token_id`, the verifier from `speculators_config`)."""
+    if cj.get("speculators_model_type") != "dflash":
+        return cj if DFLASH_ARCH in (cj.get("architectures") or []) else None
+    ids, fl = cj.get("aux_hidden_state_layer_ids"), dict(cj.get("fledge") or {})
+    ver = ((cj.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if ver:
+        fl.setdefault("verifier", {"name_or_path": ver})
+    return {**(cj.get("transformer_layer_config") or {}), "architectures": [DFLASH_ARCH],
+            "draft_vocab_size": cj.get("draft_vocab_size"), "target_hidden_size": cj.get("target_hidden_size"),
+            "block_size": cj.get("block_size"), "fledge": fl,
+            "dflash_config": {"mask_token_id": cj.get("mask_token_id"),
+                              "target_layer_ids": None if ids is None else aux_ids_to_dflash(ids)}}
+
+
 def is_dflash(path) -> bool:
-    """Whether the checkpoint dir `path` holds a DFlash drafter (by its config.json); torch-free,
-    so doctor and tune tell the methods apart without loading torch."""
+    """Whether the checkpoint dir `path` holds a DFlash drafter, in either layout (by its
+    config.json); torch-free, so doctor and tune tell the methods apart without loading torch."""
     p = Path(path) / "config.json"
     try:
-        return DFLASH_ARCH in (json.loads(p.read_text()).get("architectures") or [])
+        return dflash_view(json.loads(p.read_text())) is not None
     except (OSError, json.JSONDecodeError, AttributeError):
         return False
 
