@@ -151,6 +151,11 @@ def test_speculators_layout_round_trips_and_export_converts_both_ways(tmp_path, 
         assert says in capsys.readouterr().err and not (tmp_path / "x").exists()
     with pytest.raises(FledgeError, match="--verifier"):
         export_dflash(tiny_dflash()[2], tmp_path / "v", layout="speculators")
+    from fledge.doctor.checks import FAIL, PASS
+    from fledge.doctor.doctor import doctor
+    alone = {c.name: c.status for c in doctor(str(out), launch=f"vllm serve {out}")}  # vLLM reads the config
+    assert FAIL not in alone.values() and alone["launch.algorithm"] == PASS, alone
+    assert {c.name: c.status for c in doctor(str(native), launch=f"vllm serve {native}")}["launch.algorithm"] == FAIL
 
 
 def test_bad_shapes_are_one_fledge_error(tmp_path):

@@ -26,7 +26,8 @@ def dflash_checks(drafter, target: str | None = None, launch: str | None = None)
     if target is not None:
         out.append(target_check(c, target))
     if launch is not None:
-        out.append(launch_check(c, launch))
+        cj = json.loads((Path(drafter) / "config.json").read_text())
+        out.append(launch_check(c, launch, drafter if cj.get("speculators_model_type") == "dflash" else None))
     return out
 
 
@@ -43,7 +44,9 @@ def target_check(c, target: str) -> Check:
     return ok("dflash.target", f"fits {target}: hidden {want[0]}, vocab {want[1]}, {want[2]} layers")
 
 
-def launch_check(c, launch: str) -> Check:
+def launch_check(c, launch: str, speculators_dir=None) -> Check:
+    """The vLLM line serving a drafter of config `c`; `speculators_dir`: the drafter's directory
+    when it is in the speculators layout, which `vllm serve DIR` serves alone."""
     lc = parse_launch(launch)
     example = '--speculative-config \'{"method": "dflash", "model": "DRAFTER", "num_speculative_tokens": K}\''
     if isinstance(lc, str) or lc.engine != "vllm":
@@ -53,6 +56,10 @@ def launch_check(c, launch: str) -> Check:
         sc = json.loads(lc.options.get("speculative-config") or "{}")
     except json.JSONDecodeError as e:
         return fail("launch.spec_config", f"--speculative-config is not JSON ({e.msg})", example)
+    if speculators_dir is not None and lc.model and Path(lc.model).resolve() == Path(speculators_dir).resolve():
+        # vLLM's speculators reader: the verifier is served, this directory drafts, method dflash
+        # and the trained depth unless the line sets one
+        sc = {"num_speculative_tokens": c.block_size - 1, **sc, "method": "dflash"}
     if sc.get("method") != "dflash":
         return fail("launch.algorithm", f"method {sc.get('method') or '(absent)'}: a DFlash drafter needs "
                                         '"method": "dflash"', example)
