@@ -110,16 +110,21 @@ def eval_curve(run_dir: Path) -> list[dict]:
 def train_commands(args, w: Path) -> dict[str, list]:
     """The `fledge train` command of each run, by method (eagle3 last), each in WORKDIR/train_M."""
     common = ["--data", w / "tok" / "train.tok.jsonl", "--eval-data", w / "tok" / "heldout.eval.jsonl",
-              "--vocab", w / "vocab.safetensors", "--target", args.target, "--batch-size", args.batch_size,
-              "--lr", args.lr, "--max-len", args.max_len, "--log-every", 5]
+              "--target", args.target, "--batch-size", args.batch_size, "--lr", args.lr, "--max-len", args.max_len,
+              "--log-every", 5]
+    vocab = ["--vocab", w / "vocab.safetensors"]
     budget = ["--max-steps", args.quick_steps] if args.quick else ["--time-budget", args.train_seconds]
     aux = ["--aux-layers", ",".join(map(str, args.aux_layers))] if args.aux_layers else []
     flags = {"dflash": ["--ttt-steps", args.ttt_steps, "--draft-layers", args.draft_layers,
                         "--blocks-per-sample", args.blocks_per_sample, *aux],
              "peagle": ["--ttt-steps", args.peagle_ttt_steps]}
-    runs = {m: ["--method", m, *flags[m], "--head", "target", *budget] for m in args.methods}
+    # a fresh drafter's head is the target's rows of the built vocabulary; a warm start keeps its own
+    start = {m: [*vocab, "--head", "target"] for m in args.methods}
+    if args.peagle_init and "peagle" in start:
+        start["peagle"] = ["--init", args.peagle_init]
+    runs = {m: ["--method", m, *flags[m], *start[m], *budget] for m in args.methods}
     if args.eagle_steps:
-        runs["eagle3"] = ["--ttt-steps", 7, "--max-steps", args.eagle_steps]
+        runs["eagle3"] = [*vocab, "--ttt-steps", 7, "--max-steps", args.eagle_steps]
     return {m: fledge("train", *common, "--out", w / f"train_{m}", *flags, "--eval-every", args.eval_every,
                       "--save-every", 10 ** 6) for m, flags in runs.items()}
 
@@ -303,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--aux-layers", type=lambda t: [int(i) for i in t.split(",")],
                    help="dflash: the target layers the drafter reads, canonical ids (default train's: EAGLE-3's three)")
+    p.add_argument("--peagle-init", help="peagle: start from this EAGLE-3 drafter (e.g. drafters/smollm2-135m), "
+                                         "its vocabulary kept: training adds and teaches the mask slots")
     p.add_argument("--eval-every", type=int, default=10 ** 6,
                    help="training steps between held-out evals in metrics.jsonl (default: only the final one)")
     p.add_argument("--device")
@@ -345,6 +352,7 @@ def main(argv=None) -> int:
               "answers": [shown(a, w) for a in args.answers],
               "settings": {k: getattr(args, k) for k in FULL} | {
                   "lr": args.lr, "aux_layers": args.aux_layers, "eval_every": args.eval_every,
+                  "peagle_init": args.peagle_init and shown(args.peagle_init, w),
                   "train_seconds": args.train_seconds, "eagle_steps": args.eagle_steps,
                   "methods": args.methods, "block_steps": args.block_steps, "peagle_steps": args.peagle_steps,
                   "quick": args.quick},

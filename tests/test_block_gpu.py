@@ -42,3 +42,12 @@ def test_train_commands_carry_the_drafter_flags_to_their_method_only():
     default = block_gpu.parse_args(["--answers", "a.jsonl"])
     cmd = [str(a) for a in block_gpu.train_commands(default, Path("w"))["dflash"]]
     assert "--aux-layers" not in cmd and cmd[cmd.index("--eval-every") + 1] == str(10 ** 6)
+
+
+def test_peagle_warm_start_keeps_the_drafters_vocabulary():
+    args = block_gpu.parse_args(["--answers", "a.jsonl", "--methods", "dflash,peagle", "--peagle-init", "drafters/x"])
+    cmds = {m: [str(a) for a in c] for m, c in block_gpu.train_commands(args, Path("w")).items()}
+    peagle, dflash = cmds["peagle"], cmds["dflash"]
+    assert peagle[peagle.index("--init") + 1] == "drafters/x" and "--vocab" not in peagle and "--head" not in peagle
+    assert dflash[dflash.index("--head") + 1] == "target"
+    assert "--init" not in dflash and dflash[dflash.index("--vocab") + 1] == str(Path("w") / "vocab.safetensors")
