@@ -77,8 +77,7 @@ def config_json(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: str
     ids, n = list(cfg.aux_layer_ids), cfg.target_num_layers
     common = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
               "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids,
-              **{k: True for k, on in (("fc_norm", cfg.fc_norm), ("norm_output", cfg.norm_output)) if on},
-              }
+              **{k: True for k, on in (("fc_norm", cfg.fc_norm), ("norm_output", cfg.norm_output)) if on}}
     if layout == "eagle3":
         return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **common,
                 **({"ptd_token_id": cfg.ptd_token_id} if cfg.parallel else {}),

@@ -123,7 +123,8 @@ def draft_facts(cj: dict) -> DraftFacts:
         target_layers=fledge.get("target_num_hidden_layers"),
         norm_before_residual=bool(cj.get("norm_before_residual", spec and not peagle)),
         fc_norm=bool(cj.get("fc_norm", False)), norm_output=bool(cj.get("norm_output", False)),
-        ptd_token_id=cj.get("mask_token_id" if peagle else "ptd_token_id"), verifier=(sc.get("verifier") or {}).get("name_or_path"),
+        ptd_token_id=cj.get("mask_token_id" if peagle else "ptd_token_id"),
+        verifier=(sc.get("verifier") or {}).get("name_or_path"),
         speculative_tokens=(method if spec else fledge).get("speculative_tokens"))
 
 
