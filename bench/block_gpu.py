@@ -117,7 +117,8 @@ def train_commands(args, w: Path) -> dict[str, list]:
     aux = ["--aux-layers", ",".join(map(str, args.aux_layers))] if args.aux_layers else []
     flags = {"dflash": ["--ttt-steps", args.ttt_steps, "--draft-layers", args.draft_layers,
                         "--blocks-per-sample", args.blocks_per_sample, *aux],
-             "peagle": ["--ttt-steps", args.peagle_ttt_steps]}
+             "peagle": ["--ttt-steps", args.peagle_ttt_steps,
+                        *(["--draft-layers", args.peagle_layers] if args.peagle_layers else [])]}
     # a fresh drafter's head is the target's rows of the built vocabulary; a warm start keeps its own
     start = {m: [*vocab, "--head", "target"] for m in args.methods}
     if args.peagle_init and "peagle" in start:
@@ -310,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dflash: the target layers the drafter reads, canonical ids (default train's: EAGLE-3's three)")
     p.add_argument("--peagle-init", help="peagle: start from this EAGLE-3 drafter (e.g. drafters/smollm2-135m), "
                                          "its vocabulary kept: training adds and teaches the mask slots")
+    p.add_argument("--peagle-layers", type=int, help="peagle: draft layers (default: 1, or --peagle-init's; more "
+                                                     "grow the warm start, the new layers adding nothing at first)")
     p.add_argument("--eval-every", type=int, default=10 ** 6,
                    help="training steps between held-out evals in metrics.jsonl (default: only the final one)")
     p.add_argument("--device")
@@ -353,6 +356,7 @@ def main(argv=None) -> int:
               "settings": {k: getattr(args, k) for k in FULL} | {
                   "lr": args.lr, "aux_layers": args.aux_layers, "eval_every": args.eval_every,
                   "peagle_init": args.peagle_init and shown(args.peagle_init, w),
+                  "peagle_layers": args.peagle_layers,
                   "train_seconds": args.train_seconds, "eagle_steps": args.eagle_steps,
                   "methods": args.methods, "block_steps": args.block_steps, "peagle_steps": args.peagle_steps,
                   "quick": args.quick},

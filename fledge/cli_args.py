@@ -261,7 +261,8 @@ def add_train(sub) -> None:
     p.add_argument("--method", choices=METHODS, help=train_help("method", "the drafter kind: EAGLE-3; P-EAGLE (EAGLE-3 "
                                                                   "drafting a chain of --ttt-steps in one forward); or "
                                                                   "a DFlash block drafter (--ttt-steps masks a block)"))
-    p.add_argument("--draft-layers", type=int, help=train_help("draft_layers", "dflash: draft decoder layers"))
+    p.add_argument("--draft-layers", type=int, help="draft decoder layers (default: dflash 2; eagle3 and peagle 1, or "
+                                                    "--init's, which grows to more: Eagle3Draft.add_layers)")
     p.add_argument("--blocks-per-sample", type=int, help=train_help("blocks_per_sample", "dflash: blocks (anchors) "
                                                                     "drawn per sample and step"))
     p.add_argument("--mask-token-id", type=int, help="dflash, peagle: the target token whose embedding marks a slot to fill "

@@ -32,10 +32,10 @@ from fledge.drafter.layout import checkpoint_keys
 N_DRAFT = 100
 
 
-def tiny_draft(family="llama", seed=0, eagle31=False):
+def tiny_draft(family="llama", seed=0, eagle31=False, layers=1):
     target = make_tiny(family, seed=seed)
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=N_DRAFT).replace(fc_norm=eagle31,
-                                                                                   norm_output=eagle31)
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=N_DRAFT).replace(
+        fc_norm=eagle31, norm_output=eagle31, num_hidden_layers=layers)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(cfg.vocab_size, generator=g)[:N_DRAFT].sort().values
     draft = Eagle3Draft.from_target(cfg, target, ids)
@@ -69,16 +69,17 @@ def assert_same_weights(draft: Eagle3Draft, loaded: Eagle3Draft, with_embed=Fals
 
 
 # --------------------------------------------------------------------------- good paths
-@pytest.mark.parametrize("family,draft_vocab,intermediate,head_dim,fc_norm",
-                         [("llama", N_DRAFT, None, None, False), ("llama", N_DRAFT, None, None, True),
-                          ("qwen3", None, 40, 32, False), ("gemma3", 7, None, 8, False)])
-def test_checkpoint_keys_are_the_drafts_state_dict(family, draft_vocab, intermediate, head_dim, fc_norm):
+@pytest.mark.parametrize("family,draft_vocab,intermediate,head_dim,fc_norm,layers",
+                         [("llama", N_DRAFT, None, None, False, 1), ("llama", N_DRAFT, None, None, True, 1),
+                          ("qwen3", None, 40, 32, False, 1), ("gemma3", 7, None, 8, False, 1),
+                          ("qwen3", N_DRAFT, None, 32, False, 3)])
+def test_checkpoint_keys_are_the_drafts_state_dict(family, draft_vocab, intermediate, head_dim, fc_norm, layers):
     """fledge.drafter.layout lists the served tensors without torch; Eagle3Draft's state dict is what
     export writes, so the two must agree in names, order and shapes (a full vocab drops d2t;
-    EAGLE-3.1's fc_norm adds its three norms)."""
+    EAGLE-3.1's fc_norm adds its three norms; layers after the first are `layers.{i}.*`, H wide)."""
     tcfg = make_tiny(family, **({"head_dim": head_dim} if head_dim else {})).config
     cfg = DraftConfig.from_target(tcfg, draft_vocab_size=draft_vocab, intermediate_size=intermediate).replace(
-        fc_norm=fc_norm)
+        fc_norm=fc_norm, num_hidden_layers=layers)
     assert head_dim is None or cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size
     with torch.device("meta"):
         sd = Eagle3Draft(cfg).state_dict()
@@ -90,6 +91,7 @@ def test_checkpoint_keys_are_the_drafts_state_dict(family, draft_vocab, intermed
     assert {k for k, (_, required) in keys.items() if not required} == {"embed_tokens.weight", "t2d"}
     assert ("d2t" in keys) == (cfg.draft_vocab_size != cfg.vocab_size)
     assert sum(k.startswith("fc_norm.") for k in keys) == 3 * fc_norm
+    assert {k.split(".")[1] for k in keys if k.startswith("layers.")} == {str(i) for i in range(1, layers)}
 
 
 def test_eagle3_layout_fields(tmp_path):
@@ -109,15 +111,16 @@ def test_eagle3_layout_fields(tmp_path):
     assert t["fc.weight"].dtype == torch.bfloat16 and validate_checkpoint(out) == []
 
 
-@pytest.mark.parametrize("family,eagle31", [("llama", False), ("qwen3", False), ("llama", True)])
+@pytest.mark.parametrize("family,eagle31,layers", [("llama", False, 1), ("qwen3", False, 1), ("llama", True, 1),
+                                                   ("llama", False, 2)])
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
-def test_round_trip_exact(tmp_path, family, eagle31, layout):
-    draft, _ = tiny_draft(family, eagle31=eagle31)
+def test_round_trip_exact(tmp_path, family, eagle31, layout, layers):
+    draft, _ = tiny_draft(family, eagle31=eagle31, layers=layers)
     a = export_checkpoint(draft, tmp_path / "a", layout=layout, dtype=torch.float32, verifier="org/tiny")
     loaded = load_checkpoint(a)
     assert_same_weights(draft, loaded)
     assert loaded.cfg.aux_layer_ids == draft.cfg.aux_layer_ids
-    assert (loaded.cfg.fc_norm, loaded.cfg.norm_output) == (eagle31, eagle31)
+    assert (loaded.cfg.fc_norm, loaded.cfg.norm_output, loaded.cfg.num_hidden_layers) == (eagle31, eagle31, layers)
     cj = json.loads((a / "config.json").read_text())
     assert [k for k in ("fc_norm", "norm_output") if cj.get(k) is True] == ["fc_norm", "norm_output"] * eagle31
     b = export_checkpoint(loaded, tmp_path / "b", layout=layout, dtype=torch.float32)
@@ -356,7 +359,7 @@ BAD = {
     "aux_range": (edit_config(_both_ids([2, 4, 9])), r"config\.json: aux layer ids \[2, 4, 9\] out of range"),
     "aux_disagree": (edit_config(lambda cj: _set(cj, "eagle_aux_hidden_state_layer_ids", [3, 4, 5])),
                      r"config\.json: aux ids disagree"),
-    "two_layers": (edit_config(lambda cj: _set(cj, "num_hidden_layers", 2)), r"config\.json: .*one layer"),
+    "two_layers": (edit_config(lambda cj: _set(cj, "num_hidden_layers", 2)), r"missing tensor layers\.1\."),
     "unknown_target_layers": (edit_config(lambda cj: cj["fledge"].pop("target_num_hidden_layers")),
                             r"config\.json: .*--target-layers"),
     "duplicate_key": (lambda d: save_file({"fc.weight": torch.zeros(64, 192)}, d / "extra.safetensors"),

@@ -32,9 +32,9 @@ def target(tmp_path_factory):
     return model, path
 
 
-def _draft(model, seed=0, trained=True, eagle31=False):
-    cfg = DraftConfig.from_target(model.config, draft_vocab_size=DRAFT_VOCAB).replace(fc_norm=eagle31,
-                                                                                      norm_output=eagle31)
+def _draft(model, seed=0, trained=True, eagle31=False, layers=1):
+    cfg = DraftConfig.from_target(model.config, draft_vocab_size=DRAFT_VOCAB).replace(
+        fc_norm=eagle31, norm_output=eagle31, num_hidden_layers=layers)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(cfg.vocab_size, generator=g)[:DRAFT_VOCAB].sort().values
     d = Eagle3Draft.from_target(cfg, model, ids)
@@ -47,8 +47,8 @@ def _draft(model, seed=0, trained=True, eagle31=False):
 
 def _export(model, out, **kw):
     kw = {"dtype": torch.float32, **kw}
-    return export_checkpoint(_draft(model, kw.pop("seed", 0), kw.pop("trained", True), kw.pop("eagle31", False)),
-                             out, **kw)
+    return export_checkpoint(_draft(model, kw.pop("seed", 0), kw.pop("trained", True), kw.pop("eagle31", False),
+                                    kw.pop("layers", 1)), out, **kw)
 
 
 def _statuses(results):
@@ -112,6 +112,23 @@ def test_eagle31_export_passes_and_says_what_it_needs(target, tmp_path):
     _edit_tensors(bare, lambda sd: sd.pop("fc_norm.1.weight"))
     keys = next(c for c in doctor.doctor(bare, str(tpath)) if c.name == "keys")
     assert keys.status == FAIL and "fc_norm.1.weight" in keys.why
+
+
+def test_multi_layer_drafter_passes_for_vllm_and_warns_of_sglang(target, tmp_path):
+    """A drafter of three layers: every file check passes in both layouts (layers.1.* and layers.2.*
+    are served names, H wide); the eagle3 layout, which claims SGLang too, WARNs that SGLang
+    would drop those layers' weights; a missing one FAILs keys."""
+    model, tpath = target
+    for layout in ("eagle3", "speculators"):
+        results = doctor.doctor(_export(model, tmp_path / layout, layout=layout, layers=3, verifier=str(tpath)),
+                                str(tpath))
+        bad = {c.name: c.status for c in results if c.status != PASS}
+        assert bad == ({"architecture": WARN} if layout == "eagle3" else {}), bad
+    arch = next(c for c in doctor.doctor(tmp_path / "eagle3", str(tpath)) if c.name == "architecture")
+    assert "num_hidden_layers=3" in arch.why and "SGLang" in arch.why
+    _edit_tensors(tmp_path / "eagle3", lambda sd: sd.pop("layers.2.mlp.up_proj.weight"))
+    keys = next(c for c in doctor.doctor(tmp_path / "eagle3", str(tpath)) if c.name == "keys")
+    assert keys.status == FAIL and "layers.2.mlp.up_proj.weight" in keys.why
 
 
 def test_untrained_drafter_is_flagged_without_a_probe(target, tmp_path):

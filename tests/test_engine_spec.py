@@ -128,25 +128,28 @@ def test_stats_follow_sglang_definitions():
 
 
 # --------------------------------------------------------------------------- on tiny targets
-def tiny_setup(family, vocab=24, seed=0, draft_ids=None, eagle31=False, **overrides):
+def tiny_setup(family, vocab=24, seed=0, draft_ids=None, eagle31=False, draft_layers=1, **overrides):
     """A tiny target and a random drafter nudged to imitate it (fc passes the highest aux state
     through, the head is the target's), so drafts are often accepted and the accept/compact/
     re-feed paths run with multi-token rounds; its attention still matters (the 0.3 scale).
     `draft_ids`: ascending target ids of a draft vocabulary (default: the whole vocab).
     `eagle31`: the drafter has EAGLE-3.1's fc_norm (the passed state's weights random) and
-    norm_output."""
+    norm_output. `draft_layers`: its num_hidden_layers (the later ones random, scaled as the first)."""
     hf = make_tiny(family, seed=seed, vocab_size=vocab, **overrides)
     target = build_engine_target(hf, torch.float32, "cpu")
     torch.manual_seed(seed + 1)
     cfg = DraftConfig.from_target(hf.config, None if draft_ids is None else len(draft_ids)).replace(
-        fc_norm=eagle31, norm_output=eagle31)
+        fc_norm=eagle31, norm_output=eagle31, num_hidden_layers=draft_layers)
     draft = Eagle3Draft.from_target(cfg, hf, draft_ids).eval()
     H = draft.cfg.hidden_size
     with torch.no_grad():
         draft.fc.weight.zero_()[:, 2 * H:] = torch.eye(H)
         if eagle31:
             draft.fc_norm[2].weight.uniform_(0.5, 1.5)
-        draft.midlayer.self_attn.o_proj.weight.mul_(0.3)
+        for layer in draft.stack():
+            layer.self_attn.o_proj.weight.mul_(0.3)
+            if layer is not draft.midlayer:
+                layer.mlp.down_proj.weight.mul_(0.3)
         draft.lm_head.weight.copy_(hf.lm_head.weight if draft_ids is None else hf.lm_head.weight[draft_ids])
         draft.norm.weight.copy_(hf.model.norm.weight)
     return hf, target, draft
@@ -328,13 +331,13 @@ def test_hf_target_family_spec_equals_ar():
     assert isinstance(target, HFTarget)
 
 
-@pytest.mark.parametrize("eagle31", [False, True])
-def test_eagle_draft_cache_matches_recompute(eagle31):
+@pytest.mark.parametrize("eagle31,layers", [(False, 1), (True, 1), (False, 2)])
+def test_eagle_draft_cache_matches_recompute(eagle31, layers):
     """Every chain the drafter proposes equals a from-scratch draft run over the whole context
     with HF's hidden states: the static draft cache, after re-feeding accepted tokens, holds
     exactly what a fresh prefill would (and, with EAGLE-3.1's norm_output, the state it keeps
-    for the next step is the normed one)."""
-    hf, target, draft = tiny_setup("llama", vocab=12, seed=4, eagle31=eagle31)
+    for the next step is the normed one; with a second layer, its own cache too)."""
+    hf, target, draft = tiny_setup("llama", vocab=12, seed=4, eagle31=eagle31, draft_layers=layers)
     drafter = Eagle3Drafter(draft, Shape(3, 1, 4), target)
     rounds, propose = [], drafter.propose
 
@@ -364,9 +367,9 @@ def test_eagle_draft_cache_matches_recompute(eagle31):
                 want.append(to_target[draft.logits(h)[0, -1].argmax()].item())
                 if i == 2:
                     break
-                ones = torch.ones(1, 1, 1, kv[0].shape[2] + 1, dtype=torch.bool)
+                ones = torch.ones(1, 1, 1, kv[0][0].shape[2] + 1, dtype=torch.bool)
                 h, step_kv = draft(torch.tensor([[want[-1]]]), h, torch.tensor([[L + i]]), ones, kv)
-                kv = (torch.cat([kv[0], step_kv[0]], 2), torch.cat([kv[1], step_kv[1]], 2))
+                kv = [(torch.cat([k, sk], 2), torch.cat([v, sv], 2)) for (k, v), (sk, sv) in zip(kv, step_kv)]
             assert proposed == want
 
 
@@ -461,19 +464,24 @@ def test_bad_input_is_one_fledge_error():
         OracleDrafter(Shape(2, 2, 5), [[1]])
 
 
-def test_exported_drafter_through_load_drafter(tmp_path):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_exported_drafter_through_load_drafter(tmp_path, layers):
     """The path `fledge generate --drafter DIR` takes: export, load with the target's
-    embeddings, draft a tree; output still equals AR."""
+    embeddings, draft a tree; output still equals AR, and the loaded drafter drafts what the
+    exported one did (a two-layer drafter's second layer included)."""
     from fledge.drafter.checkpoint import export_checkpoint
     from fledge.engine.drafters import load_drafter
 
-    hf, target, draft = tiny_setup("llama", vocab=12, seed=4)
+    hf, target, draft = tiny_setup("llama", vocab=12, seed=4, draft_layers=layers)
     export_checkpoint(draft, tmp_path / "d", dtype=torch.float32)
     drafter = load_drafter(str(tmp_path / "d"), Shape(3, 2, 6), hf, target, torch.device("cpu"), torch.float32)
+    assert drafter.draft.cfg.num_hidden_layers == layers == len(drafter.draft.stack())
     prompt = torch.randint(0, 12, (7,), generator=torch.Generator().manual_seed(5)).tolist()
     ar = generate_ar(target, [prompt], GREEDY, eos_ids=[])[0][0]
     out, stats = generate_spec(target, drafter, prompt, GREEDY, eos_ids=[])
     assert out == ar and sum(stats.accepted) > 0
+    _, direct = generate_spec(target, Eagle3Drafter(draft, Shape(3, 2, 6), target), prompt, GREEDY, eos_ids=[])
+    assert direct.accepted == stats.accepted
 
 
 def test_cli_flag_errors_are_one_line(capsys):

@@ -28,19 +28,22 @@ from fledge.train.ttt import TTT
 VOCAB, MASK = 16, 15  # a small vocabulary: random mask slots are right often enough to test
 
 
-def parallel_setup(seed=0):
-    """tiny_setup's target and imitating drafter, with mask slots whose hidden is random."""
-    hf, target, draft = tiny_setup("llama", vocab=VOCAB, seed=seed, initializer_range=0.15)
+def parallel_setup(seed=0, layers=1):
+    """tiny_setup's target and imitating drafter (of `layers` layers), with mask slots whose
+    hidden is random."""
+    hf, target, draft = tiny_setup("llama", vocab=VOCAB, seed=seed, initializer_range=0.15, draft_layers=layers)
     draft.add_mask_slots(MASK)
     with torch.no_grad():
         draft.mask_hidden.normal_(0, 1)
     return hf, target, draft.eval()
 
 
-def test_parallel_chain_equals_ar_and_training_replays_it():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_parallel_chain_equals_ar_and_training_replays_it(layers):
     """Chains of 1..5 drafted in one forward write AR's tokens; on that text, TTT's unroll with
-    mask slots (training) hits exactly where the engine's rounds accepted."""
-    hf, target, d = parallel_setup()
+    mask slots (training) hits exactly where the engine's rounds accepted; for a two-layer
+    drafter (the published P-EAGLE drafters are deeper) as for one."""
+    hf, target, d = parallel_setup(layers=layers)
     head, feats = TargetHead.from_model(hf, d.target_ids(), "cpu"), feature_model(hf)
     params = SamplingParams(temperature=0.0, max_new_tokens=40)
     lengths = set()
@@ -136,6 +139,20 @@ def test_train_method_peagle_trains_mask_slots_and_exports(tmp_path):
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     ar = generate_ar(engine, [prompt], params, eos_ids=[])[0][0]
     assert generate_spec(engine, ParallelDrafter(d, Shape(3, 1, 4), engine), prompt, params, eos_ids=[])[0] == ar
+    # --draft-layers grows the warm start (Eagle3Draft.add_layers): a run that barely moves it
+    # evaluates as the one-layer start does, and exports the deeper drafter, which drafts exactly
+    same = train(config(tmp_path, out="same", method="peagle", init=again["draft"], max_steps=1, lr=1e-12,
+                        ttt_steps=3, eval_samples=8), target)
+    deep = train(config(tmp_path, out="deep", method="peagle", init=again["draft"], draft_layers=3, max_steps=1,
+                        lr=1e-12, ttt_steps=3, eval_samples=8), target)
+    assert deep["eval"]["objective"] == pytest.approx(same["eval"]["objective"], rel=1e-4)
+    assert json.loads((tmp_path / "deep" / "draft" / "config.json").read_text())["num_hidden_layers"] == 3
+    d3 = load_checkpoint(deep["draft"], embed_from=hf).eval()
+    assert len(d3.stack()) == 3
+    assert generate_spec(engine, ParallelDrafter(d3, Shape(3, 1, 4), engine), prompt, params, eos_ids=[])[0] == ar
+    with pytest.raises(FledgeError, match="--init .*3 layers.*removed to 2"):
+        train(config(tmp_path, out="shallow", method="peagle", init=deep["draft"], draft_layers=2, max_steps=1,
+                     ttt_steps=3), target)
 
 
 def test_doctor_wants_parallel_drafting_on_the_launch_line_of_a_peagle_drafter(tmp_path):

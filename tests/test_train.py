@@ -83,9 +83,9 @@ def curve(out) -> list[float]:
     return [r["objective"] for r in rows if r["kind"] == "train"]
 
 
-def random_draft(target, draft_vocab=None, seed=1, eagle31=False):
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab).replace(fc_norm=eagle31,
-                                                                                        norm_output=eagle31)
+def random_draft(target, draft_vocab=None, seed=1, eagle31=False, layers=1):
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab).replace(
+        fc_norm=eagle31, norm_output=eagle31, num_hidden_layers=layers)
     torch.manual_seed(seed)
     ids = torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values
     d = Eagle3Draft.from_target(cfg, target, ids)
@@ -96,15 +96,16 @@ def random_draft(target, draft_vocab=None, seed=1, eagle31=False):
 
 
 # --------------------------------------------------------------------------- TTT = inference
-@pytest.mark.parametrize("eagle31", [False, True])
-def test_unrolled_ttt_matches_inference_loop(eagle31):
+@pytest.mark.parametrize("eagle31,layers", [(False, 1), (True, 1), (False, 3)])
+def test_unrolled_ttt_matches_inference_loop(eagle31, layers):
     """For every context row t and depth j, the training forward's step-j logits at row t equal
     a draft run the inference way: context rows 0..t in one causal pass, then one token per
     depth against an explicit KV list, at position t+j, reading token x_{t+1+j}. The loss pairs
     step j / row t with the target's distribution at t+1+j and loss_mask[t+2+j]. Also for
-    EAGLE-3.1's layer, whose later steps read the normed state."""
+    EAGLE-3.1's layer, whose later steps read the normed state, and for a drafter of three
+    layers, each keeping its own keys."""
     target = make_tiny("llama")
-    d = random_draft(target, draft_vocab=120, eagle31=eagle31)
+    d = random_draft(target, draft_vocab=120, eagle31=eagle31, layers=layers)
     b, t_len, steps = 2, 11, 4
     ids = torch.randint(0, V, (b, t_len))
     aux = torch.randn(b, t_len, 3 * d.cfg.hidden_size)
@@ -118,9 +119,9 @@ def test_unrolled_ttt_matches_inference_loop(eagle31):
                 h = out[:, t:t + 1]
                 torch.testing.assert_close(d.logits(h)[0, 0], train_logits[0][r, t], atol=1e-4, rtol=1e-4)
                 for j in range(1, min(steps, t_len - 1 - t)):
-                    see_all = torch.ones(1, 1, 1, past[0].shape[2] + 1, dtype=torch.bool)
+                    see_all = torch.ones(1, 1, 1, past[0][0].shape[2] + 1, dtype=torch.bool)
                     h, kv = d(ids[r:r + 1, t + 1 + j:t + 2 + j], h, torch.tensor([[t + j]]), see_all, past)
-                    past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+                    past = [(torch.cat([pk, k], 2), torch.cat([pv, v], 2)) for (pk, pv), (k, v) in zip(past, kv)]
                     torch.testing.assert_close(d.logits(h)[0, 0], train_logits[j][r, t], atol=1e-4, rtol=1e-4)
                     checked += 1
         assert checked > 20
@@ -390,19 +391,44 @@ def test_wider_draft_mlp_trains_exports_and_drafts(tmp_path):
 
 
 def test_widened_mlp_computes_what_it_did():
-    """Eagle3Draft.widen_mlp: same outputs in fp32, the new units live (they train), width recorded."""
-    draft = random_draft(make_tiny("llama"))
+    """Eagle3Draft.widen_mlp on a two-layer drafter: same outputs in fp32, every layer's new
+    units live (they train), width recorded."""
+    draft = random_draft(make_tiny("llama"), layers=2)
     ids, aux = torch.randint(0, V, (2, 9)), torch.randn(2, 9, 3 * draft.cfg.hidden_size)
     with torch.no_grad():
         before = torch.stack(unroll(draft, ids, aux, 3))
         draft.widen_mlp(draft.cfg.intermediate_size + 40, seed=3)
         after = torch.stack(unroll(draft, ids, aux, 3))
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
-    mlp = draft.midlayer.mlp
-    assert draft.cfg.intermediate_size == mlp.gate_proj.weight.shape[0] == mlp.down_proj.weight.shape[1]
-    assert mlp.gate_proj.weight[-40:].abs().min() > 0 and mlp.down_proj.weight[:, -40:].abs().max() == 0
     torch.stack(unroll(draft, ids, aux, 3)).square().sum().backward()
-    assert mlp.down_proj.weight.grad[:, -40:].abs().max() > 0
+    for mlp in (layer.mlp for layer in draft.stack()):
+        assert draft.cfg.intermediate_size == mlp.gate_proj.weight.shape[0] == mlp.down_proj.weight.shape[1]
+        assert mlp.gate_proj.weight[-40:].abs().min() > 0 and mlp.down_proj.weight[:, -40:].abs().max() == 0
+        assert mlp.down_proj.weight.grad[:, -40:].abs().max() > 0
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_added_layers_compute_what_the_drafter_did(parallel):
+    """Eagle3Draft.add_layers: a one-layer drafter grown to three drafts the same in fp32 (EAGLE-3
+    and P-EAGLE alike), the new layers train, their names are vLLM's, and the caller's RNG
+    stream is where it was."""
+    draft = random_draft(make_tiny("llama"))
+    if parallel:
+        draft.add_mask_slots(3)
+    ids, aux = torch.randint(0, V, (2, 9)), torch.randn(2, 9, 3 * draft.cfg.hidden_size)
+    with torch.no_grad():
+        before = torch.stack(unroll(draft, ids, aux, 3))
+        state = torch.random.get_rng_state()
+        draft.add_layers(3, seed=5)
+        assert torch.equal(torch.random.get_rng_state(), state)
+        after = torch.stack(unroll(draft, ids, aux, 3))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    assert draft.cfg.num_hidden_layers == 3 and {k.split(".")[1] for k in draft.state_dict() if k.startswith("layers.")} == {"1", "2"}
+    draft.logits(torch.stack(unroll(draft, ids, aux, 3))).square().sum().backward()
+    for layer in draft.stack()[1:]:
+        assert layer.self_attn.o_proj.weight.grad.abs().max() > 0
+    with pytest.raises(FledgeError, match="3 layers.*removed to 2"):
+        draft.add_layers(2)
 
 
 def test_change_vocab_keeps_trained_rows_and_maps_new_ones():

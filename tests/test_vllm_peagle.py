@@ -2,7 +2,8 @@
 `parallel_drafting` beside SmolLM2, unchanged: vLLM's greedy output is fledge's (fledge's
 equals plain decoding: tests/test_peagle.py), and vLLM accepts the same drafts at every
 position as fledge's engine does on the same prompts (fp32, a chain of 3, no EOS), in both export
-layouts (eagle3 and speculators). One vLLM start each: the plain run is fledge's engine.
+layouts (eagle3 and speculators), and for a drafter of two layers (vLLM's `layers.1.*` after
+the first). One vLLM start each: the plain run is fledge's engine.
 
 The drafter's head covers only the four tokens the target writes most on these prompts and its
 first draft imitates the target, so rounds reach the mask slots; which of the four a slot picks
@@ -31,12 +32,14 @@ from fledge.engine.stats import SpecStats
 K, MAX_TOKENS, MASK = 3, 32, 16  # 16: SmolLM2's <empty_output>, what `fledge train` picks
 
 
-def frequent_token_drafter(hf, tokens: list[int]) -> Eagle3Draft:
+def frequent_token_drafter(hf, tokens: list[int], layers: int = 1) -> Eagle3Draft:
     """Random, but its first draft imitates the target (fc passes the highest aux state through,
-    the head is the target's rows of `tokens`, its norm the target's), so rounds reach the mask
-    slots, whose drafts (random mask_hidden) are then right now and then."""
+    the head is the target's rows of `tokens`, its norm the target's, the layers' outputs scaled
+    down), so rounds reach the mask slots, whose drafts (random mask_hidden) are then right now
+    and then."""
     ids = torch.tensor(sorted(tokens))
-    cfg = DraftConfig.from_target(hf.config, draft_vocab_size=len(tokens)).replace(ptd_token_id=MASK)
+    cfg = DraftConfig.from_target(hf.config, draft_vocab_size=len(tokens)).replace(ptd_token_id=MASK,
+                                                                                    num_hidden_layers=layers)
     torch.manual_seed(0)
     draft = Eagle3Draft.from_target(cfg, hf, ids)
     H = cfg.hidden_size
@@ -45,7 +48,10 @@ def frequent_token_drafter(hf, tokens: list[int]) -> Eagle3Draft:
             if p.requires_grad and p.ndim == 1:
                 p.uniform_(0.5, 1.5)
         draft.fc.weight.zero_()[:, 2 * H:] = torch.eye(H)
-        draft.midlayer.self_attn.o_proj.weight.mul_(0.3)
+        for layer in draft.stack():
+            layer.self_attn.o_proj.weight.mul_(0.3)
+            if layer is not draft.midlayer:
+                layer.mlp.down_proj.weight.mul_(0.3)
         draft.lm_head.weight.copy_(hf.lm_head.weight[ids])
         draft.norm.weight.copy_(hf.model.norm.weight)
         draft.mask_hidden.normal_(0, 1)
@@ -54,8 +60,8 @@ def frequent_token_drafter(hf, tokens: list[int]) -> Eagle3Draft:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["eagle3", "speculators"])
-def test_vllm_serves_peagle_as_fledge_drafts(vllm_jobs, tmp_path, layout):
+@pytest.mark.parametrize("layout,layers", [("eagle3", 1), ("speculators", 1), ("eagle3", 2)])
+def test_vllm_serves_peagle_as_fledge_drafts(vllm_jobs, tmp_path, layout, layers):
     target_dir = resolve_target("smollm2-135m")
     target = load_target(str(target_dir))
     engine = build_engine_target(target.model, torch.float32, "cpu")
@@ -63,10 +69,11 @@ def test_vllm_serves_peagle_as_fledge_drafts(vllm_jobs, tmp_path, layout):
     prompts = [target.tokenizer(p)["input_ids"] for p in PROMPTS]
     plain = [generate_ar(engine, [p], params, eos_ids=[])[0][0] for p in prompts]
     frequent = [t for t, _ in Counter(t for ids in plain for t in ids).most_common(4)]
-    out = export_checkpoint(frequent_token_drafter(target.model, frequent), tmp_path / "peagle", layout=layout,
+    out = export_checkpoint(frequent_token_drafter(target.model, frequent, layers), tmp_path / "peagle", layout=layout,
                             dtype=torch.float32, verifier=str(target_dir))
 
     draft = load_checkpoint(out, embed_from=target.model).eval()
+    assert len(draft.stack()) == layers
     runs = [generate_spec(engine, ParallelDrafter(draft, Shape(K, 1, K + 1), engine), p, params, eos_ids=[])
             for p in prompts]
     assert [o for o, _ in runs] == plain

@@ -37,8 +37,9 @@ def check_number(name: str, value, low: float = 0, high: float = math.inf, *, lo
 
 @dataclass
 class DraftConfig:
-    """One Llama decoder layer reading 3 target hidden states. Field names follow the
-    `LlamaForCausalLMEagle3` config.json that SGLang and vLLM read.
+    """Llama decoder layers reading 3 target hidden states: the first over [embedding ; fused
+    states], any further ones (`num_hidden_layers` > 1) plain layers on its output, as vLLM's
+    `LlamaForCausalLMEagle3` builds them. Field names follow the config.json SGLang and vLLM read.
 
     `aux_layer_ids` are canonical (vLLM) ids: see `fledge.core.conventions`. `fc_norm` and
     `norm_output` are EAGLE-3.1's two changes to the layer (`fledge.drafter.eagle3` says what each does);
@@ -66,12 +67,13 @@ class DraftConfig:
     fc_norm: bool = False
     norm_output: bool = False
     ptd_token_id: int | None = None
+    num_hidden_layers: int = 1
     extra: dict[str, Any] = field(default_factory=dict)  # target fields carried verbatim
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "vocab_size", "draft_vocab_size", "target_hidden_size", "target_num_layers",
-                     "max_position_embeddings"):  # a config.json may hold "128" or 128.0: shapes need ints
+                     "max_position_embeddings", "num_hidden_layers"):  # a config.json may hold "128" or 128.0: shapes need ints
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise FledgeError(f"draft config: {name} {v!r}: must be a positive integer")
@@ -136,8 +138,8 @@ PARALLEL = ("ddp", "fsdp")  # how `fledge train` spreads over torchrun's ranks (
 HEADS = ("fresh", "target", "frozen")
 # What `fledge train` minimises at each TTT step (fledge.train.loop.draft_loss says what each is).
 LOSSES = ("kl", "greedy", "lk")
-# The drafter kind `fledge train` trains: EAGLE-3 (one layer, drafted step by step), P-EAGLE (the
-# EAGLE-3 layer drafting a chain in one forward from mask slots: fledge.train.ttt,
+# The drafter kind `fledge train` trains: EAGLE-3 (its layers drafted step by step), P-EAGLE (the
+# EAGLE-3 layers drafting a chain in one forward from mask slots: fledge.train.ttt,
 # fledge.engine.parallel) or DFlash (a block drafted in one forward: fledge.drafter.dflash,
 # fledge.train.dflash).
 METHODS = ("eagle3", "peagle", "dflash")
@@ -186,7 +188,7 @@ class TrainConfig:
     out: str
     target: str = "smollm2-135m"
     method: str = "eagle3"            # one of METHODS
-    draft_layers: int = 2             # dflash: draft decoder layers
+    draft_layers: int | None = None   # draft decoder layers (None: dflash 2; eagle3/peagle 1, or --init's)
     blocks_per_sample: int = 64       # dflash: anchors drawn per sample and step
     mask_token_id: int | None = None  # dflash, peagle: None = fledge.train.dflash.default_mask_token
     vocab: str | None = None          # d2t/t2d file (`fledge vocab`); None: draft vocab = target vocab
@@ -243,7 +245,8 @@ class TrainConfig:
                                                           "drop one"),
                   (self.warmup < 1, "warmup is a share of steps in [0, 1)"),
                   (self.method in METHODS, f"method {self.method!r}: one of {', '.join(METHODS)}"),
-                  (self.draft_layers >= 1 and self.blocks_per_sample >= 1, "draft_layers and blocks_per_sample must be >= 1"),
+                  ((self.draft_layers is None or self.draft_layers >= 1) and self.blocks_per_sample >= 1,
+                   "draft_layers and blocks_per_sample must be >= 1"),
                   (self.method != "dflash" or not (self.fc_norm or self.norm_output),
                    "--fc-norm and --norm-output are EAGLE-3.1's; a dflash drafter has neither"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),

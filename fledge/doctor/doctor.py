@@ -70,9 +70,13 @@ def check_architecture(f: DraftFacts) -> Check:
         return fail("architecture", "norm_before_residual is true (or absent in the speculators layout, where vLLM "
                      "defaults it to true): vLLM then takes the residual after hidden_norm, SGLang ignores the field",
                      "set norm_before_residual to false unless the drafter was trained that way")
-    if f.num_layers not in (1, None):
-        return warn("architecture", f"num_hidden_layers={f.num_layers}: SGLang and vLLM name extra draft layers "
-                     "differently; fledge drafters have one", "set num_hidden_layers to 1 if the draft has one layer")
+    if f.num_layers is not None and f.num_layers > 1 and f.layout == EAGLE3_ARCH:
+        # SGLang's llama_eagle3 (read in its source) builds layers 1.. as `additional_layers.*`
+        # that normalise with hidden_norm and restart the residual from the previous layer's MLP
+        # output: it would drop vLLM-named `layers.{i}.*` weights and run those layers at init.
+        return warn("architecture", f"num_hidden_layers={f.num_layers}: vLLM runs the layers after the first "
+                     "(layers.1.* ...) as fledge trains them; SGLang names and computes them differently and would "
+                     "drop these weights without a word", "serve it with vLLM, or train a one-layer drafter for SGLang")
     served = "SGLang and vLLM" if f.layout == EAGLE3_ARCH else "vLLM (speculators format; SGLang needs the eagle3 layout)"
     variant = [k for k, on in (("fc_norm", f.fc_norm), ("norm_output", f.norm_output)) if on]
     if variant:  # an engine from before EAGLE-3.1 drops fc_norm.* (SGLang; vLLM refuses them) and ignores norm_output

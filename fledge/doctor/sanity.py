@@ -58,7 +58,7 @@ def check_trained(w: Weights) -> Check | None:
     """A drafter still at its random init drafts nothing the target accepts, yet passes every
     file check: its draft layer's weights sit inside nn.Linear's init bound. Read in fp32 chunks
     (bf16 rounds values at the bound by up to 2^-8, hence the 1% margin)."""
-    names = [k for k in sorted(w.files) if (k.startswith(("midlayer.", "layers.0.")) or k == "fc.weight")
+    names = [k for k in sorted(w.files) if (k.startswith(("midlayer.", "layers.")) or k == "fc.weight")
              and len(w.shapes[k]) == 2 and is_float(w.dtypes[k])]
     if not names:
         return None

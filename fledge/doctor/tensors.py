@@ -57,14 +57,14 @@ def target_facts(spec: str) -> tuple[TargetFacts | None, Check]:
     return t, ok("target", f"{p}: {t.num_layers} layers, hidden {t.hidden}, vocab {t.vocab}, context {t.max_position}")
 
 
-def served_keys(fc_norm: bool = False, parallel: bool = False) -> dict[str, bool]:
+def served_keys(fc_norm: bool = False, parallel: bool = False, layers: int = 1) -> dict[str, bool]:
     """Served tensor name -> required (the names do not depend on sizes, so a minimal config
     with a reduced draft vocab, which carries d2t, serves to list them). `parallel`: a P-EAGLE
-    drafter's, with `mask_hidden`."""
+    drafter's, with `mask_hidden`; `layers`: its num_hidden_layers."""
     tiny = DraftConfig(hidden_size=8, intermediate_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
                        vocab_size=16, draft_vocab_size=8, target_hidden_size=8, target_num_layers=4,
                        aux_layer_ids=(1, 2, 3), max_position_embeddings=8, fc_norm=fc_norm,
-                       ptd_token_id=0 if parallel else None)
+                       ptd_token_id=0 if parallel else None, num_hidden_layers=layers)
     return {k: required for k, (_, required) in checkpoint_keys(tiny).items()}
 
 
@@ -72,7 +72,8 @@ def check_keys(f: DraftFacts, w: Weights) -> Check:
     names = set(w.files)
     if f.layout == "speculators":  # vLLM maps midlayer.* onto layers.0.*: both spellings load
         names = {canonical_name(n) for n in names}
-    spec = served_keys(f.fc_norm, f.ptd_token_id is not None)
+    layers = f.num_layers if type(f.num_layers) is int and f.num_layers >= 1 else 1  # a bad count: check_config's
+    spec = served_keys(f.fc_norm, f.ptd_token_id is not None, layers)
     unknown = sorted(names - set(spec))
     missing = [k for k, req in spec.items() if req and k not in names and k != "d2t"]  # check_d2t: a missing d2t
     why, fix = [], []

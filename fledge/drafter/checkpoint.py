@@ -53,7 +53,7 @@ def _llama_fields(cfg: DraftConfig, dtype: torch.dtype) -> dict:
     return {
         "model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "num_hidden_layers": 1, "hidden_act": cfg.hidden_act,
+        "head_dim": cfg.head_dim, "num_hidden_layers": cfg.num_hidden_layers, "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
         "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),

@@ -1,4 +1,5 @@
-"""The EAGLE-3 drafter: one Llama decoder layer over [embedding ; fused target states].
+"""The EAGLE-3 drafter: a Llama decoder layer over [embedding ; fused target states], and
+optionally more plain layers after it.
 
 Parameter names are exactly the served checkpoint's (`LlamaForCausalLMEagle3` in SGLang and
 vLLM), so `state_dict()` is the export and no key mapping exists anywhere (`fledge.drafter.layout`
@@ -10,14 +11,19 @@ One draft step, for a token x_t at position t:
     h'     = h + o_proj(attention(q/k/v_proj(a)))
     out    = h' + mlp(post_attention_layernorm(h'))   → fed to the next step as its h
     logits = lm_head(norm(out))                        over the draft vocab
+A drafter of `num_hidden_layers` N > 1 (published P-EAGLE drafters have four) runs N-1 more
+layers `layers.1` .. `layers.{N-1}` on `out` before the head, each the pre-norm Llama layer
+    x' = x + o_proj(attention(q/k/v_proj(input_layernorm(x)))),  x'' = x' + mlp(post_attention_layernorm(x'))
+with its own keys and values: what vLLM's `LlamaForCausalLMEagle3` computes (its layer 0 is
+`midlayer`). SGLang builds the extra layers differently (`fledge.doctor` says how).
 EAGLE-3.1 (arXiv 2605.09992, "attention drift") changes two lines, each behind a config.json
 flag that SGLang and vLLM read under the same name:
     fc_norm      each aux state through its own RMSNorm (`fc_norm.{0,1,2}`) before fc, so the
                  high layers' larger states do not swamp the low one's;
     norm_output  the next step reads norm(out), the state lm_head reads, instead of out, so the
                  residual stream's scale cannot grow from step to step.
-Attention is split into `project` and `attend` so that training (keys concatenated across
-unrolled steps) and the engine (keys in a static cache) share every weight-touching line.
+A step (`step`) takes the caller's attention as a function, so that training (keys concatenated
+across unrolled steps) and the engine (keys in a static cache) share every weight-touching line.
 """
 
 from __future__ import annotations
@@ -52,12 +58,12 @@ def rope_config(cfg: DraftConfig) -> transformers.LlamaConfig:
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, width: int):
         super().__init__()
         h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = nn.Linear(2 * h, q, bias=False)
-        self.k_proj = nn.Linear(2 * h, kv, bias=False)
-        self.v_proj = nn.Linear(2 * h, kv, bias=False)
+        self.q_proj = nn.Linear(width, q, bias=False)
+        self.k_proj = nn.Linear(width, kv, bias=False)
+        self.v_proj = nn.Linear(width, kv, bias=False)
         self.o_proj = nn.Linear(q, h, bias=False)
 
 
@@ -73,12 +79,16 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    """The first layer (`first`: attention over [embedding ; hidden], 2H wide, with `hidden_norm`)
+    or a further one (a plain Llama layer, H wide)."""
+
+    def __init__(self, cfg: DraftConfig, first: bool = True):
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg)
+        h = cfg.hidden_size
+        self.input_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps) if first else None
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, 2 * h if first else h)
         self.mlp = DraftMLP(cfg)
 
 
@@ -92,6 +102,7 @@ class Eagle3Draft(nn.Module):
         self.fc_norm = self.aux_norms() if cfg.fc_norm else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
         self.midlayer = DraftLayer(cfg)
+        self.layers = nn.ModuleDict({str(i): DraftLayer(cfg, first=False) for i in range(1, cfg.num_hidden_layers)})
         self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(rope_config(cfg))  # inv_freq is a non-persistent buffer
@@ -156,25 +167,44 @@ class Eagle3Draft(nn.Module):
 
     @torch.no_grad()
     def widen_mlp(self, size: int, seed: int = 0) -> None:
-        """Grow the MLP to `size` hidden units without changing what the draft computes: the new
-        gate/up rows start as nn.Linear's default init, the new down_proj columns at zero, so
-        each new unit adds nothing until training moves it (a warm start gains capacity without
+        """Grow every layer's MLP to `size` hidden units without changing what the draft computes:
+        the new gate/up rows start as nn.Linear's default init, the new down_proj columns at zero,
+        so each new unit adds nothing until training moves it (a warm start gains capacity without
         first losing what it learned)."""
-        mlp, old = self.midlayer.mlp, self.cfg.intermediate_size
+        old = self.cfg.intermediate_size
         if size < old:
             raise FledgeError(f"the drafter's MLP has {old} units; it can be widened, not narrowed to {size}")
         g = torch.Generator().manual_seed(seed)
         bound = self.cfg.hidden_size ** -0.5
-        grown = {}
-        for layer in (mlp.gate_proj, mlp.up_proj):
-            extra = (torch.rand(size - old, layer.in_features, generator=g) * 2 - 1) * bound
-            grown[layer] = torch.cat([layer.weight, extra.to(layer.weight)], 0)
-        w = mlp.down_proj.weight
-        grown[mlp.down_proj] = torch.cat([w, w.new_zeros(w.shape[0], size - old)], 1)
-        for layer, weight in grown.items():
-            layer.weight = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
-            layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
+        for mlp in (layer.mlp for layer in self.stack()):
+            grown = {}
+            for lin in (mlp.gate_proj, mlp.up_proj):
+                extra = (torch.rand(size - old, lin.in_features, generator=g) * 2 - 1) * bound
+                grown[lin] = torch.cat([lin.weight, extra.to(lin.weight)], 0)
+            w = mlp.down_proj.weight
+            grown[mlp.down_proj] = torch.cat([w, w.new_zeros(w.shape[0], size - old)], 1)
+            for lin, weight in grown.items():
+                lin.weight = nn.Parameter(weight, requires_grad=lin.weight.requires_grad)
+                lin.in_features, lin.out_features = weight.shape[1], weight.shape[0]
         self.cfg = self.cfg.replace(intermediate_size=size)
+
+    @torch.no_grad()
+    def add_layers(self, n: int, seed: int = 0) -> None:
+        """Grow to `n` layers without changing what the draft computes: each new layer starts as
+        nn.Linear's default init with its o_proj and down_proj at zero, so it adds nothing to the
+        residual stream until training moves it (a warm start from a one-layer drafter)."""
+        have = self.cfg.num_hidden_layers
+        if n < have:
+            raise FledgeError(f"the drafter has {have} layers; layers can be added, not removed to {n}")
+        w = self.fc.weight
+        self.cfg = self.cfg.replace(num_hidden_layers=n)
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays where it was
+            torch.manual_seed(seed)
+            for i in range(have, n):
+                layer = DraftLayer(self.cfg, first=False).to(device=w.device, dtype=w.dtype)
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+                self.layers[str(i)] = layer
 
     @torch.no_grad()
     def add_fc_norm(self, scales) -> None:
@@ -253,24 +283,10 @@ class Eagle3Draft(nn.Module):
         ids = torch.full((b, t), self.cfg.ptd_token_id, dtype=torch.long, device=w.device)
         return ids, w.expand(b, t, w.shape[-1])
 
-    # ---------------------------------------------------------------- one draft step, in two halves
-    def project(self, input_ids, hidden, positions):
-        """Queries/keys/values for new tokens. `hidden` is [B,T,3H] target aux states (fused
-        here by fc) or [B,T,H] the draft's own previous output. Returns (q, k, v, residual)
-        with q [B,heads,T,hd], k/v [B,kv_heads,T,hd] already rotated, residual [B,T,H]."""
-        if hidden.shape[-1] != self.cfg.hidden_size:
-            hidden = self.fuse(hidden)
-        layer = self.midlayer
-        a = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype)),
-                       layer.hidden_norm(hidden)], dim=-1)
-        b, t, _ = a.shape
-        attn, hd = layer.self_attn, self.cfg.head_dim
-        q = attn.q_proj(a).view(b, t, -1, hd).transpose(1, 2)
-        k = attn.k_proj(a).view(b, t, -1, hd).transpose(1, 2)
-        v = attn.v_proj(a).view(b, t, -1, hd).transpose(1, 2)
-        cos, sin = self.rotary(v, positions)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v, hidden
+    # ---------------------------------------------------------------- one draft step
+    def stack(self) -> list[DraftLayer]:
+        """The layers in order: `midlayer`, then `layers.1` ..."""
+        return [self.midlayer, *self.layers.values()]
 
     def fuse(self, aux):
         """The first step's h from the target's aux states [..., 3 x target hidden]."""
@@ -278,32 +294,54 @@ class Eagle3Draft(nn.Module):
             aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(3, -1))], -1)
         return self.fc(aux)
 
-    def attend(self, q, keys, values, mask, residual):
-        """Finish the step: attention of q over `keys`/`values` ([B,kv_heads,S,hd]) under the
-        bool `mask` ([B,1,T,S], True = may attend), then the MLP. Returns the output [B,T,H]
-        that the next step reads as its hidden state (`finish`)."""
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        o = F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
-                                           attn_mask=mask)
-        return self.finish(o, residual)
+    def step(self, input_ids, hidden, positions, attend):
+        """One draft step of T tokens through every layer. `hidden` is [B,T,3H] target aux states
+        (fused here by fc) or [B,T,H] the draft's own previous output. `attend(i, q, k, v)` is the
+        caller's attention for layer i: it keeps this step's keys/values (k, v [B,kv_heads,T,hd],
+        already rotated) with those it holds and returns the attention of q [B,heads,T,hd] over
+        them, [B,heads,T,hd]. Returns the output [B,T,H] the next step reads as its hidden state:
+        pre-norm, or with `norm_output` already through `norm`."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fuse(hidden)
+        first = self.midlayer
+        x = torch.cat([first.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype)),
+                       first.hidden_norm(hidden)], dim=-1)
+        cos, sin = self.rotary(hidden, positions)
+        stream = hidden
+        for i, layer in enumerate(self.stack()):
+            if i:
+                x = layer.input_layernorm(stream)
+            attn, hd = layer.self_attn, self.cfg.head_dim
+            b, t, _ = x.shape
+            q = attn.q_proj(x).view(b, t, -1, hd).transpose(1, 2)
+            k = attn.k_proj(x).view(b, t, -1, hd).transpose(1, 2)
+            v = attn.v_proj(x).view(b, t, -1, hd).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            o = attend(i, q, k, v)
+            h = stream + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            stream = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(stream) if self.cfg.norm_output else stream
 
-    def finish(self, o, residual):
-        """o_proj of the attention output `o` [B,heads,T,hd], its residual add, and the MLP: apart
-        from `attend` because the engine attends over its own cache layout. The step's output
-        is pre-norm, or with `norm_output` already through `norm`."""
-        attn = self.midlayer.self_attn
-        b, _, t, _ = o.shape
-        h = residual + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        out = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
-        return self.norm(out) if self.cfg.norm_output else out
+    def sdpa(self, q, keys, values, mask):
+        """Attention of q over `keys`/`values` ([B,kv_heads,S,hd]) under the bool `mask`
+        ([B,1,T,S], True = may attend)."""
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        return F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
+                                              attn_mask=mask)
 
     def logits(self, out):
         """Draft-vocab logits from a step's output (map to target ids with `target_ids()`)."""
         return self.lm_head(out if self.cfg.norm_output else self.norm(out))
 
     def forward(self, input_ids, hidden, positions, mask, past_kv=None):
-        """One step over T tokens with keys = past keys + these. Returns (out, (k, v)) where
-        (k, v) are this step's keys/values only, for the caller to keep."""
-        q, k, v, residual = self.project(input_ids, hidden, positions)
-        keys, values = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], 2), torch.cat([past_kv[1], v], 2))
-        return self.attend(q, keys, values, mask, residual), (k, v)
+        """One step over T tokens with keys = past keys + these. Returns (out, kv) where kv holds
+        each layer's (k, v) of this step only, for the caller to keep."""
+        new = []
+
+        def attend(i, q, k, v):
+            new.append((k, v))
+            if past_kv is not None:
+                k, v = torch.cat([past_kv[i][0], k], 2), torch.cat([past_kv[i][1], v], 2)
+            return self.sdpa(q, k, v, mask)
+
+        return self.step(input_ids, hidden, positions, attend), new

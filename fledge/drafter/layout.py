@@ -34,7 +34,8 @@ def checkpoint_keys(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], bool]]
     The names and shapes are those of `Eagle3Draft(cfg).state_dict()` (tests/test_checkpoint.py
     holds the two equal); they are listed here so that reading a checkpoint needs no torch.
     EAGLE-3.1's `fc_norm` adds `fc_norm.{0,1,2}.weight`, P-EAGLE's `mask_hidden` (vLLM refuses a
-    parallel-drafting checkpoint without it). Everything is required except
+    parallel-drafting checkpoint without it), each layer after the first `layers.{i}.*` (the
+    names vLLM gives them; the first stays `midlayer.*`, which vLLM reads as `layers.0.*`). Everything is required except
     `embed_tokens.weight` (engines share the target's embeddings) and `t2d` (engines skip it;
     fledge rebuilds it from `d2t`). `d2t` and
     `midlayer.hidden_norm.weight` are required because vLLM would silently load zeros / ones —
@@ -47,11 +48,14 @@ def checkpoint_keys(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], bool]]
              "self_attn.q_proj.weight": (q, 2 * h), "self_attn.k_proj.weight": (kv, 2 * h),
              "self_attn.v_proj.weight": (kv, 2 * h), "self_attn.o_proj.weight": (h, q),
              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+    deep = {k: (s[0], h) if k.startswith("self_attn.") and k != "self_attn.o_proj.weight" else s
+            for k, s in layer.items() if k != "hidden_norm.weight"}  # layers after the first read H, not 2H
+    deep = {f"layers.{i}.{k}": s for i in range(1, cfg.num_hidden_layers) for k, s in deep.items()}
     fc_norm = {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(3)} if cfg.fc_norm else {}
     mask = {"mask_hidden": (1, 3 * cfg.target_hidden_size)} if cfg.parallel else {}
     shapes = {"d2t": (dv,), "t2d": (v,), "embed_tokens.weight": (v, h), **fc_norm, **mask,
               "fc.weight": (h, 3 * cfg.target_hidden_size), **{f"midlayer.{k}": s for k, s in layer.items()},
-              "norm.weight": (h,), "lm_head.weight": (dv, h)}
+              **deep, "norm.weight": (h,), "lm_head.weight": (dv, h)}
     if dv == v:
         del shapes["d2t"]
     optional = {"embed_tokens.weight", "t2d"}
@@ -167,8 +171,6 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
     layer = f.layer
     if layer.get("model_type", "llama") != "llama":
         raise FledgeError(f"model_type {layer.get('model_type')!r}: fledge's drafter is a Llama layer")
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise FledgeError(f"num_hidden_layers {layer.get('num_hidden_layers')}: an EAGLE-3 drafter has one layer")
     n = _target_layers(f.target_layers, target_layers)
     h, heads = layer["hidden_size"], layer["num_attention_heads"]
     theta, scaling = f.rope
@@ -183,6 +185,7 @@ def draft_config_from_json(cj: dict, target_layers: int | None = None) -> DraftC
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         hidden_act=layer.get("hidden_act", "silu"),
         torch_dtype=f.dtype or "bfloat16", fc_norm=f.fc_norm, norm_output=f.norm_output, ptd_token_id=f.ptd_token_id,
+        num_hidden_layers=layer.get("num_hidden_layers", 1),
         extra={k: v for k, v in extra.items() if v is not None},
     )
 

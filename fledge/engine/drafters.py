@@ -193,7 +193,8 @@ class Eagle3Drafter:
         cfg, w = self.draft.cfg, self.draft.fc.weight
         self.max_len = -(-max_len // DRAFT_CACHE_QUANTUM) * DRAFT_CACHE_QUANTUM if self.compiled else max_len
         scratch = (self.spec.num_steps - 1) * self.spec.topk
-        shape = (2, batch, cfg.num_key_value_heads, self.max_len + scratch, cfg.head_dim)  # K and V side by side
+        # per layer, K and V side by side
+        shape = (cfg.num_hidden_layers, 2, batch, cfg.num_key_value_heads, self.max_len + scratch, cfg.head_dim)
         if self.kv is not None and tuple(self.kv.shape) == shape:
             # The same buffers again, zeroed: nothing is allocated per request, and a round kept
             # by a resident replays over them. (New buffers would cost no recompile either.)
@@ -220,17 +221,20 @@ class Eagle3Drafter:
         (tree.topk_by_max) took a compiled (5, 4, 16) propose from 453 to 352 us and its observe
         from 82 to 67 (bf16, SmolLM2's shapes with random weights, the drafter shipped at
         fa24fc4, each half replayed as a CUDA graph; the whole round: docs/performance.md)."""
-        q, k, v, residual = self.draft.project(ids, hidden, positions)
-        B, H, T, D = q.shape
-        n_kv, G = k.shape[1], H // k.shape[1]
-        self.kv.scatter_(3, slots[None, :, None, :, None].expand(2, B, n_kv, T, D), torch.stack([k, v]))
-        q, mask = q.reshape(B, n_kv, G * T, D), mask.repeat(1, 1, G, 1)
-        if sdpa:
-            o = F.scaled_dot_product_attention(q, self.kv[0], self.kv[1], attn_mask=mask)
-        else:
-            s = (q.float() @ self.kv[0].float().transpose(-1, -2) * D ** -0.5).masked_fill(~mask, float("-inf"))
-            o = s.softmax(-1).to(v.dtype) @ self.kv[1]
-        return self.draft.finish(o.reshape(B, H, T, D), residual)  # fp32 SDPA may return a strided layout
+        def attend(i, q, k, v):
+            kv = self.kv[i]
+            B, H, T, D = q.shape
+            n_kv, G = k.shape[1], H // k.shape[1]
+            kv.scatter_(3, slots[None, :, None, :, None].expand(2, B, n_kv, T, D), torch.stack([k, v]))
+            q, m = q.reshape(B, n_kv, G * T, D), mask.repeat(1, 1, G, 1)
+            if sdpa:
+                o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=m)
+            else:
+                s = (q.float() @ kv[0].float().transpose(-1, -2) * D ** -0.5).masked_fill(~m, float("-inf"))
+                o = s.softmax(-1).to(v.dtype) @ kv[1]
+            return o.reshape(B, H, T, D)  # fp32 SDPA may return a strided layout
+
+        return self.draft.step(ids, hidden, positions, attend)
 
     def observe(self, tokens, aux, n, next_token, start):
         """Re-feed verified tokens: rows start..start+n-1 get the target's fresh aux states
@@ -247,7 +251,7 @@ class Eagle3Drafter:
         ids = torch.cat([tokens[:, 1:], next_token[:, None]], dim=1)
         ids = ids.scatter(1, (n - 1)[:, None], next_token[:, None])
         pos = start[:, None] + torch.arange(T, device=ids.device)
-        cols = torch.arange(self.kv.shape[3], device=ids.device)
+        cols = torch.arange(self.kv.shape[4], device=ids.device)
         mask = (cols <= pos[:, :, None])[:, None]
         out = self._step(ids, aux, pos, pos, mask, sdpa)
         self.last.copy_(out.gather(1, (n - 1)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0])
@@ -276,7 +280,7 @@ class Eagle3Drafter:
         hidden = self.last[:, None].expand(B, K, -1)
         beam_cand = torch.arange(K, device=dev).expand(B, K)
         prefix = torch.arange(self.max_len, device=dev) < cache_len[:, None]  # [B, max_len]
-        seen = torch.zeros(B, K, self.kv.shape[3] - self.max_len, dtype=torch.bool, device=dev)
+        seen = torch.zeros(B, K, self.kv.shape[4] - self.max_len, dtype=torch.bool, device=dev)
         n_cand = K
         for i in range(1, self.spec.num_steps):
             slots = self.max_len + (i - 1) * K + torch.arange(K, device=dev).expand(B, K)

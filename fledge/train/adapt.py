@@ -48,7 +48,7 @@ from fledge.drafter.layout import draft_facts
 from fledge.drafter.weights import open_checkpoint
 
 # Tensors that do not depend on the target's tokens: carried from OLD unchanged.
-CARRIED_PREFIXES = ("fc_norm.", "fc.", "midlayer.", "norm.")
+CARRIED_PREFIXES = ("fc_norm.", "fc.", "midlayer.", "layers.", "norm.")
 
 
 @dataclass

@@ -28,6 +28,7 @@ from fledge.drafter.dflash_checkpoint import load_dflash
 from fledge.train.ttt import draft_loss, draft_loss_compiled
 
 EVAL_CHUNK = 256  # anchors per forward in the eval (all anchors of a row at once would not fit)
+DFLASH_LAYERS = 2  # draft layers when --draft-layers is unset
 
 
 def valid_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -141,6 +142,9 @@ def build_block_draft(cfg, target, draft_ids: torch.Tensor) -> DFlashDraft:
     model = target.model
     if cfg.init:
         draft = load_dflash(cfg.init, embed_from=model)
+        if cfg.draft_layers and cfg.draft_layers != draft.cfg.num_hidden_layers:
+            raise FledgeError(f"--init {cfg.init}: a DFlash drafter of {draft.cfg.num_hidden_layers} layers; "
+                              f"--draft-layers {cfg.draft_layers} cannot reshape it")
         if cfg.ttt_steps > draft.cfg.block_size - 1:
             raise FledgeError(f"--init {cfg.init}: a block of {draft.cfg.block_size}; --ttt-steps {cfg.ttt_steps} "
                               "masks need a block of ttt-steps + 1")
@@ -148,7 +152,7 @@ def build_block_draft(cfg, target, draft_ids: torch.Tensor) -> DFlashDraft:
     tcfg = model.config.get_text_config()
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token(target.tokenizer, tcfg.vocab_size)
     dcfg = DFlashConfig.from_target(tcfg, mask_token_id=mask, draft_vocab_size=draft_ids.numel(),
-                                    aux_layer_ids=cfg.aux_layers, num_layers=cfg.draft_layers,
+                                    aux_layer_ids=cfg.aux_layers, num_layers=cfg.draft_layers or DFLASH_LAYERS,
                                     block_size=cfg.ttt_steps + 1, intermediate_size=cfg.draft_intermediate_size)
     draft = DFlashDraft.from_target(dcfg, model, draft_ids)
     if cfg.head == "fresh":

@@ -106,11 +106,13 @@ def _build_eagle3(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
         if cfg.aux_layers is not None and tuple(cfg.aux_layers) != tuple(draft.cfg.aux_layer_ids):
             raise FledgeError(f"--aux-layers {list(cfg.aux_layers)}: --init {cfg.init} reads layers "
                               f"{list(draft.cfg.aux_layer_ids)}; its fc weights belong to those")
-        if cfg.draft_intermediate_size:
-            try:
+        try:
+            if cfg.draft_intermediate_size:
                 draft.widen_mlp(cfg.draft_intermediate_size, cfg.seed)
-            except FledgeError as e:
-                raise FledgeError(f"--init {cfg.init}: {e}") from None
+            if cfg.draft_layers:
+                draft.add_layers(cfg.draft_layers, cfg.seed)
+        except FledgeError as e:
+            raise FledgeError(f"--init {cfg.init}: {e}") from None
         if cfg.vocab:
             try:
                 moved = draft.change_vocab(draft_vocab_ids(cfg.vocab, tcfg.vocab_size), model)
@@ -125,7 +127,7 @@ def _build_eagle3(cfg: TrainConfig, target, rank: int = 0) -> Eagle3Draft:
     ids = draft_vocab_ids(cfg.vocab, tcfg.vocab_size) if cfg.vocab else torch.arange(tcfg.vocab_size)
     dcfg = DraftConfig.from_target(tcfg, draft_vocab_size=ids.numel(), aux_layer_ids=cfg.aux_layers,
                                    intermediate_size=cfg.draft_intermediate_size).replace(
-        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, num_hidden_layers=cfg.draft_layers or 1)
     draft = Eagle3Draft.from_target(dcfg, model, ids)
     if cfg.head != "fresh":
         draft.init_head_from(model)
@@ -229,8 +231,8 @@ def parallelize(ttt: TTT, how: str, world: int, device) -> nn.Module:
         return ttt
     if how == "fsdp":
         from torch.distributed.fsdp import fully_shard
-        # One group for the whole draft: its halves (project/attend) call submodules directly,
-        # so only the root's forward hook can gather parameters; one layer gains nothing finer.
+        # One group for the whole draft: a step (Eagle3Draft.step) calls submodules directly, so
+        # only the root's forward hook can gather parameters; a drafter's few layers gain little finer.
         fully_shard(ttt)
         return ttt
     return nn.parallel.DistributedDataParallel(ttt, device_ids=[device.index] if device.type == "cuda" else None)

@@ -43,17 +43,23 @@ def ttt_mask(t: int, step: int, device) -> torch.Tensor:
 
 
 def unroll(draft: Eagle3Draft, ids, aux, steps: int) -> list[torch.Tensor]:
-    """Per-step draft outputs [B,T,H] (`Eagle3Draft.finish`'s) of the training-time test; see module doc."""
+    """Per-step draft outputs [B,T,H] (`Eagle3Draft.step`'s) of the training-time test; see
+    module doc. Each layer keeps its own keys across steps, under the same mask."""
     b, t = ids.shape
-    hidden, keys, values, outs = aux, [], [], []
+    n = draft.cfg.num_hidden_layers
+    hidden, keys, values, outs = aux, [[] for _ in range(n)], [[] for _ in range(n)], []
     masks = draft.mask_slots(b, t) if draft.cfg.parallel else None
     for j in range(steps):
         pos = (torch.arange(t, device=ids.device) + j).expand(b, t)
         step_ids, step_hidden = masks if j and masks is not None else (shift(ids, 1 + j), hidden)
-        q, k, v, residual = draft.project(step_ids, step_hidden, pos)
-        keys.append(k)
-        values.append(v)
-        hidden = draft.attend(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(t, j, ids.device), residual)
+        mask = ttt_mask(t, j, ids.device)
+
+        def attend(i, q, k, v, mask=mask):
+            keys[i].append(k)
+            values[i].append(v)
+            return draft.sdpa(q, torch.cat(keys[i], 2), torch.cat(values[i], 2), mask)
+
+        hidden = draft.step(step_ids, step_hidden, pos, attend)
         outs.append(hidden)
     return outs
 
