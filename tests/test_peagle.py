@@ -93,6 +93,30 @@ def test_checkpoint_carries_what_vllm_reads(tmp_path):
     assert isinstance(Eagle3Drafter(plain, Shape(3, 1, 4), target), Eagle3Drafter)
 
 
+@pytest.mark.parametrize("field", ["mask_token_id", "dspark_noise_token_id", "pard_token"])
+def test_mask_token_read_where_vllm_reads_it(tmp_path, field):
+    """A drafter trained elsewhere may name its mask token as any field vLLM's parallel drafting
+    reads: fledge finds it there, in vLLM's order (`mask_token_id` before `ptd_token_id`), and
+    loads, checks and re-exports the drafter as P-EAGLE."""
+    from fledge.doctor.checks import FAIL
+    from fledge.doctor.doctor import doctor
+    from fledge.drafter.layout import is_parallel
+
+    hf, _, d = parallel_setup()
+    out = export_checkpoint(d, tmp_path / "p", dtype=torch.float32)
+    cj = json.loads((out / "config.json").read_text())
+    cj[field] = cj.pop("ptd_token_id")
+    (out / "config.json").write_text(json.dumps(cj))
+    assert is_parallel(out) and load_checkpoint(out, embed_from=hf).cfg.ptd_token_id == MASK
+    assert not [c for c in doctor(str(out)) if c.status == FAIL]
+    again = export_checkpoint(load_checkpoint(out, embed_from=hf), tmp_path / "again", dtype=torch.float32)
+    assert json.loads((again / "config.json").read_text())["ptd_token_id"] == MASK
+    if field == "mask_token_id":  # both spelled, vLLM takes mask_token_id
+        cj["ptd_token_id"] = MASK - 1
+        (out / "config.json").write_text(json.dumps(cj))
+        assert load_checkpoint(out, embed_from=hf).cfg.ptd_token_id == MASK
+
+
 def test_speculators_layout_is_the_peagle_type_vllm_reads(tmp_path):
     """In the speculators layout a P-EAGLE drafter is speculators' `peagle` type with a top-level
     `mask_token_id` (what vLLM's speculators reader requires, turning parallel drafting on by

@@ -101,9 +101,21 @@ class DraftFacts:
     norm_before_residual: bool  # vLLM defaults it to true in the speculators layout (false for its peagle type)
     fc_norm: bool  # EAGLE-3.1 (fledge.drafter.eagle3); both engines default these two to false
     norm_output: bool
-    ptd_token_id: int | None  # P-EAGLE's mask token (`ptd_token_id`; speculators' peagle type: `mask_token_id`)
+    ptd_token_id: int | None  # P-EAGLE's mask token (`mask_token_of`)
     verifier: str | None  # speculators layout: the target `vllm serve <dir>` loads
     speculative_tokens: int | None  # the trained depth; in the speculators layout, what `vllm serve <dir>` drafts
+
+
+# Where vLLM's parallel drafting looks for the mask token in an EAGLE-3 config, in its order
+# (`_init_parallel_drafting_params` in v1/spec_decode/llm_base_proposer.py): drafters trained
+# elsewhere spell it differently; fledge writes `ptd_token_id`.
+MASK_TOKEN_FIELDS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
+
+
+def mask_token_of(cj: dict) -> int | None:
+    """The mask token of an eagle3-layout P-EAGLE config.json as vLLM reads it (None: a
+    sequential drafter)."""
+    return next((cj[k] for k in MASK_TOKEN_FIELDS if cj.get(k) is not None), None)
 
 
 def draft_facts(cj: dict) -> DraftFacts:
@@ -127,7 +139,7 @@ def draft_facts(cj: dict) -> DraftFacts:
         target_layers=fledge.get("target_num_hidden_layers"),
         norm_before_residual=bool(cj.get("norm_before_residual", spec and not peagle)),
         fc_norm=bool(cj.get("fc_norm", False)), norm_output=bool(cj.get("norm_output", False)),
-        ptd_token_id=cj.get("mask_token_id" if peagle else "ptd_token_id"),
+        ptd_token_id=cj.get("mask_token_id") if peagle else mask_token_of(cj),
         verifier=(sc.get("verifier") or {}).get("name_or_path"),
         speculative_tokens=(method if spec else fledge).get("speculative_tokens"))
 
