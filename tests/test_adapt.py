@@ -48,10 +48,10 @@ def brute_vocab(path, n=N) -> list[int]:
     return sorted(sorted(range(V), key=lambda t: (-counts[t], t))[:n])
 
 
-def old_drafter(model, ids, out, aux=None, seed=3, eagle31=False) -> Eagle3Draft:
+def old_drafter(model, ids, out, aux=None, seed=3, eagle31=False, layers=1) -> Eagle3Draft:
     """A random 'trained' drafter for `model` over `ids`, exported (fp32) to `out`."""
     cfg = DraftConfig.from_target(model.config, draft_vocab_size=len(ids), aux_layer_ids=aux).replace(
-        fc_norm=eagle31, norm_output=eagle31)
+        fc_norm=eagle31, norm_output=eagle31, num_hidden_layers=layers)
     draft = Eagle3Draft.from_target(cfg, model, torch.tensor(ids))
     torch.manual_seed(seed)
     for p in draft.parameters():  # norms start at ones; randomise so a misplaced norm would show
@@ -108,13 +108,14 @@ def test_rows_by_target_id_and_new_vocab(tmp_path):
     assert init.cfg.aux_layer_ids == (1, 3, 6)  # OLD's ids kept: NEW has those layers
 
 
-@pytest.mark.parametrize("eagle31", [False, True])
-def test_identity_when_nothing_changed(tmp_path, eagle31):
+@pytest.mark.parametrize("eagle31,layers", [(False, 1), (True, 1), (False, 2)])
+def test_identity_when_nothing_changed(tmp_path, eagle31, layers):
     """(c) Same target, same data: the adapted, untrained drafter predicts exactly as OLD does
-    (an EAGLE-3.1 OLD keeps its layer: fc_norm's weights and norm_output)."""
+    (an EAGLE-3.1 OLD keeps its layer: fc_norm's weights and norm_output; a two-layer OLD both
+    layers)."""
     model = make_tiny("llama", seed=0)
     data = write_data(tmp_path / "d.jsonl", seed=0)
-    old_drafter(model, brute_vocab(data), tmp_path / "old", eagle31=eagle31)
+    old_drafter(model, brute_vocab(data), tmp_path / "old", eagle31=eagle31, layers=layers)
     report = adapt(AdaptConfig(str(tmp_path / "old"), "same", data, str(tmp_path / "run"), train=False),
                    Target(model, None, "same", None))
     assert report["lm_head_rows"]["initialised"] == 0 and report["vocab"]["entries_differ"] == 0
@@ -122,7 +123,16 @@ def test_identity_when_nothing_changed(tmp_path, eagle31):
     new = load_checkpoint(tmp_path / "run" / "init", embed_from=model)
     (lo, to), (ln, tn) = predict(old), predict(new)
     assert torch.equal(lo, ln) and torch.equal(to, tn)
-    assert (new.cfg.fc_norm, new.cfg.norm_output) == (eagle31, eagle31)
+    assert (new.cfg.fc_norm, new.cfg.norm_output, new.cfg.num_hidden_layers) == (eagle31, eagle31, layers)
+
+
+def test_peagle_drafter_refused():
+    model = make_tiny("llama")
+    ids = torch.arange(0, V, 5)
+    old = Eagle3Draft.from_target(DraftConfig.from_target(model.config, ids.numel()), model, ids)
+    old.add_mask_slots(3)
+    with pytest.raises(FledgeError, match="P-EAGLE drafter.*EAGLE-3 drafter it started from"):
+        adapt_draft(old, model, ids)
 
 
 def test_aux_ids_fall_back_when_new_lacks_the_layers():

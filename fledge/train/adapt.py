@@ -87,9 +87,12 @@ def load_old(path, new_num_layers: int) -> Eagle3Draft:
 
 
 def new_config(old: DraftConfig, new_tcfg, draft_vocab: int) -> DraftConfig:
-    """The drafter's config for NEW: NEW's geometry and context, OLD's MLP width and layer
-    (EAGLE-3 or 3.1), OLD's aux ids if NEW has those layers (else NEW's defaults). Refuses what
+    """The drafter's config for NEW: NEW's geometry and context, OLD's MLP width and layers
+    (EAGLE-3 or 3.1, and their count), OLD's aux ids if NEW has those layers (else NEW's defaults). Refuses what
     cannot carry OLD's weights."""
+    if old.parallel:  # its mask token is an id of OLD's tokenizer, which NEW's need not share
+        raise FledgeError("--drafter is a P-EAGLE drafter (ptd_token_id): adapt carries EAGLE-3 drafters; adapt "
+                          "the EAGLE-3 drafter it started from, then `fledge train --method peagle --init` on NEW")
     n = new_tcfg.num_hidden_layers
     try:
         aux = validate_aux_layer_ids(old.aux_layer_ids, n)
@@ -103,7 +106,7 @@ def new_config(old: DraftConfig, new_tcfg, draft_vocab: int) -> DraftConfig:
             raise FledgeError(f"--target: {name} {getattr(cfg, name)} but the drafter has {getattr(old, name)}; "
                               "adapt carries weights only between targets of one width and head layout")
     cfg.extra = {k: v for k, v in old.extra.items() if k == "speculative_tokens"}
-    return cfg.replace(fc_norm=old.fc_norm, norm_output=old.norm_output)
+    return cfg.replace(fc_norm=old.fc_norm, norm_output=old.norm_output, num_hidden_layers=old.num_hidden_layers)
 
 
 def head_rows(old: Eagle3Draft, new_head: torch.Tensor, new_ids: torch.Tensor):
