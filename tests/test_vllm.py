@@ -172,6 +172,33 @@ def test_vllm_drafts_eagle31_as_fledge_does(vllm, smollm2, tmp_path):
     assert (sd["num_accepted_tokens_per_pos"], sd["num_drafts"]) == ours["eagle31"][:2], (sd, ours)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_drafts_a_two_layer_drafter_as_fledge_does(vllm, smollm2, tmp_path):
+    """A drafter of two layers drafted step by step: vLLM runs `layers.1.*` after the first layer
+    and feeds the last layer's output to the next step as fledge's engine does (the same
+    accepted count at every position, the same outputs). The drafter is the shipped one grown to
+    two layers (Eagle3Draft.add_layers) whose new layer's outputs are then nudged off zero, and
+    fledge shows the nudge changes those counts, so an engine that skipped the layer could not
+    match."""
+    from fledge.core.target import load_target
+    target = load_target(str(smollm2))
+    d = load_checkpoint(SHIPPED, embed_from=target.model).float()
+    d.add_layers(2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in (d.layers["1"].self_attn.o_proj.weight, d.layers["1"].mlp.down_proj.weight):
+            w.copy_(torch.randn(w.shape, generator=g) * 0.02)
+    two = export_checkpoint(d, tmp_path / "two", dtype=torch.float32)
+    ours = fledge_accepted_by_position(target, two, SPEC_TOKENS)
+    one = fledge_accepted_by_position(target, SHIPPED, SPEC_TOKENS)
+    assert ours[0] != one[0] and ours[0][0] > 0, (ours[:2], one[:2])
+    spec = run_vllm(vllm, tmp_path, smollm2, two)
+    sd = spec["spec_decode"]
+    assert spec["outputs"] == ours[2], "vLLM's greedy output differs from fledge's"
+    assert (sd["num_accepted_tokens_per_pos"], sd["num_drafts"]) == ours[:2], (sd, ours)
+
+
 def test_export_without_d2t_is_refused(tmp_path, smollm2):
     """vLLM would load this drafter with all-zero offsets without a word; fledge must not."""
     draft = constant_drafter(smollm2, 198)
