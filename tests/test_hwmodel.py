@@ -43,18 +43,22 @@ def test_bytes_and_flops_match_hf_parameters(family):
         assert m.mla and m.experts == 8 and m.dense_layers == 1 and m.moe_layers == 7
 
 
-def test_drafter_bytes_match_fledge_drafter(tmp_path):
+@pytest.mark.parametrize("layers", [1, 3])
+def test_drafter_bytes_match_fledge_drafter(tmp_path, layers):
+    """The hardware model reads a drafter's weights as fledge's drafter holds them: its first
+    layer's attention over 2H, the others' over H."""
     from fledge.core.config import DraftConfig
     from fledge.drafter.checkpoint import export_checkpoint
     from fledge.drafter.eagle3 import Eagle3Draft
 
     hf = make_tiny("llama")
-    draft = Eagle3Draft.from_target(DraftConfig.from_target(hf.config, draft_vocab_size=97), hf)
+    cfg = DraftConfig.from_target(hf.config, draft_vocab_size=97).replace(num_hidden_layers=layers)
+    draft = Eagle3Draft.from_target(cfg, hf)
     out = export_checkpoint(draft, tmp_path / "d", layout="eagle3")
     m = M.spec_from_config(json.loads((out / "config.json").read_text()), "draft", dtype="fp32")
     want = sum(p.numel() for n, p in draft.named_parameters()
-               if n.startswith(("midlayer.self_attn", "midlayer.mlp", "lm_head")))
-    assert m.draft and m.vocab == 97
+               if n.startswith(("midlayer.self_attn", "midlayer.mlp", "layers.", "lm_head")) and "norm" not in n)
+    assert m.draft and m.vocab == 97 and m.layers == layers
     assert H.forward(m, UNIT, 1, 1, 0).memory_ms * 1e6 == pytest.approx(4 * want)
 
 

@@ -38,12 +38,14 @@ class ModelSpec:
     quant: str = "bf16"
 
     def attn_params(self) -> float:
+        """Attention weights of one layer (a drafter's: the mean over its layers, since only the
+        first reads [embedding ; hidden], 2H wide)."""
         h, n = self.hidden, self.heads
         if self.mla:
             q_lora, kv_lora, nope, rope, v = self.mla
             q = h * q_lora + q_lora * n * (nope + rope) if q_lora else h * n * (nope + rope)
             return q + h * (kv_lora + rope) + kv_lora * n * (nope + v) + n * v * h
-        d_in = 2 * h if self.draft else h
+        d_in = h * (1 + 1 / self.layers) if self.draft else h
         return d_in * (n + 2 * self.kv_heads) * self.head_dim + n * self.head_dim * h
 
     def kv_bytes_per_token(self, tp: int) -> float:
