@@ -186,6 +186,29 @@ def test_doctor_checks_a_dflash_drafter_and_its_launch_line(tmp_path):
     assert [c.status for c in doctor(out)] == [FAIL]
 
 
+def test_doctor_checks_an_sglang_dflash_line(tmp_path):
+    """SGLang's DFlash line: the algorithm, the block (--speculative-num-draft-tokens: the
+    anchor and the masks, at most the trained block), and the head SGLang drafts through (the
+    target's: a draft-vocabulary head would be dropped)."""
+    from fledge.doctor.checks import FAIL, PASS, WARN
+    from fledge.doctor.doctor import doctor
+
+    _, _, whole = tiny_dflash(block=4)
+    _, _, part = tiny_dflash(block=4, draft_ids=torch.arange(0, 32, 2))
+    a, b = export_dflash(whole, tmp_path / "whole"), export_dflash(part, tmp_path / "part")
+    line = "python -m sglang.launch_server --model-path T --speculative-algorithm %s --speculative-draft-model-path D%s"
+
+    def status(d, algo="DFLASH", n=" --speculative-num-draft-tokens 4"):
+        return {c.name: c.status for c in doctor(d, launch=line % (algo, n))}
+
+    assert status(a) == {"dflash.checkpoint": PASS, "launch.algorithm": PASS, "launch.block": PASS, "launch.head": PASS}
+    assert status(a, "EAGLE3")["launch.algorithm"] == FAIL
+    assert status(a, n=" --speculative-num-draft-tokens 3")["launch.block"] == WARN
+    assert status(a, n=" --speculative-num-draft-tokens 5")["launch.block"] == FAIL
+    assert status(a, n="")["launch.block"] == FAIL
+    assert status(b)["launch.head"] == FAIL
+
+
 def test_tune_predicts_chains_from_one_forward_and_a_verify():
     """`fledge tune`'s block model on the engine: the longest chain's prediction is what was
     measured (accept length exactly, round time as block + verify), shorter chains accept no
