@@ -205,7 +205,8 @@ def test_doctor_checks_an_sglang_dflash_line(tmp_path):
     assert status(a, "EAGLE3")["launch.algorithm"] == FAIL
     assert status(a, n=" --speculative-num-draft-tokens 3")["launch.block"] == WARN
     assert status(a, n=" --speculative-num-draft-tokens 5")["launch.block"] == FAIL
-    assert status(a, n="")["launch.block"] == FAIL
+    assert status(a, n="")["launch.block"] == WARN
+    assert status(a, n=" --speculative-num-draft-tokens x")["launch.block"] == FAIL
     assert status(b)["launch.head"] == FAIL
 
 

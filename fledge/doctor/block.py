@@ -92,9 +92,12 @@ def sglang_checks(c, lc) -> list[Check]:
     out = [ok("launch.algorithm", "--speculative-algorithm DFLASH")]
     raw = o.get("speculative-num-draft-tokens")
     n = int(raw) if raw is not None and raw.isdigit() else None
-    if n is None:
-        out.append(fail("launch.block", f"--speculative-num-draft-tokens {raw or '(absent)'}: SGLang's block is this "
-                                        f"many tokens; the drafter was trained on blocks of {c.block_size}", example))
+    if raw is None:  # what SGLang then picks was not read; the line should say it
+        out.append(warn("launch.block", f"no --speculative-num-draft-tokens: SGLang's block is this many tokens, and "
+                                        f"the drafter was trained on blocks of {c.block_size}",
+                        f"--speculative-num-draft-tokens {c.block_size}"))
+    elif n is None:
+        out.append(fail("launch.block", f"--speculative-num-draft-tokens {raw}: not a token count", example))
     elif not 2 <= n <= c.block_size:
         out.append(fail("launch.block", f"--speculative-num-draft-tokens {n}: a block of {n} tokens; the drafter was "
                                         f"trained on blocks of {c.block_size} (2..{c.block_size} run)", example))
