@@ -118,7 +118,8 @@ def train_commands(args, w: Path) -> dict[str, list]:
     flags = {"dflash": ["--ttt-steps", args.ttt_steps, "--draft-layers", args.draft_layers,
                         "--blocks-per-sample", args.blocks_per_sample, *aux],
              "peagle": ["--ttt-steps", args.peagle_ttt_steps,
-                        *(["--draft-layers", args.peagle_layers] if args.peagle_layers else [])]}
+                        *(["--draft-layers", args.peagle_layers] if args.peagle_layers else []),
+                        *(["--cod", args.peagle_cod] if args.peagle_cod else [])]}
     # a fresh drafter's head is the target's rows of the built vocabulary; a warm start keeps its own
     start = {m: [*vocab, "--head", "target"] for m in args.methods}
     if args.peagle_init and "peagle" in start:
@@ -311,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dflash: the target layers the drafter reads, canonical ids (default train's: EAGLE-3's three)")
     p.add_argument("--peagle-init", help="peagle: start from this EAGLE-3 drafter (e.g. drafters/smollm2-135m), "
                                          "its vocabulary kept: training adds and teaches the mask slots")
+    p.add_argument("--peagle-cod", type=float, help="peagle: train with COD sampling at this ratio (fledge train --cod)")
     p.add_argument("--peagle-layers", type=int, help="peagle: draft layers (default: 1, or --peagle-init's; more "
                                                      "grow the warm start, the new layers adding nothing at first)")
     p.add_argument("--eval-every", type=int, default=10 ** 6,
@@ -356,7 +358,7 @@ def main(argv=None) -> int:
               "settings": {k: getattr(args, k) for k in FULL} | {
                   "lr": args.lr, "aux_layers": args.aux_layers, "eval_every": args.eval_every,
                   "peagle_init": args.peagle_init and shown(args.peagle_init, w),
-                  "peagle_layers": args.peagle_layers,
+                  "peagle_layers": args.peagle_layers, "peagle_cod": args.peagle_cod,
                   "train_seconds": args.train_seconds, "eagle_steps": args.eagle_steps,
                   "methods": args.methods, "block_steps": args.block_steps, "peagle_steps": args.peagle_steps,
                   "quick": args.quick},

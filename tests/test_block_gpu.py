@@ -52,6 +52,8 @@ def test_peagle_warm_start_keeps_the_drafters_vocabulary():
     assert dflash[dflash.index("--head") + 1] == "target"
     assert "--init" not in dflash and dflash[dflash.index("--vocab") + 1] == str(Path("w") / "vocab.safetensors")
     assert "--draft-layers" not in peagle
-    deep = block_gpu.parse_args(["--answers", "a.jsonl", "--methods", "peagle", "--peagle-init", "d", "--peagle-layers", "4"])
+    assert "--cod" not in peagle
+    deep = block_gpu.parse_args(["--answers", "a.jsonl", "--methods", "peagle", "--peagle-init", "d", "--peagle-layers", "4",
+                                 "--peagle-cod", "0.7"])
     cmd = [str(a) for a in block_gpu.train_commands(deep, Path("w"))["peagle"]]
-    assert cmd[cmd.index("--draft-layers") + 1] == "4"
+    assert cmd[cmd.index("--draft-layers") + 1] == "4" and cmd[cmd.index("--cod") + 1] == "0.7"

@@ -179,6 +179,29 @@ def test_train_method_peagle_trains_mask_slots_and_exports(tmp_path):
                      ttt_steps=3), target)
 
 
+def test_train_with_cod_sampling(tmp_path):
+    """`--cod R`: a P-EAGLE run trains on COD-sampled rows and learns (its eval, which runs every
+    row, improves); the flag is refused for DFlash and outside (0, 1]."""
+    from conftest import make_tiny
+
+    from fledge.cli import main
+    from fledge.core.config import TrainConfig
+    from fledge.train.loop import train
+
+    write_data(tmp_path / "data.jsonl", n=24)
+    target = Target(make_tiny("llama"), None, "tiny", None)
+    still = train(config(tmp_path, out="still", method="peagle", mask_token_id=V - 1, cod=0.5, max_steps=1,
+                         lr=1e-12, ttt_steps=3, eval_samples=8), target)
+    cod = train(config(tmp_path, out="cod", method="peagle", mask_token_id=V - 1, cod=0.5, max_steps=30,
+                       lr=3e-3, ttt_steps=3, eval_samples=8), target)
+    assert cod["eval"]["objective"] < still["eval"]["objective"]
+    with pytest.raises(FledgeError, match="--cod samples TTT rows"):
+        TrainConfig(data="d", out="o", method="dflash", cod=0.5)
+    with pytest.raises(FledgeError, match="--cod 1.5"):
+        TrainConfig(data="d", out="o", cod=1.5)
+    assert main(["train", "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "x"), "--cod", "0"]) == 2
+
+
 def test_doctor_wants_parallel_drafting_on_the_launch_line_of_a_peagle_drafter(tmp_path):
     from fledge.doctor.checks import FAIL, PASS
     from fledge.doctor.doctor import doctor

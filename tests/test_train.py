@@ -153,6 +153,49 @@ def test_unrolled_ttt_matches_inference_loop(eagle31, layers):
                     assert bool(hit_map[j, r, t]) == want, (j, r, t)
 
 
+@pytest.mark.parametrize("parallel,layers", [(False, 1), (True, 1), (True, 2)])
+def test_cod_rows_compute_what_the_full_unroll_does(parallel, layers):
+    """COD sampling: each step's kept rows are nested, ceil(T * max(r**j, floor)) of them with
+    every row at step 0; the unroll over them gives, at each kept row, exactly the full unroll's
+    output (a kept row's earlier steps are kept); TTT's loss over them is the full per-row loss
+    at those rows scaled by T / kept, and the eval (hit_map) runs every row."""
+    from fledge.train.ttt import cod_rows
+    target = make_tiny("llama")
+    d = random_draft(target, draft_vocab=120, layers=layers)
+    if parallel:
+        d.add_mask_slots(7)
+    b, t_len, steps = 2, 13, 5
+    torch.manual_seed(3)
+    rows = cod_rows(t_len, steps, 0.6, 0.2, "cpu")
+    assert [len(r) for r in rows] == [13, 8, 5, 3, 3] and torch.equal(rows[0], torch.arange(t_len))
+    assert all(set(rows[j + 1].tolist()) <= set(rows[j].tolist()) for j in range(steps - 1))
+    ids, aux = torch.randint(0, V, (b, t_len)), torch.randn(b, t_len, 3 * d.cfg.hidden_size)
+    with torch.no_grad():
+        full, kept = unroll(d, ids, aux, steps), unroll(d, ids, aux, steps, rows)
+        for j in range(steps):
+            torch.testing.assert_close(kept[j], full[j][:, rows[j]], atol=1e-5, rtol=1e-5)
+        probs, top = TargetHead.from_model(target, d.target_ids(), "cpu").view(torch.randn(b, t_len, d.cfg.hidden_size))
+        mask = torch.rand(b, t_len) > 0.3
+        ttt = TTT(d, steps, 0.5, cod=(0.6, 0.2))
+        torch.manual_seed(3)  # the same draw as `rows`
+        loss, stats = ttt(ids, aux, probs, top, mask, torch.ones(steps))
+        want = 0.0
+        for j in range(steps):
+            n = ce = 0.0
+            for r in range(b):
+                for t in rows[j].tolist():
+                    if t < t_len - 2 - j and mask[r, t + 2 + j]:
+                        ce -= float((probs[r, t + 1 + j] * d.logits(full[j][r, t]).log_softmax(-1)).sum())
+                        n += 1
+            assert stats[2, j] == n
+            torch.testing.assert_close(stats[0, j], torch.tensor(ce), atol=1e-4, rtol=1e-5)
+            want += 0.5 ** j * t_len / len(rows[j]) * ce
+        torch.testing.assert_close(loss, torch.tensor(want), atol=1e-3, rtol=1e-5)
+        _, every = TTT(d, steps, 0.5)(ids, aux, probs, top, mask, torch.ones(steps))
+        _, evaluated, _ = ttt(ids, aux, probs, top, mask, torch.ones(steps), hit_map=True)
+        torch.testing.assert_close(evaluated, every)
+
+
 def test_replayed_chain_is_what_the_engine_accepts():
     """Training's held-out replay (TTT's hit map walked by conventions.chain_replay) against the
     engine itself: the same drafter runs a chain of 4 through generate_spec on the text the

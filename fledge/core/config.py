@@ -159,6 +159,10 @@ TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes ove
                  ("clip", float, "gradient norm clip"),
                  ("ttt-steps", int, "training-time-test unroll: draft steps trained per position"),
                  ("step-decay", float, "loss weight of TTT step j is step-decay**j"),
+                 ("cod", float, "COD sampling (P-EAGLE's reference trainers): TTT step j trains a random "
+                                "max(cod**j, cod-floor) share of the rows, nested across steps, its loss "
+                                "scaled up to match (unset: every row at every step)"),
+                 ("cod-floor", float, "the least share of rows any TTT step trains under --cod"),
                  ("max-len", int, "samples are cut to this many tokens"),
                  ("loop-cut", int, "cut each training sample once its answer repeats a stretch of this many "
                                    "tokens (one lap of a loop kept); 0 keeps whole samples; the held-out set is "
@@ -174,7 +178,8 @@ TRAIN_OPTIONS = (("max-steps", int, "optimizer steps (unset: --epochs passes ove
 # The ones `fledge adapt` passes through to its fine-tune: the draft's shape is OLD's, and the
 # loss and optimizer constants stay fledge train's.
 ADAPT_TRAIN_OPTIONS = tuple(o for o in TRAIN_OPTIONS if o[0] not in ("weight-decay", "clip", "step-decay",
-                                                                     "draft-intermediate-size", "time-budget"))
+                                                                     "draft-intermediate-size", "time-budget",
+                                                                     "cod", "cod-floor"))
 
 
 def is_url(s: str | None) -> bool:
@@ -206,6 +211,8 @@ class TrainConfig:
     loop_cut: int = 0                 # cut training samples after the first repeat of this many tokens; 0: whole
     ttt_steps: int = 7
     step_decay: float = 0.8
+    cod: float | None = None          # COD sampling ratio (eagle3, peagle); None: every row at every step
+    cod_floor: float = 0.2
     batch_size: int = 8               # sequences per rank per micro-batch
     grad_accum: int = 1
     epochs: int = 1
@@ -235,7 +242,8 @@ class TrainConfig:
                 check_number(f"--{name.replace('_', '-')}", getattr(self, name), low, integer=True, what="train config")
         check_number("--seed", self.seed, -2**63, integer=True, what="train config")
         floats = {"lr": (0, math.inf, True), "warmup": (0, 1, False), "weight_decay": (0, math.inf, False),
-                  "clip": (0, math.inf, True), "step_decay": (0, 1, True), "time_budget": (0, math.inf, True)}
+                  "clip": (0, math.inf, True), "step_decay": (0, 1, True), "time_budget": (0, math.inf, True),
+                  "cod": (0, 1, True), "cod_floor": (0, 1, True)}
         for name, (low, high, low_open) in floats.items():  # a budget of inf would never finish planning
             v = getattr(self, name)
             if v is not None:
@@ -249,6 +257,8 @@ class TrainConfig:
                    "draft_layers and blocks_per_sample must be >= 1"),
                   (self.method != "dflash" or not (self.fc_norm or self.norm_output),
                    "--fc-norm and --norm-output are EAGLE-3.1's; a dflash drafter has neither"),
+                  (self.method != "dflash" or self.cod is None, "--cod samples TTT rows; a dflash run draws blocks "
+                                                               "(--blocks-per-sample)"),
                   (self.parallel in PARALLEL, f"parallel {self.parallel!r}: {' or '.join(PARALLEL)}"),
                   (self.head in HEADS, f"head {self.head!r}: one of {', '.join(HEADS)}"),
                   (self.loss in LOSSES, f"loss {self.loss!r}: one of {', '.join(LOSSES)}"),

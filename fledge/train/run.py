@@ -206,7 +206,8 @@ def setup(cfg: TrainConfig, target) -> Run:
                   f"{[round(x, 3) for x in scales.tolist()]}", file=sys.stderr)
     draft.lm_head.weight.requires_grad_(cfg.head != "frozen")  # set on resume too: the optimizer's groups follow it
     ttt = (BlockTrain(draft, cfg.ttt_steps, cfg.step_decay, cfg.blocks_per_sample, loss=cfg.loss)
-           if cfg.method == "dflash" else TTT(draft, cfg.ttt_steps, cfg.step_decay, loss=cfg.loss)).to(device)
+           if cfg.method == "dflash" else TTT(draft, cfg.ttt_steps, cfg.step_decay, loss=cfg.loss,
+                                              cod=(cfg.cod, cfg.cod_floor) if cfg.cod else None)).to(device)
     wrapped = parallelize(ttt, cfg.parallel, world, device)
     per_epoch = len(train) // (cfg.batch_size * world * cfg.grad_accum)
     if per_epoch == 0:

@@ -42,9 +42,28 @@ def ttt_mask(t: int, step: int, device) -> torch.Tensor:
     return torch.cat([causal] + [eye] * step, 1)[None, None]
 
 
-def unroll(draft: Eagle3Draft, ids, aux, steps: int) -> list[torch.Tensor]:
-    """Per-step draft outputs [B,T,H] (`Eagle3Draft.step`'s) of the training-time test; see
-    module doc. Each layer keeps its own keys across steps, under the same mask."""
+def cod_rows(t: int, steps: int, ratio: float, floor: float, device) -> list[torch.Tensor]:
+    """COD sampling (P-EAGLE's reference trainers): the draft rows step j trains, ascending,
+    ceil(t * max(ratio**j, floor)) of them, each step's a subset of the step before's (a row
+    dropped at one depth has no deeper drafts). Step 0 keeps every row. Drawn from torch's RNG,
+    which a resumed run restores."""
+    order = torch.randperm(t).to(device)
+    return [order[:math.ceil(t * max(ratio ** j, floor))].sort().values for j in range(steps)]
+
+
+def cod_mask(t: int, rows: list[torch.Tensor], step: int) -> torch.Tensor:
+    """ttt_mask for the rows COD keeps: query row r of step `step` sees step-0 keys up to r and,
+    at each later step, the key of row r itself (kept there too: the rows are nested)."""
+    q = rows[step][:, None]
+    causal = torch.arange(t, device=q.device)[None] <= q
+    return torch.cat([causal] + [rows[i][None] == q for i in range(1, step + 1)], 1)[None, None]
+
+
+def unroll(draft: Eagle3Draft, ids, aux, steps: int, rows: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Per-step draft outputs (`Eagle3Draft.step`'s) of the training-time test; see module doc.
+    Each layer keeps its own keys across steps, under the same mask. Step j's output is [B,T,H],
+    or with `rows` (cod_rows) [B,len(rows[j]),H] for those rows only: what the full unroll
+    computes at them, since a kept row's earlier steps are kept too."""
     b, t = ids.shape
     n = draft.cfg.num_hidden_layers
     hidden, keys, values, outs = aux, [[] for _ in range(n)], [[] for _ in range(n)], []
@@ -53,6 +72,12 @@ def unroll(draft: Eagle3Draft, ids, aux, steps: int) -> list[torch.Tensor]:
         pos = (torch.arange(t, device=ids.device) + j).expand(b, t)
         step_ids, step_hidden = masks if j and masks is not None else (shift(ids, 1 + j), hidden)
         mask = ttt_mask(t, j, ids.device)
+        if rows is not None:
+            r = rows[j]
+            pos, step_ids, mask = pos[:, r], step_ids[:, r], cod_mask(t, rows, j)
+            # aux states and mask slots cover every row; the previous output only rows[j-1]
+            full = j == 0 or masks is not None
+            step_hidden = step_hidden[:, r] if full else step_hidden[:, torch.searchsorted(rows[j - 1], r)]
 
         def attend(i, q, k, v, mask=mask):
             keys[i].append(k)
@@ -110,26 +135,36 @@ class TTT(nn.Module):
     torch.compile; None = on CUDA."""
 
     def __init__(self, draft: Eagle3Draft, steps: int, decay: float, compiled_loss: bool | None = None,
-                 loss: str = "kl"):
+                 loss: str = "kl", cod: tuple[float, float] | None = None):
         super().__init__()
         self.draft, self.steps, self.decay, self.compiled_loss, self.loss = draft, steps, decay, compiled_loss, loss
+        self.cod = cod
 
     def forward(self, ids, aux, probs, top, loss_mask, norm, hit_map: bool = False):
         """Returns (loss, stats [3, steps] = summed soft CE, top-1 hits, trained rows).
         `norm[j]` divides step j's summed objective (global trained rows / world size).
-        `hit_map`: also return hits [steps, B, T], step j's hit at draft row t (False where
-        untrained)."""
+        `hit_map` (the eval): also return hits [steps, B, T], step j's hit at draft row t (False
+        where untrained). Without it (a training step), `cod` = (ratio, floor) trains step j only
+        at the rows cod_rows draws, its objective scaled by T / rows kept, so that the loss is the
+        full one in expectation; stats then count the kept rows. The eval runs every row."""
         loss, stats = 0.0, []
         hits_at = torch.zeros(self.steps, *ids.shape, dtype=torch.bool, device=ids.device) if hit_map else None
         compiled = ids.is_cuda if self.compiled_loss is None else self.compiled_loss
         loss_of = draft_loss_compiled if compiled else draft_loss
         T = ids.shape[1]
+        rows = cod_rows(T, self.steps, *self.cod, ids.device) if self.cod and not hit_map else None
         flat_probs, flat_top = probs.reshape(-1, probs.shape[-1]), top.reshape(-1)
-        for j, out in enumerate(unroll(self.draft, ids, aux, self.steps)):
-            b, t = shift(loss_mask, 2 + j).nonzero(as_tuple=True)
-            ce, objective, hits = loss_of(self.draft.logits(out[b, t]), flat_probs, flat_top, b * T + t + 1 + j,
+        for j, out in enumerate(unroll(self.draft, ids, aux, self.steps, rows)):
+            trained = shift(loss_mask, 2 + j)
+            if rows is None:
+                b, t = trained.nonzero(as_tuple=True)
+                at, scale = t, 1.0
+            else:
+                b, at = trained[:, rows[j]].nonzero(as_tuple=True)
+                t, scale = rows[j][at], T / rows[j].numel()
+            ce, objective, hits = loss_of(self.draft.logits(out[b, at]), flat_probs, flat_top, b * T + t + 1 + j,
                                           self.loss)
-            loss = loss + self.decay ** j * objective / norm[j]
+            loss = loss + self.decay ** j * scale * objective / norm[j]
             stats.append(torch.stack([ce.detach(), hits.sum().float(), torch.tensor(float(b.numel()), device=ce.device)]))
             if hit_map:
                 hits_at[j, b, t] = hits
