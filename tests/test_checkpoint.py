@@ -5,6 +5,7 @@ nothing written."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -271,6 +272,30 @@ def test_cli_export(tmp_path):
     assert cli.main(["import", str(out), str(back)]) == 0
     assert cli.main(["export", str(back), str(again), "--layout", "speculators", "--dtype", "float16"]) == 0
     assert_same_dir(out, again)
+
+
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_unreadable_source_refused_before_torch_loads(tmp_path, command):
+    """`fledge export|import SRC OUT` with SRC missing or without weights: one line naming the
+    file, exit 2, nothing written, and torch never imported (its start-up would be most of the
+    wait for that line)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text("{}")
+    probe = ("import json, sys\nfrom fledge.cli import main\nrc = main([sys.argv[1], sys.argv[2], sys.argv[3]])\n"
+             "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules}))\n")
+    root = Path(__file__).parent.parent
+    for src, problem in (("missing", "missing/config.json: missing"), ("bare", "bare/")):
+        out = subprocess.run([sys.executable, "-c", probe, command, str(tmp_path / src), str(tmp_path / "out")],
+                             env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120)
+        seen = json.loads(out.stdout.splitlines()[-1])
+        assert seen == {"rc": 2, "torch": False}, (seen, out.stderr)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("fledge: error:")]
+        assert len(errors) == 1 and problem in errors[0], out.stderr
+        assert not (tmp_path / "out").exists()
 
 
 def test_init_draft(tmp_path, monkeypatch):

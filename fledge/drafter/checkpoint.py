@@ -172,13 +172,13 @@ def _inspect(path, target_layers: int | None = None) -> tuple[ReadCheckpoint | N
     """Read and check a checkpoint dir: what was read (None if it could not be), and the problems."""
     ck = open_checkpoint(path)
     if ck.config is None:
-        return None, [f"{ck.path}/{ck.fails[0]}"]
+        return None, ck.unreadable()[:1]
     try:
         cfg = draft_config_from_json(ck.config, target_layers)
     except (FledgeError, KeyError, TypeError, ValueError) as e:
         return None, [f"{ck.path / 'config.json'}: {e if isinstance(e, FledgeError) else f'missing or bad field {e}'}"]
     if ck.weights is None:
-        return None, [f"{ck.path}/{p}" for p in ck.fails]
+        return None, ck.unreadable()
     try:
         tensors, origin = _torch_tensors(ck)
     except FledgeError as e:

@@ -7,21 +7,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fledge.core.catalog import DFLASH_LAYOUTS, LAYOUTS
 from fledge.core.config import DraftConfig
 from fledge.core.devices import parse_dtype
 from fledge.core.errors import FledgeError
 from fledge.core.files import check_no_overlap
-from fledge.drafter.checkpoint import (
-    ReadCheckpoint,
-    export_checkpoint,
-    read_checkpoint,
-    verifier_of,
-)
-from fledge.drafter.eagle3 import Eagle3Draft
 from fledge.drafter.layout import is_dflash
-from fledge.drafter.weights import model_config
+from fledge.drafter.weights import model_config, open_checkpoint
+
+if TYPE_CHECKING:  # the modules that import torch load only once the source has been found readable
+    from fledge.drafter.checkpoint import ReadCheckpoint
+    from fledge.drafter.eagle3 import Eagle3Draft
+
+
+def _require_readable(src) -> None:
+    """Refuse a source whose config or weights cannot be read before torch loads (~10 s)."""
+    problems = open_checkpoint(src).unreadable()
+    if problems:
+        raise FledgeError(problems[0])
 
 
 def _target_layers_arg(args) -> int | None:
@@ -47,6 +52,8 @@ def _target(args):
 
 def _load_src(args) -> tuple[Eagle3Draft, ReadCheckpoint]:
     """The drafter `src`, with the target's embeddings and layer count when --target names one."""
+    from fledge.drafter.checkpoint import read_checkpoint
+
     target_dir = args.target if args.target and Path(args.target).exists() else None  # not a built-in name
     check_no_overlap(args.out, {"src": args.src, "--target-config": args.target_config, "--target": target_dir})
     target = _target(args)
@@ -63,11 +70,14 @@ def _summary(out: Path, layout: str, draft: Eagle3Draft) -> None:
 
 
 def run_export(args) -> int:
+    _require_readable(args.src)
     if is_dflash(args.src):
         return _export_dflash(args)
     layout = args.layout or "eagle3"
     if layout not in LAYOUTS:
         raise FledgeError(f"--layout {layout}: an EAGLE-3 drafter is written as {' or '.join(LAYOUTS)}")
+    from fledge.drafter.checkpoint import export_checkpoint
+
     draft, _ = _load_src(args)
     out = export_checkpoint(draft, args.out, layout=layout, dtype=parse_dtype(args.dtype),
                             shard_size_mb=args.shard_size_mb, with_embed=args.with_embed,
@@ -99,6 +109,9 @@ def _export_dflash(args) -> int:
 
 def run_import(args) -> int:
     """Into fledge's own (eagle3) layout, keeping the source's dtype, and its embeddings if it has them."""
+    _require_readable(args.src)
+    from fledge.drafter.checkpoint import export_checkpoint
+
     draft, r = _load_src(args)
     out = export_checkpoint(draft, args.out, layout="eagle3", dtype=parse_dtype(r.cfg.torch_dtype),
                             with_embed="embed_tokens.weight" in r.tensors, overwrite=args.overwrite)
@@ -108,6 +121,9 @@ def run_import(args) -> int:
 
 
 def run_init_draft(args) -> int:
+    from fledge.drafter.checkpoint import export_checkpoint, verifier_of
+    from fledge.drafter.eagle3 import Eagle3Draft
+
     check_no_overlap(args.out, {"--target": args.target if Path(args.target).exists() else None})
     target = _target(args)
     cfg = DraftConfig.from_target(target.model.config, draft_vocab_size=args.draft_vocab)

@@ -222,6 +222,11 @@ class Checkpoint:
     fails: list[str] = field(default_factory=list)  # what no engine would load (a config problem first)
     warns: list[str] = field(default_factory=list)  # what engines load, but not all of
 
+    def unreadable(self) -> list[str]:
+        """What stops the checkpoint loading at all, each line naming its file (a config problem
+        first); [] when its config and every weight file read."""
+        return [f"{self.path}/{p}" for p in self.fails]
+
 
 def open_checkpoint(path) -> Checkpoint:
     d = Path(path)
