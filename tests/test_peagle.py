@@ -219,6 +219,14 @@ def test_doctor_wants_parallel_drafting_on_the_launch_line_of_a_peagle_drafter(t
     assert status(out, "") == FAIL
     assert status(seq, ', "parallel_drafting": true') == FAIL
     assert status(seq, "") is None
+    sglang = ("python -m sglang.launch_server --model-path T --speculative-algorithm EAGLE3 "
+              "--speculative-draft-model-path %s --speculative-num-steps 3 --speculative-eagle-topk 1 "
+              "--speculative-num-draft-tokens 4")
+
+    def sglang_status(drafter):
+        return {c.name: c.status for c in doctor(str(drafter), launch=sglang % drafter)}.get("launch.parallel_drafting")
+
+    assert sglang_status(out) == FAIL and sglang_status(seq) is None
 
 
 def test_bench_runs_a_peagle_drafter_as_chains_equal_to_plain(tmp_path):

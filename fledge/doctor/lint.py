@@ -249,6 +249,13 @@ def _sglang_checks(lc: Launch, drafter: Path, f: DraftFacts | None) -> list[Chec
     else:
         out = [fail("launch.algorithm", f"--speculative-algorithm {algo or '(absent)'}: EAGLE-3 drafter not used",
                      "--speculative-algorithm EAGLE3")]
+    if f is not None and f.ptd_token_id is not None:
+        # SGLang's LlamaForCausalLMEagle3 (read in its source) has no mask_hidden, and its EAGLE3
+        # worker drafts step by step: a P-EAGLE drafter's later drafts were trained on mask slots
+        out.append(fail("launch.parallel_drafting", "a P-EAGLE drafter (ptd_token_id) under SGLang's EAGLE3: it "
+                        "drafts step by step, drops mask_hidden, and feeds the drafter states it was not trained on "
+                        "past the first draft", 'serve it with vLLM ("parallel_drafting": true), or train an '
+                        "EAGLE-3 drafter for SGLang"))
     out += [_path_check(o.get("speculative-draft-model-path"), drafter, "--speculative-draft-model-path"),
             _sglang_steps(o)]
     if "disable-cuda-graph" in o:
