@@ -2,7 +2,7 @@
 them, the target they fit, and a launch line: vLLM's `method` and depth, or SGLang's algorithm,
 block and head.
 
-SGLang (its source read, not run: it does not install here) reads the same config fields and
+SGLang (its source read, not run: fledge's tests have no SGLang, which has no CPU build) reads the same config fields and
 layer weights, but its DFlash worker shares the target's embeddings *and lm_head* with the draft
 model and skips weights it has no parameter for: a drafter's own head and d2t are dropped
 without a word, and it drafts through the target's whole head. Only a drafter whose head is the
