@@ -278,7 +278,7 @@ class Eagle3Draft(nn.Module):
 
     def mask_slots(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """P-EAGLE's mask slots, (ids [b,t], aux-wide hidden [b,t,3H]): the token `ptd_token_id`
-        and `mask_hidden`, which `project` fuses through fc as it fuses the target's aux states."""
+        and `mask_hidden`, which `step` fuses through fc as it fuses the target's aux states."""
         w = self.mask_hidden
         ids = torch.full((b, t), self.cfg.ptd_token_id, dtype=torch.long, device=w.device)
         return ids, w.expand(b, t, w.shape[-1])
