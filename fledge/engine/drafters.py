@@ -221,12 +221,15 @@ class Eagle3Drafter:
         (tree.topk_by_max) took a compiled (5, 4, 16) propose from 453 to 352 us and its observe
         from 82 to 67 (bf16, SmolLM2's shapes with random weights, the drafter shipped at
         fa24fc4, each half replayed as a CUDA graph; the whole round: docs/performance.md)."""
+        cfg = self.draft.cfg
+        m = mask.repeat(1, 1, cfg.num_attention_heads // cfg.num_key_value_heads, 1)  # once for every layer
+
         def attend(i, q, k, v):
             kv = self.kv[i]
             B, H, T, D = q.shape
-            n_kv, G = k.shape[1], H // k.shape[1]
+            n_kv = k.shape[1]
             kv.scatter_(3, slots[None, :, None, :, None].expand(2, B, n_kv, T, D), torch.stack([k, v]))
-            q, m = q.reshape(B, n_kv, G * T, D), mask.repeat(1, 1, G, 1)
+            q = q.reshape(B, n_kv, H // n_kv * T, D)
             if sdpa:
                 o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=m)
             else:
